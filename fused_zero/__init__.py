@@ -1,0 +1,4 @@
+"""fused_zero: ZeRO stages 1-3 with fused Triton AdamW, a drop-in for torch.optim."""
+from .config import ZeroConfig
+
+__all__ = ["ZeroConfig"]

@@ -1,0 +1,53 @@
+"""Configuration of ShardedOptimizer as a frozen dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Every parameter starts at a multiple of this many elements in its flat
+#: buffer, and every bucket is a multiple of ``ALIGN * world_size``.
+ALIGN = 64
+
+_REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How ShardedOptimizer shards, buckets and reduces.
+
+    stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.
+    bucket_numel: elements per communication bucket (before it is split into
+        ``world_size`` equal shards); parameters may straddle buckets.
+    reduce_dtype: dtype of gradient reduction; None reduces in the
+        gradients' own dtype (as DDP does).
+    adam_w_mode: True for decoupled weight decay (AdamW), False for L2 (Adam).
+    max_grad_norm: clip the global gradient norm to this value in step();
+        None does not clip.
+    overlap: launch each bucket's reduce-scatter during backward as soon as
+        it is complete (stage 2); False defers all reduction to step().
+    """
+
+    stage: int = 2
+    bucket_numel: int = 1 << 24
+    reduce_dtype: torch.dtype | None = None
+    adam_w_mode: bool = True
+    max_grad_norm: float | None = None
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.bucket_numel, int) or self.bucket_numel < 1:
+            raise ValueError(
+                f"bucket_numel must be a positive int, got {self.bucket_numel!r}"
+            )
+        if self.reduce_dtype not in _REDUCE_DTYPES:
+            raise TypeError(
+                "reduce_dtype must be None, torch.float32, torch.bfloat16 or "
+                f"torch.float16, got {self.reduce_dtype!r}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
+            )

@@ -1,0 +1,6 @@
+"""Triton kernels of fused_zero, installed as ``fused_zero.kernels``.
+
+Each module holds ``@triton.jit`` kernels and their launchers; the launchers
+take validated, contiguous tensors (``fused_zero.ops`` checks them). Their
+pure-torch twins live in ``fused_zero.reference``.
+"""

@@ -1,0 +1,14 @@
+from setuptools import setup
+
+setup(
+    name="fused_zero",
+    version="0.1.0",
+    description="ZeRO stages 1-3 with fused Triton AdamW kernels, a drop-in for torch.optim",
+    python_requires=">=3.10",
+    # The top-level kernels/ folder ships as fused_zero.kernels: no generic
+    # top-level name lands in site-packages.
+    packages=["fused_zero", "fused_zero.kernels"],
+    package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
+    install_requires=["torch>=2.4", "triton", "numpy"],
+    extras_require={"test": ["pytest", "pytest-benchmark"]},
+)
