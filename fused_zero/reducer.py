@@ -1,0 +1,241 @@
+"""Gradient reduction: pack each bucket's grads, reduce-scatter into the shard.
+
+Every rank launches the buckets in one fixed order (by the position of their
+last parameter, descending: backward reaches late parameters first), so the
+collectives pair up across ranks whatever order the gradients arrive in.
+
+Stage 2: post-accumulate-grad hooks count the parameters of each bucket; a
+bucket is launched once it and every bucket before it in the order are
+complete, overlapping the rest of backward, and the full-size ``.grad`` of a
+parameter is freed once its last bucket is packed. A callback queued at the
+end of backward launches whatever is left (parameters that got no gradient
+count as zeros), so each backward is one complete round on every rank.
+Stage 1 keeps the ``.grad`` tensors and reduces all buckets at ``step()``.
+
+A bucket whose parameters are all frozen is never reduced. The first round
+after ``reset()`` writes the gradient shards; further rounds before the next
+``reset()`` (several backwards without ``no_sync``) add to them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+
+from . import ops
+from .buffers import Partition
+from .collectives import Comm, Handle
+
+#: Bucket buffers in flight per reduction dtype; packing waits for the oldest.
+MAX_INFLIGHT = 2
+
+
+class _Segment(NamedTuple):
+    """A run of one bucket: part of a parameter, or padding (param None)."""
+
+    param: torch.nn.Parameter | None
+    start: int  # first element within the flattened parameter
+    bucket_offset: int
+    numel: int
+
+
+class _Inflight(NamedTuple):
+    handle: Handle
+    buffer: torch.Tensor  # the pool buffer, busy until the handle is waited
+    out: torch.Tensor
+    accumulate_into: torch.Tensor | None
+
+
+def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
+    b = part.layout.buckets[k]
+    segs, pos = [], b.offset
+    for j in part.layout.params_of_bucket(k):
+        slot = part.layout.slots[j]
+        start, end = max(slot.offset, b.offset), min(slot.offset + slot.numel, b.offset + b.numel)
+        if start > pos:
+            segs.append(_Segment(None, 0, pos - b.offset, start - pos))
+        segs.append(_Segment(part.params[j], start - slot.offset, start - b.offset, end - start))
+        pos = end
+    if pos < b.offset + b.numel:
+        segs.append(_Segment(None, 0, pos - b.offset, b.offset + b.numel - pos))
+    return tuple(segs)
+
+
+class GradReducer:
+    """Drives the reduce-scatter of every bucket of every partition."""
+
+    def __init__(self, partitions: list[Partition], positions: list[list[int]], comm: Comm,
+                 stage: int, overlap: bool) -> None:
+        self.partitions = partitions
+        self.comm = comm
+        self.stage = stage
+        self.overlap = overlap
+        self.sync = True
+        keys = [(pi, k) for pi, part in enumerate(partitions) for k in range(len(part.layout.buckets))]
+        last = {key: max(positions[key[0]][j] for j in partitions[key[0]].layout.params_of_bucket(key[1]))
+                for key in keys}
+        self.order = sorted(keys, key=lambda key: (-last[key], key))
+        self.segments = {key: _segments(partitions[key[0]], key[1]) for key in self.order}
+        self.buckets_of = {}
+        for key in self.order:
+            for seg in self.segments[key]:
+                if seg.param is not None:
+                    self.buckets_of.setdefault(seg.param, []).append(key)
+        # Parameters whose .grad can be freed once bucket `key` is packed (stage 2).
+        self.frees = {key: [] for key in self.order}
+        for p, keys_of_p in self.buckets_of.items():
+            self.frees[max(keys_of_p, key=self.order.index)].append(p)
+        self.has_grad: set[torch.nn.Parameter] = set()
+        self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._pending: deque[_Inflight] = deque()
+        self._accumulate = False
+        self._round_open = False
+        self._seen: set[torch.nn.Parameter] = set()
+        self._remaining: dict = {}
+        self._next = 0
+        self._hooks = []
+        if stage >= 2:
+            for p in self.buckets_of:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # -- backward ---------------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        _check_dense(p)
+        if not self.sync:
+            return
+        if not self._round_open:
+            self._open_round()
+        if p in self._seen:
+            return
+        self._seen.add(p)
+        for key in self.buckets_of[p]:
+            self._remaining[key] -= 1
+        if self.overlap:
+            self._launch_ready(flush=False)
+
+    def _open_round(self) -> None:
+        self._round_open = True
+        self._next = 0
+        self._seen.clear()
+        self._remaining = {key: sum(1 for s in self.segments[key] if s.param is not None and s.param.requires_grad)
+                           for key in self.order}
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
+
+    def _close_round(self) -> None:
+        self._launch_ready(flush=True)
+        self._round_open = False
+        self._seen.clear()
+        self._accumulate = True
+
+    def _launch_ready(self, flush: bool) -> None:
+        while self._next < len(self.order):
+            key = self.order[self._next]
+            if not flush and self._remaining[key] > 0:
+                return
+            self._launch(key, free_grads=True)
+            self._next += 1
+
+    # -- step -------------------------------------------------------------
+    def reduce_all(self) -> None:
+        """Launch every bucket from the current ``.grad`` tensors (stage 1)."""
+        for key in self.order:
+            self._launch(key, free_grads=False)
+        self._accumulate = True
+
+    @property
+    def reduced(self) -> bool:
+        """Whether a reduction has written the shards since the last reset()."""
+        return self._accumulate
+
+    def wait(self) -> None:
+        """Wait for every launched reduction and apply accumulation."""
+        while self._pending:
+            self._finish_oldest()
+
+    def reset(self) -> None:
+        """Next reduction overwrites the shards; forget which params had grads."""
+        self.wait()
+        self._accumulate = False
+        self.has_grad.clear()
+
+    @contextmanager
+    def no_sync(self):
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def unreduced_grads(self) -> list[torch.nn.Parameter]:
+        """Params (stage 2) holding a ``.grad`` that no round has reduced."""
+        return [p for p in self.buckets_of if p.grad is not None]
+
+    def buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for bufs in self._pool.values() for t in bufs)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- internals --------------------------------------------------------
+    def _launch(self, key, free_grads: bool) -> None:
+        pi, k = key
+        part = self.partitions[pi]
+        b = part.layout.buckets[k]
+        segs = self.segments[key]
+        if not any(s.param is not None and s.param.requires_grad for s in segs):
+            return  # frozen bucket: same decision on every rank
+        base = self._acquire(part.reduce_dtype, b.numel)
+        buf = base[: b.numel]
+        tensors = []
+        for s in segs:
+            g = None if s.param is None else s.param.grad
+            if g is not None:
+                _check_dense(s.param)
+                self.has_grad.add(s.param)
+                g = g.reshape(-1)[s.start: s.start + s.numel]
+            tensors.append(g)
+        n = self.comm.world_size
+        ops.pack_(tensors, buf, [s.bucket_offset for s in segs], scale=1.0 / n if n > 1 else None)
+        out = part.shard(part.grad_shard, b)
+        acc = None
+        if self._accumulate:
+            acc, out = out, torch.empty_like(out)
+        handle = self.comm.reduce_scatter(out, buf, async_op=True)
+        self._pending.append(_Inflight(handle, base, out, acc))
+        if free_grads:
+            for p in self.frees[key]:
+                p.grad = None
+
+    def _acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A pool buffer of ``dtype`` holding ``numel`` that no reduction uses."""
+        pool = self._pool.setdefault(dtype, [])
+        while True:
+            busy = {id(f.buffer) for f in self._pending}
+            for buf in pool:
+                if id(buf) not in busy and buf.numel() >= numel:
+                    return buf
+            if len(pool) < MAX_INFLIGHT:
+                size = max(b.numel for part in self.partitions if part.reduce_dtype == dtype
+                           for b in part.layout.buckets)
+                pool.append(torch.empty(size, dtype=dtype, device=self.partitions[0].flat.device))
+                continue
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        f = self._pending.popleft()
+        f.handle.wait()
+        if f.accumulate_into is not None:
+            f.accumulate_into.add_(f.out)
+
+
+def _check_dense(p: torch.nn.Parameter) -> None:
+    if p.grad is not None and p.grad.layout != torch.strided:
+        raise RuntimeError(
+            f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "
+            f"got a {p.grad.layout} gradient); use dense gradients, e.g. nn.Embedding(sparse=False)"
+        )
