@@ -89,6 +89,7 @@ class GradReducer:
             self.frees[max(keys_of_p, key=self.order.index)].append(p)
         self.has_grad: set[torch.nn.Parameter] = set()
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._plans: dict = {}  # one pack plan per bucket, reused while the grads stay put
         self._pending: deque[_Inflight] = deque()
         self._accumulate = False
         self._round_open = False
@@ -200,7 +201,12 @@ class GradReducer:
                 g = g.reshape(-1)[s.start: s.start + s.numel]
             tensors.append(g)
         n = self.comm.world_size
-        ops.pack_(tensors, buf, [s.bucket_offset for s in segs], scale=1.0 / n if n > 1 else None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = ops.pack_plan(tensors, [s.bucket_offset for s in segs], buf,
+                                                    numels=[s.numel for s in segs])
+        # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
+        ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
         out = part.shard(part.grad_shard, b)
         acc = None
         if self._accumulate:
