@@ -129,7 +129,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.reducer.close()
         signature = [(gi, self._names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
-        self.comm.check_same(signature, "parameters")
+        self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
+                             "in the same groups and order, on every rank")
         built = {id(part.params[0]): part for part in self.partitions}
         partitions, positions, position = [], [], {}
         for gi, group in enumerate(self.param_groups):

@@ -1,0 +1,212 @@
+"""The only module of fused_zero that calls torch.distributed.
+
+``Comm`` wraps one process group. Without an initialised process group, or when
+the group has one rank, it runs locally: every collective is a copy or a no-op,
+returns a completed ``Handle`` and counts no traffic, so a single process needs
+no set-up and pays for no communication.
+
+What the backends take (checked by tests/test_collectives.py on gloo, torch 2.13):
+gloo runs reduce_scatter / all_gather into one flat tensor, all_reduce sum/max/min,
+async_op, in-place all_gather (input = the rank's slice of output) and in-place
+reduce_scatter (output = the rank's slice of input) for fp32, fp64, bf16 and fp16
+CPU tensors. We only use SUM and leave averaging to the caller: ReduceOp.AVG fails
+for integers on gloo and is not in every backend and version. Tensors must be contiguous:
+gloo's all_reduce of a strided tensor silently returns wrong values (measured on
+torch 2.13: [3, 3, 1, 1] for [3, 3, 3, 3]). They must be on CPU for gloo and on CUDA
+for nccl.
+
+Traffic is counted per rank as the ZeRO paper counts volume: a reduce_scatter
+counts its input's bytes, an all_gather its output's, an all_reduce its tensor's.
+Broadcast and object collectives are set-up only and are not counted.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat-tensor collectives and deprecates the old names
+# (FutureWarning); torch 2.11 on the GPU machines has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+
+
+class Handle(NamedTuple):
+    """An in-flight collective; ``work`` is None once complete (local or synchronous)."""
+
+    work: Any = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()  # a torch Work may be waited on more than once
+
+
+_DONE = Handle(None)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+class Comm:
+    """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            if self.rank < 0:
+                raise ValueError(
+                    "this process is not a member of the process group passed to Comm; "
+                    "build the optimizer only on the group's ranks, or pass a group containing this rank"
+                )
+            self.world_size = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
+        elif group is not None:
+            raise RuntimeError("Comm was given a process group but torch.distributed is not initialised")
+        else:
+            self.rank, self.world_size, self.backend = 0, 1, "none"
+        self._local = self.world_size == 1
+        self.reset_traffic()
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+    # ---- traffic accounting -------------------------------------------------
+    def traffic(self) -> dict[str, int]:
+        """Bytes per collective kind since the last reset (a copy)."""
+        return dict(self._traffic)
+
+    def reset_traffic(self) -> None:
+        self._traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        if not self._local:
+            self._traffic[kind] += t.numel() * t.element_size()
+
+    # ---- argument checks ----------------------------------------------------
+    def _check_tensor(self, what: str, t: object) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous; pass a flat buffer or .contiguous()")
+        need = _DEVICE_FOR_BACKEND.get(self.backend)
+        if not self._local and need is not None and t.device.type != need:
+            raise ValueError(f"{what} is on {t.device}, but the {self.backend} backend needs {need} tensors")
+        return t
+
+    def _check_pair(self, name: str, big_name: str, big: torch.Tensor,
+                    small_name: str, small: torch.Tensor) -> None:
+        """``big`` holds world_size × ``small``; the only overlap allowed is small = this rank's slice."""
+        self._check_tensor(f"{name} {big_name}", big)
+        self._check_tensor(f"{name} {small_name}", small)
+        if big.dtype != small.dtype:
+            raise TypeError(f"{name} {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
+                            "they must match")
+        if big.device != small.device:
+            raise ValueError(f"{name} {big_name} is on {big.device} but {small_name} is on {small.device}")
+        if big.numel() != self.world_size * small.numel():
+            raise ValueError(
+                f"{name} {big_name} has {big.numel()} elements; it must be world_size ({self.world_size}) "
+                f"× {small_name} ({small.numel()}) = {self.world_size * small.numel()}"
+            )
+        (b0, b1), (s0, s1) = _span(big), _span(small)
+        own = b0 + self.rank * small.numel() * small.element_size()
+        if small.numel() and s0 < b1 and b0 < s1 and s0 != own:
+            raise ValueError(
+                f"{name} {small_name} overlaps {big_name} but is not its slice "
+                f"[rank*n:(rank+1)*n] = [{self.rank * small.numel()}:{(self.rank + 1) * small.numel()}]; "
+                f"pass a separate buffer or exactly that slice"
+            )
+
+    # ---- tensor collectives -------------------------------------------------
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """SUM of every rank's ``input``; this rank receives slice ``rank`` into ``output``."""
+        self._check_pair("reduce_scatter", "input", input, "output", output)
+        if self._local:
+            if output.data_ptr() != input.data_ptr():
+                output.view(-1).copy_(input.view(-1))
+            return _DONE
+        self._count("reduce_scatter", input)
+        # flat views: gloo checks shapes (output.shape[0] * world_size == input.shape[0]), not numels
+        work = _reduce_scatter(output.view(-1), input.view(-1), op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=async_op)
+        return Handle(work)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """``output`` receives every rank's ``input`` in rank order (``input`` may be its own slice of it)."""
+        self._check_pair("all_gather", "output", output, "input", input)
+        if self._local:
+            if output.data_ptr() != input.data_ptr():
+                output.view(-1).copy_(input.view(-1))
+            return _DONE
+        self._count("all_gather", output)
+        work = _all_gather(output.view(-1), input.view(-1), group=self.group, async_op=async_op)
+        return Handle(work)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Handle:
+        """In-place reduction over ranks; ``op`` is "sum", "max" or "min"."""
+        if op not in _OPS:
+            raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r} "
+                             "(for an average: sum, then divide)")
+        self._check_tensor("all_reduce tensor", tensor)
+        if self._local:
+            return _DONE
+        self._count("all_reduce", tensor)
+        return Handle(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank (synchronous)."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src must be a rank of this group, 0..{self.world_size - 1}; "
+                             f"got {src}")
+        self._check_tensor("broadcast tensor", tensor)
+        if self._local:
+            return
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast(tensor, src=global_src, group=self.group)
+
+    # ---- object collectives (set-up and checks) ------------------------------
+    def all_gather_object(self, obj: Any) -> list:
+        """``[obj of rank 0, ..., obj of rank world_size-1]``; on nccl the current CUDA device must be set."""
+        if self._local:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if not self._local:
+            dist.barrier(group=self.group)
+
+    def check_same(self, value: Any, what: str, hint: str = "") -> None:
+        """Raise ValueError on EVERY rank if any rank's ``value`` differs from rank 0's.
+
+        One all_gather_object that every rank joins, then the same comparison on the
+        same data everywhere: all ranks agree on the verdict, so none is left waiting.
+        """
+        values = self.all_gather_object(value)
+        for r in range(1, len(values)):
+            diff = _first_difference(values[r], values[0], r)
+            if diff is not None:
+                raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
+
+
+def _first_difference(mine: Any, ref: Any, rank: int) -> str | None:
+    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None."""
+    if isinstance(mine, (list, tuple)) and isinstance(ref, (list, tuple)):
+        for i in range(min(len(mine), len(ref))):
+            if mine[i] != ref[i]:
+                return f"rank {rank} has entry {i} = {mine[i]!r}, rank 0 has {ref[i]!r}"
+        if len(mine) != len(ref):
+            return f"rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
+        if type(mine) is type(ref):
+            return None
+    elif mine == ref:
+        return None
+    return f"rank {rank} has {mine!r}, rank 0 has {ref!r}"
