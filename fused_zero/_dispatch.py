@@ -1,7 +1,8 @@
 """Which implementation runs a kernel: Triton or its pure-torch twin.
 
-CUDA tensors use the Triton kernels and CPU tensors the twins, unless
-``FUSED_ZERO_BACKEND`` is ``triton`` or ``torch``. Under
+CUDA tensors use the Triton kernels and CPU tensors the twins (or, for
+adamw_, torch's own fused CPU AdamW: see ``native.py``), unless
+``FUSED_ZERO_BACKEND`` is ``triton`` or ``torch`` (the twin). Under
 ``TRITON_INTERPRET=1`` the Triton kernels run on CPU tensors: that is how the
 tests exercise them on machines without a GPU.
 """
@@ -29,6 +30,11 @@ def backend_for(device: torch.device) -> str:
             )
         return forced
     return "triton" if device.type == "cuda" else "torch"
+
+
+def forced() -> bool:
+    """Whether FUSED_ZERO_BACKEND picks the implementation (then CPU runs the twin)."""
+    return bool(os.environ.get("FUSED_ZERO_BACKEND", "").strip())
 
 
 def interpreting() -> bool:

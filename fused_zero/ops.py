@@ -1,11 +1,14 @@
 """Public kernel entry points: validate arguments, then dispatch.
 
 CUDA tensors run the Triton kernels in ``fused_zero.kernels``; CPU tensors run
-the pure-torch twins in ``fused_zero.reference`` (see ``_dispatch``).
+the pure-torch twins in ``fused_zero.reference``, except adamw_, which runs
+torch's own fused CPU AdamW (``native.py``) unless FUSED_ZERO_BACKEND is set
+(see ``_dispatch``).
 """
 from __future__ import annotations
 
-from ._dispatch import backend_for  # noqa: F401  (used by every op below)
+from . import native as _native
+from ._dispatch import backend_for, forced
 
 # --- adamw and norm ops (below) ---
 import math as _math  # noqa: E402
@@ -87,7 +90,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     device (no host sync: the bias corrections are then computed on device; a
     tensor step must hold a value >= 1, which is not checked). Numerics follow
     ``torch.optim.AdamW`` / ``Adam`` (foreach=False). CUDA: one Triton launch;
-    CPU: the pure-torch twin ``fused_zero.reference.adamw_``.
+    CPU: torch's fused CPU AdamW (``fused_zero.native``), or the pure-torch twin
+    ``fused_zero.reference.adamw_`` when FUSED_ZERO_BACKEND is set.
     """
     check_flat("param", param, _AN_F32)
     check_flat("grad", grad, _AN_FLOATS)
@@ -126,7 +130,12 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
         _an_check_scalar_tensor("found_inf", found_inf, _AN_F32, device)
     if param.numel() == 0:
         return
-    impl = _an_kernels("adamw").adamw_ if backend_for(device) == "triton" else _reference.adamw_
+    if backend_for(device) == "triton":
+        impl = _an_kernels("adamw").adamw_
+    elif device.type == "cpu" and not forced():
+        impl = _native.adamw_
+    else:
+        impl = _reference.adamw_
     impl(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=float(beta1),
          beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
          adam_w_mode=bool(adam_w_mode), maximize=bool(maximize), param_out=param_out,
