@@ -159,7 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.reducer.reset()
+        self.reducer.zero_grad(set_to_none)
         self._clip_coef = None
         super().zero_grad(set_to_none=set_to_none)
 
@@ -215,8 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- phases -----------------------------------------------------------
     def _reduce(self) -> None:
         if self.config.stage == 1:
-            if not self.reducer.reduced:
-                self.reducer.reduce_all()
+            self.reducer.reduce_all()
         else:
             stale = self.reducer.unreduced_grads()
             if stale:
@@ -234,7 +233,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if with_norm and self.partitions:
             norm = ops.norm_stats_many([part.grad_shard for part in self.partitions])
             stats[0], stats[1] = norm.sq_sum, norm.nonfinite
-        has = self.reducer.has_grad
+        has = self.reducer.present
         stats[2:] = torch.tensor([p in has for p in params], dtype=torch.float32)
         self.comm.all_reduce(stats)
         return stats
@@ -297,7 +296,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             h.wait()
 
     def _end_step(self) -> None:
-        self.reducer.reset()
+        self.reducer.end_step()
         self._clip_coef = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()

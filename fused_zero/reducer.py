@@ -12,9 +12,16 @@ end of backward launches whatever is left (parameters that got no gradient
 count as zeros), so each backward is one complete round on every rank.
 Stage 1 keeps the ``.grad`` tensors and reduces all buckets at ``step()``.
 
-A bucket whose parameters are all frozen is never reduced. The first round
-after ``reset()`` writes the gradient shards; further rounds before the next
-``reset()`` (several backwards without ``no_sync``) add to them.
+A bucket whose parameters are all frozen is never reduced.
+
+Which parameters hold a gradient (``present``) follows torch's ``.grad``.
+Stage 1 keeps ``.grad`` itself, so every ``step()`` reduces it afresh. Stage 2
+has freed ``.grad`` and the shards stand in for it: a round adds to what
+earlier rounds of the same step left (several backwards accumulate), and
+``step()`` consumes them, as if ``.grad`` were then set to None (the optimizer
+cannot see ``model.zero_grad()``, so it never carries gradients across steps).
+``zero_grad(set_to_none=False)`` makes the parameters that held a gradient
+hold zeros, as torch does: they stay present, and step with zero gradients.
 """
 from __future__ import annotations
 
@@ -87,11 +94,13 @@ class GradReducer:
         self.frees = {key: [] for key in self.order}
         for p, keys_of_p in self.buckets_of.items():
             self.frees[max(keys_of_p, key=self.order.index)].append(p)
-        self.has_grad: set[torch.nn.Parameter] = set()
+        self.present: set[torch.nn.Parameter] = set()  # params whose gradient is not None
+        self._last_present: set[torch.nn.Parameter] = set()  # present at the last step
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._plans: dict = {}  # one pack plan per bucket, reused while the grads stay put
         self._pending: deque[_Inflight] = deque()
-        self._accumulate = False
+        self._written = False  # the shards hold reductions: the next round adds
+        self._reduced = False  # stage 1: this step's reduction is launched
         self._round_open = False
         self._seen: set[torch.nn.Parameter] = set()
         self._remaining: dict = {}
@@ -129,7 +138,7 @@ class GradReducer:
         self._launch_ready(flush=True)
         self._round_open = False
         self._seen.clear()
-        self._accumulate = True
+        self._written = True
 
     def _launch_ready(self, flush: bool) -> None:
         while self._next < len(self.order):
@@ -141,26 +150,39 @@ class GradReducer:
 
     # -- step -------------------------------------------------------------
     def reduce_all(self) -> None:
-        """Launch every bucket from the current ``.grad`` tensors (stage 1)."""
+        """Launch every bucket from the current ``.grad`` tensors (stage 1), once a step."""
+        if self._reduced:
+            return
+        self.present.clear()
+        self._written = False
         for key in self.order:
             self._launch(key, free_grads=False)
-        self._accumulate = True
-
-    @property
-    def reduced(self) -> bool:
-        """Whether a reduction has written the shards since the last reset()."""
-        return self._accumulate
+        self._reduced = True
 
     def wait(self) -> None:
         """Wait for every launched reduction and apply accumulation."""
         while self._pending:
             self._finish_oldest()
 
-    def reset(self) -> None:
-        """Next reduction overwrites the shards; forget which params had grads."""
+    def end_step(self) -> None:
+        """After step(): the shards are consumed; the next reduction writes them."""
         self.wait()
-        self._accumulate = False
-        self.has_grad.clear()
+        self._reduced = False
+        self._written = False
+        self._last_present = set(self.present)
+        self.present.clear()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The shards' share of ``optimizer.zero_grad``."""
+        self.wait()
+        self._written = False
+        if set_to_none:
+            self.present.clear()
+        else:
+            for part in self.partitions:
+                part.grad_shard.zero_()
+            if self.stage >= 2:  # torch would still hold (now zeroed) .grad tensors for these
+                self.present |= self._last_present
 
     @contextmanager
     def no_sync(self):
@@ -197,7 +219,7 @@ class GradReducer:
             g = None if s.param is None else s.param.grad
             if g is not None:
                 _check_dense(s.param)
-                self.has_grad.add(s.param)
+                self.present.add(s.param)
                 g = g.reshape(-1)[s.start: s.start + s.numel]
             tensors.append(g)
         n = self.comm.world_size
@@ -209,7 +231,7 @@ class GradReducer:
         ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
         out = part.shard(part.grad_shard, b)
         acc = None
-        if self._accumulate:
+        if self._written:
             acc, out = out, torch.empty_like(out)
         handle = self.comm.reduce_scatter(out, buf, async_op=True)
         self._pending.append(_Inflight(handle, base, out, acc))

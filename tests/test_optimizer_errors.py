@@ -1,0 +1,145 @@
+"""ShardedOptimizer's misuse errors: a clear exception with a helpful message, never a hang.
+
+Cross-rank checks run on 2 gloo ranks (every rank must raise, then the group must still
+work); the rest run in the pytest process without a process group.
+"""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _dist import run_ranks
+from _models import TinyNet, is_initialized, param_groups
+from fused_zero import ShardedOptimizer
+
+# --- cross-rank consistency ------------------------------------------------------------------
+
+
+def _mismatch_model(rank, kind):
+    if kind == "shape" and rank == 1:
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 5))
+    if kind == "count" and rank == 1:
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 4))
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+
+def _mismatch_rank(rank, ws):
+    out = {}
+    for kind in ("shape", "count"):
+        for stage in (1, 2):
+            model = _mismatch_model(rank, kind)
+            try:
+                ShardedOptimizer(model.parameters(), stage=stage, bucket_numel=64)
+                out[f"{kind}_stage{stage}"] = None
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                out[f"{kind}_stage{stage}"] = (type(e).__name__, str(e))
+    # the group still works after the errors: a valid optimizer steps in lockstep
+    model = _mismatch_model(0, "none")
+    opt = ShardedOptimizer(model.parameters(), stage=2, bucket_numel=64)
+    model(torch.ones(2, 8) * (rank + 1)).square().mean().backward()
+    opt.step()
+    out["healthy"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatch():
+    return run_ranks(_mismatch_rank, 2, timeout=90)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind", ["shape", "count"])
+def test_params_differ_across_ranks(mismatch, kind, stage):
+    """Every rank raises ValueError at construction, with a message saying the ranks differ."""
+    for rank, res in enumerate(mismatch):
+        err = res[f"{kind}_stage{stage}"]
+        assert err is not None, f"rank {rank} built an optimizer over {kind}-mismatched parameters"
+        name, msg = err
+        assert name == "ValueError", (rank, name, msg)
+        assert re.search(r"(?i)differ|mismatch", msg) and re.search(r"(?i)rank", msg), msg
+
+
+def test_group_still_usable_after_mismatch(mismatch):
+    a, b = (res["healthy"] for res in mismatch)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --- single-process errors -------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not is_initialized()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sparse_gradient_raises_naming_the_fix(stage):
+    emb = nn.Embedding(20, 8, sparse=True)
+    head = nn.Linear(8, 2)
+    opt = ShardedOptimizer(list(emb.parameters()) + list(head.parameters()), stage=stage)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=r"(?i)sparse") as info:
+        head(emb(torch.tensor([[1, 2, 3]]))).sum().backward()
+        opt.step()
+    assert re.search(r"sparse=False|dense", str(info.value)), str(info.value)
+
+
+def test_complex_parameter_raises_type_error():
+    p = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"(?i)complex"):
+        ShardedOptimizer([p, nn.Parameter(torch.zeros(3))])
+
+
+def test_parameter_in_two_groups():
+    model = TinyNet()
+    groups = param_groups(model)
+    groups[2]["params"] = groups[2]["params"] + [groups[0]["params"][0]]
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        ShardedOptimizer(groups)
+
+
+def test_parameter_in_two_groups_via_add_param_group():
+    model = TinyNet()
+    groups = param_groups(model)
+    opt = ShardedOptimizer(groups[:2])
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": [groups[0]["params"][1]]})
+
+
+def test_stage3_needs_a_module():
+    model = TinyNet()
+    with pytest.raises(ValueError, match=r"(?i)module"):
+        ShardedOptimizer(model.parameters(), stage=3)
+
+
+def test_invalid_stage_raises():
+    with pytest.raises(ValueError, match=r"(?i)stage"):
+        ShardedOptimizer(TinyNet().parameters(), stage=4)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lr=-1e-3),
+    dict(betas=(1.0, 0.999)),
+    dict(betas=(0.9, -0.5)),
+    dict(eps=-1e-8),
+    dict(weight_decay=-0.1),
+])
+def test_invalid_hyperparameters_use_torch_wording(kwargs):
+    """Same exception and message as torch.optim.AdamW (e.g. "Invalid learning rate: -0.001")."""
+    with pytest.raises(ValueError) as torch_err:
+        torch.optim.AdamW(TinyNet().parameters(), **kwargs)
+    assert str(torch_err.value).startswith("Invalid ")
+    with pytest.raises(ValueError, match=re.escape(str(torch_err.value))):
+        ShardedOptimizer(TinyNet().parameters(), **kwargs)
+
+
+def test_params_on_different_devices():
+    cpu = nn.Parameter(torch.zeros(16))
+    meta = nn.Parameter(torch.empty(16, device="meta"))
+    with pytest.raises((ValueError, RuntimeError, TypeError), match=r"(?i)device"):
+        ShardedOptimizer([cpu, meta])
+
+
+def test_empty_parameter_list_raises_like_torch():
+    with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
+        ShardedOptimizer([])
