@@ -233,7 +233,7 @@ class GradReducer:
         acc = None
         if self._written:
             acc, out = out, torch.empty_like(out)
-        handle = self.comm.reduce_scatter(out, buf, async_op=True)
+        handle = self.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
         self._pending.append(_Inflight(handle, base, out, acc))
         if free_grads:
             for p in self.frees[key]:

@@ -34,6 +34,10 @@ def _check_tensor_collectives(comm: Comm, rank: int, ws: int) -> None:
             h.wait()
             h.wait()  # waiting twice is harmless
             assert torch.equal(out, mine), (dtype, async_op, out, mine)
+            # scratch input: gloo runs it as all_reduce + a copy of this rank's slice
+            out = torch.full((n,), 99, dtype=dtype)
+            comm.reduce_scatter(out, everyone[rank].clone(), async_op=async_op, scratch_input=True).wait()
+            assert torch.equal(out, mine), (dtype, async_op, "scratch input")
             # in place: output is this rank's slice of the input (NCCL's in-place form)
             buf = everyone[rank].clone()
             comm.reduce_scatter(buf[rank * n:(rank + 1) * n], buf, async_op=async_op).wait()
