@@ -63,3 +63,17 @@ def record(benchmark, *, bytes_moved: int, ms: float, **extra) -> None:
         pct_of_copy=round(100 * gbps / copy, 1),
         **extra,
     )
+
+
+def measure(benchmark, fn, *, bytes_moved: int, rounds: int, **extra) -> None:
+    """Time ``fn`` (median, see time_ms), let pytest-benchmark time it too
+    (synchronised on CUDA), and record GB/s and % of copy bandwidth."""
+    ms = time_ms(fn)
+
+    def timed():
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
+    record(benchmark, bytes_moved=bytes_moved, ms=ms, **extra)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bandwidth import device, record, time_ms
+from _bandwidth import device, measure
 
 from fused_zero import ops
 
@@ -40,13 +40,5 @@ def test_cast(benchmark, impl, dtype):
     fn()
     if impl == "cast_":
         assert torch.equal(dst, src.to(dtype))
-    ms = time_ms(fn)
-
-    def timed():
-        fn()
-        if CUDA:
-            torch.cuda.synchronize()
-
-    benchmark.pedantic(timed, rounds=20 if CUDA else 10, iterations=1, warmup_rounds=1)
-    record(benchmark, bytes_moved=NUMEL * (4 + dst.element_size()), ms=ms, impl=impl,
+    measure(benchmark, fn, bytes_moved=NUMEL * (4 + dst.element_size()), rounds=20 if CUDA else 10, impl=impl,
            dtype=str(dtype), numel=NUMEL, backend="triton" if CUDA else "torch twin")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bandwidth import device, record, time_ms
+from _bandwidth import device, measure
 
 from fused_zero import ops
 
@@ -43,14 +43,6 @@ def test_norm(benchmark, variant, dtype, n):
         exact = torch.linalg.vector_norm(x.double()) ** 2
         assert abs(out.sq_sum.double().item() / exact.item() - 1) < 1e-5
         assert out.nonfinite.item() == 0.0
-    ms = time_ms(fn)
-
-    def timed():
-        fn()
-        if CUDA:
-            torch.cuda.synchronize()
-
-    benchmark.pedantic(timed, rounds=20 if CUDA else 10, iterations=1, warmup_rounds=1)
-    record(benchmark, bytes_moved=n * x.element_size(), ms=ms, variant=variant, numel=n,
+    measure(benchmark, fn, bytes_moved=n * x.element_size(), rounds=20 if CUDA else 10, variant=variant, numel=n,
            dtype=str(dtype), backend=("triton" if CUDA else "torch twin")
            if variant == "norm_stats" else "torch")

@@ -23,7 +23,7 @@ import math
 
 import pytest
 import torch
-from _bandwidth import device, record, time_ms
+from _bandwidth import device, measure
 
 from fused_zero import ops
 
@@ -87,12 +87,6 @@ def test_pack(benchmark, impl, src_dtype):
     if impl != "torch.cat":  # every variant writes the same values
         for t, o in zip(tensors[:50], offsets):
             assert torch.equal(bucket[o:o + t.numel()], t.float())
-    ms = time_ms(fn)
-
-    def timed():
-        fn()
-        _sync()
-
-    benchmark.pedantic(timed, rounds=5 if not CUDA else 20, iterations=1, warmup_rounds=1)
-    record(benchmark, bytes_moved=bytes_moved, ms=ms, impl=impl, n_tensors=N_TENSORS,
-           numel=sum(t.numel() for t in tensors), backend="triton" if CUDA else "torch twin")
+    measure(benchmark, fn, bytes_moved=bytes_moved, rounds=5 if not CUDA else 20, impl=impl,
+            n_tensors=N_TENSORS, numel=sum(t.numel() for t in tensors),
+            backend="triton" if CUDA else "torch twin")
