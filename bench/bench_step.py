@@ -58,6 +58,8 @@ BATCH = 8
 STEPS = int(os.environ.get("FUSED_ZERO_BENCH_STEPS", "6"))
 WARMUP = int(os.environ.get("FUSED_ZERO_BENCH_WARMUP", "2"))
 HPARAMS = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+# ShardedOptimizer's bucket size in elements (FUSED_ZERO_BENCH_BUCKET; default: the library's).
+BUCKET = {"bucket_numel": int(os.environ["FUSED_ZERO_BENCH_BUCKET"])} if os.environ.get("FUSED_ZERO_BENCH_BUCKET") else {}
 BASELINE = "ddp_adamw"
 
 
@@ -100,7 +102,7 @@ def _sharded(stage):
         if ShardedOptimizer is None:
             raise Skip(f"fused_zero.ShardedOptimizer unavailable: {_IMPORT_ERROR}")
         try:  # stage 3 takes the module; stages 1-2 take the parameters, as torch.optim does
-            opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **HPARAMS)
+            opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **HPARAMS, **BUCKET)
         except NotImplementedError as e:
             raise Skip(f"ShardedOptimizer stage {stage}: {e}") from e
         return model, opt
