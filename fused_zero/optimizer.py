@@ -137,7 +137,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 position.setdefault(p, len(position))
             for dtype in dict.fromkeys(p.dtype for p in group["params"]):
-                params = [p for p in group["params"] if p.dtype == dtype]
+                # Reverse order, as DDP's buckets: backward reaches the last parameters
+                # first, so the short remainder bucket (the layout's last) holds the first
+                # parameters and is the last to reduce, leaving step() little to wait for.
+                params = [p for p in reversed(group["params"]) if p.dtype == dtype]
                 part = built.get(id(params[0]))
                 if part is None:
                     layout = build_layout([p.numel() for p in params], self.comm.world_size,
