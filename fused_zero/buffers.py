@@ -28,6 +28,9 @@ class Partition:
         self.params = params
         self.layout = layout
         self.rank = rank
+        # The layout is frozen: its per-step lookups are computed once here.
+        self.pieces = layout.shard_pieces(rank)
+        self.bucket_params = tuple(layout.params_of_bucket(k) for k in range(len(layout.buckets)))
         device = params[0].device
         self.dtype = params[0].dtype
         self.reduce_dtype = reduce_dtype

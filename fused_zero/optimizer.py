@@ -274,7 +274,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         runs: list[list[int]] = []
         current = None
-        for piece in part.layout.shard_pieces(self.comm.rank):
+        for piece in part.pieces:
             step = steps.get(part.params[piece.param_index])
             if step is None:
                 current = None
@@ -292,7 +292,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for part in self.partitions:
             updated = [bool(next(flags)) for _ in part.params]
             for k, b in enumerate(part.layout.buckets):
-                if any(updated[j] for j in part.layout.params_of_bucket(k)):
+                if any(updated[j] for j in part.bucket_params[k]):
                     handles.append(self.comm.all_gather(part.bucket(part.flat, b), part.gather_source(b),
                                                         async_op=True))
         for h in handles:

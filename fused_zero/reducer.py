@@ -58,7 +58,7 @@ class _Inflight(NamedTuple):
 def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
     b = part.layout.buckets[k]
     segs, pos = [], b.offset
-    for j in part.layout.params_of_bucket(k):
+    for j in part.bucket_params[k]:
         slot = part.layout.slots[j]
         start, end = max(slot.offset, b.offset), min(slot.offset + slot.numel, b.offset + b.numel)
         if start > pos:
@@ -81,7 +81,7 @@ class GradReducer:
         self.overlap = overlap
         self.sync = True
         keys = [(pi, k) for pi, part in enumerate(partitions) for k in range(len(part.layout.buckets))]
-        last = {key: max(positions[key[0]][j] for j in partitions[key[0]].layout.params_of_bucket(key[1]))
+        last = {key: max(positions[key[0]][j] for j in partitions[key[0]].bucket_params[key[1]])
                 for key in keys}
         self.order = sorted(keys, key=lambda key: (-last[key], key))
         self.segments = {key: _segments(partitions[key[0]], key[1]) for key in self.order}
