@@ -75,6 +75,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
+def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
+    """World size 1: a reduce-scatter or all-gather is a copy (none when in place)."""
+    if output.data_ptr() != input.data_ptr():
+        output.view(-1).copy_(input.view(-1))
+    return _DONE
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
@@ -165,9 +172,7 @@ class Comm:
         """
         self._check_pair("reduce_scatter", "input", input, "output", output)
         if self._local:
-            if output.data_ptr() != input.data_ptr():
-                output.view(-1).copy_(input.view(-1))
-            return _DONE
+            return _copy_local(output, input)
         self._count("reduce_scatter", input)
         if scratch_input and self.backend == "gloo" and not _overlaps(output, input):
             n = output.numel()
@@ -186,9 +191,7 @@ class Comm:
         """``output`` receives every rank's ``input`` in rank order (``input`` may be its own slice of it)."""
         self._check_pair("all_gather", "output", output, "input", input)
         if self._local:
-            if output.data_ptr() != input.data_ptr():
-                output.view(-1).copy_(input.view(-1))
-            return _DONE
+            return _copy_local(output, input)
         self._count("all_gather", output)
         if self.backend == "gloo":
             return self._all_gather_by_broadcast(output.view(-1), input.view(-1), async_op)
