@@ -372,6 +372,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for part, s in zip(self.partitions, shards["partitions"]):
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(part, name).copy_(s[name])
+        self._params_from_master()
+
+    @torch.no_grad()
+    def _params_from_master(self) -> None:
+        """Make the model's parameters what the fp32 master shards say (every rank joins).
+
+        For whoever wrote the master shards directly (load_state_dict, checkpoint
+        loading): the narrow param shards are re-rounded and the full parameters
+        all-gathered, so the next forward sees the loaded weights.
+        """
+        self.reducer.wait()
+        for part in self.partitions:
             if part.param_shard is not None:
                 part.param_shard.copy_(part.master)
         self._gather([1.0] * sum(len(part.params) for part in self.partitions))
