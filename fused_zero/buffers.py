@@ -26,6 +26,8 @@ class Partition:
     ) -> None:
         self.group_index = group_index
         self.params = params
+        # The parameters' shapes, kept: stage 3 points released parameters at empty tensors.
+        self.shapes = tuple(p.shape for p in params)
         self.layout = layout
         self.rank = rank
         # The layout is frozen: its per-step lookups are computed once here.
@@ -78,7 +80,7 @@ class Partition:
 
     def shard_bytes(self) -> dict[str, int]:
         def nbytes(t):
-            return 0 if t is None else t.numel() * t.element_size()
+            return 0 if t is None else t.untyped_storage().nbytes()
 
         return {
             "params": nbytes(self.flat),

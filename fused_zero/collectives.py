@@ -50,6 +50,10 @@ class Handle(NamedTuple):
     work: Any = None
     then: Callable[[], None] | None = None
 
+    def done(self) -> bool:
+        """True when ``wait()`` would not block."""
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()  # a torch Work may be waited on more than once
@@ -64,6 +68,9 @@ class _AllWorks(NamedTuple):
     """Several torch Works waited on as one."""
 
     works: list
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         for w in self.works:
@@ -80,6 +87,13 @@ def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
     if output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.view(-1))
     return _DONE
+
+
+def _local_copy(comm: "Comm") -> "Comm":
+    twin = Comm.__new__(Comm)
+    twin.__dict__.update(comm.__dict__)
+    twin.reset_traffic()
+    return twin
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,6 +121,19 @@ class Comm:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._local = self.world_size == 1
         self.reset_traffic()
+
+    def duplicate(self) -> "Comm":
+        """A Comm over a new process group with the same ranks (every rank must call it).
+
+        Collectives are matched across ranks by their order within a group; work
+        whose order depends on timing (stage 3's gathers against the reducer's
+        reduce-scatters) gets a group of its own so the two never interleave.
+        """
+        if self._local:
+            return _local_copy(self)
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        group = dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=self.group is not None)
+        return Comm(group)
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"

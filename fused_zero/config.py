@@ -25,7 +25,13 @@ class ZeroConfig:
     max_grad_norm: clip the global gradient norm to this value in step();
         None does not clip.
     overlap: launch each bucket's reduce-scatter during backward as soon as
-        it is complete (stage 2); False defers all reduction to step().
+        it is complete (stages 2 and 3); False defers all reduction to step().
+    max_live_units: stage 3: prefetch a unit's parameters only while fewer
+        than this many units (besides the root) are gathered.
+    reshard_after_forward: stage 3: release each unit's parameters after its
+        forward and gather them again for its backward (False keeps them
+        from forward until the unit's backward is done: less traffic, more
+        memory).
     """
 
     stage: int = 2
@@ -34,6 +40,8 @@ class ZeroConfig:
     adam_w_mode: bool = True
     max_grad_norm: float | None = None
     overlap: bool = True
+    max_live_units: int = 2
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -47,6 +55,8 @@ class ZeroConfig:
                 "reduce_dtype must be None, torch.float32, torch.bfloat16 or "
                 f"torch.float16, got {self.reduce_dtype!r}"
             )
+        if not isinstance(self.max_live_units, int) or self.max_live_units < 1:
+            raise ValueError(f"max_live_units must be an int >= 1, got {self.max_live_units!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(
                 f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"

@@ -28,6 +28,8 @@ from .collectives import Comm
 from .config import ALIGN, ZeroConfig
 from .layout import build_layout
 from .reducer import GradReducer
+from .stage3 import ParamGatherer
+from .units import plan_units
 
 # GradScaler passes itself to step() when step() takes `grad_scaler`: that is
 # how it learns the globally agreed found_inf (see _scaler_inputs). The
@@ -65,24 +67,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  stage: int = 2, bucket_numel: int = 1 << 24, reduce_dtype: torch.dtype | None = None,
                  adam_w_mode: bool = True, max_grad_norm: float | None = None, overlap: bool = True,
-                 maximize: bool = False, process_group=None, config: ZeroConfig | None = None) -> None:
+                 maximize: bool = False, process_group=None, config: ZeroConfig | None = None,
+                 module: nn.Module | None = None, units=None, max_live_units: int = 2,
+                 reshard_after_forward: bool = True) -> None:
         options = dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
-                       adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap)
+                       adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
+                       max_live_units=max_live_units, reshard_after_forward=reshard_after_forward)
         if config is None:
             config = ZeroConfig(**options)
         elif options != dict(ZeroConfig().__dict__):
             raise ValueError("pass either config= or the keyword options (stage=, bucket_numel=, ...), not both")
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        self._names: dict[nn.Parameter, str] = {}
         if isinstance(params, nn.Module):
-            named = list(params.named_parameters())
-            self._names = {p: n for n, p in named}
-            params = [p for _, p in named]
-        elif config.stage == 3:
+            if module is not None and module is not params:
+                raise ValueError("the first argument is a model and module= names another one; pass one model")
+            module, params = params, list(params.parameters())
+        if module is None and config.stage == 3:
             raise ValueError("stage 3 shards the model's parameters: pass the nn.Module itself, "
-                             "ShardedOptimizer(model, stage=3, ...)")
-        if config.stage == 3:
-            raise NotImplementedError("ZeRO stage 3 is not implemented yet; use stage=1 or stage=2")
+                             "ShardedOptimizer(model, stage=3, ...), or its param groups with module=model")
+        if units is not None and config.stage != 3:
+            raise ValueError("units= only applies to stage 3")
+        self._names: dict[nn.Parameter, str] = {} if module is None else {p: n for n, p in module.named_parameters()}
+        self.module = module
+        self._units = units
+        self.gatherer: ParamGatherer | None = None
         self.config = config
         self.comm = Comm(process_group)
         self.partitions: list[Partition] = []
@@ -105,6 +113,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         if self.reducer is not None:  # after construction: lay out the new group too
+            if self.config.stage == 3:
+                self.param_groups.pop()
+                raise RuntimeError("stage 3 lays out every parameter of the model at construction; pass all "
+                                   "param groups to ShardedOptimizer(..., module=model) instead of add_param_group")
             self._build()
 
     def _check_param(self, p: torch.Tensor) -> None:
@@ -127,6 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.reducer is not None:
             self.reducer.wait()
             self.reducer.close()
+        if self.config.stage == 3:
+            return self._build_stage3()
         signature = [(gi, self._names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
         self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
@@ -154,7 +168,67 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.partitions = partitions
         self.reducer = GradReducer(partitions, positions, self.comm, self.config.stage, self.config.overlap)
 
+    def _build_stage3(self) -> None:
+        """One partition per (unit, group, dtype); the gatherer owns the full buffers."""
+        plan = plan_units(self.module, self._units)
+        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        in_module = {p for ps in plan.params for p in ps}
+        missing = [self._names[p] for p in self._names if p not in group_of]
+        if missing:
+            raise ValueError(f"stage 3 shards every parameter of the model, but {missing[:5]} "
+                             f"{'(and more) ' if len(missing) > 5 else ''}are in no param group; "
+                             "add them to a group (frozen ones too)")
+        extra = [tuple(p.shape) for p in group_of if p not in in_module]
+        if extra:
+            raise ValueError(f"param groups hold {len(extra)} parameters (shapes {extra[:5]}) that are not "
+                             "parameters of the model passed as module=")
+        unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
+        signature = [(group_of[p], unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for p, name in self._names.items()]
+        self.comm.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
+        position = {p: i for i, p in enumerate(p for ps in plan.params for p in ps)}
+        unit_parts, positions = [], []
+        for ps in plan.params:
+            parts = []
+            for gi in range(len(self.param_groups)):
+                mine = [p for p in reversed(ps) if group_of[p] == gi]
+                for dtype in dict.fromkeys(p.dtype for p in mine):
+                    params = [p for p in mine if p.dtype == dtype]
+                    layout = build_layout([p.numel() for p in params], self.comm.world_size,
+                                          self.config.bucket_numel, ALIGN)
+                    part = Partition(gi, params, layout, self.comm.rank, self.config.reduce_dtype or dtype)
+                    if self.comm.world_size > 1:
+                        self.comm.broadcast(part.flat, src=0)
+                        part.load_master_from_params()
+                    parts.append(part)
+                    positions.append([position[p] for p in params])
+            unit_parts.append(parts)
+        self.partitions = [part for parts in unit_parts for part in parts]
+        # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
+        # embedding's gradient, which backward produces at the very end.
+        self.reducer = GradReducer(self.partitions, positions, self.comm, 3, self.config.overlap)
+        self.gatherer = ParamGatherer(plan.modules, unit_parts, self.comm.duplicate(),
+                                      self.config.max_live_units, self.config.reshard_after_forward)
+
     # -- the training-loop API --------------------------------------------
+    @contextmanager
+    def full_parameters(self, writeback: bool = False):
+        """Inside, every parameter of the model holds its full value (all ranks must enter).
+
+        For export or evaluation under stage 3: ``model.state_dict()`` inside the
+        block reads full tensors (clone what you keep). ``writeback=True`` copies
+        changes made inside back into the master weights. Stages 1 and 2 always
+        hold full parameters; there it only applies ``writeback``.
+        """
+        if self.gatherer is not None:
+            with self.gatherer.full_parameters(writeback):
+                yield
+            return
+        yield
+        if writeback:
+            for part in self.partitions:
+                part.load_master_from_params()
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally: backward passes inside do not reduce."""
@@ -211,7 +285,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if coef is not None:
             grad_scale = coef if grad_scale is None else grad_scale * coef
         self._update(active, grad_scale)
-        self._gather(active)
+        if self.gatherer is not None:
+            self.gatherer.release_all()  # the next forward gathers the new values
+        else:
+            self._gather(active)
         self._end_step()
         return loss
 
@@ -303,6 +380,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_coef = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
+        if self.gatherer is not None:  # the gathers of this step's forward and backward
+            for kind, n in self.gatherer.comm.traffic().items():
+                self._last_traffic[kind] += n
+            self.gatherer.comm.reset_traffic()
 
     def _scaler_inputs(self, grad_scaler):
         """(inverse loss scale or None, found_inf or None, the scaler's per-optimizer state or None)."""
@@ -332,7 +413,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             totals["master"] += b["master"]
             totals["exp_avg"] += b["exp_avg"]
             totals["exp_avg_sq"] += b["exp_avg_sq"]
-            totals["buffers"] += b["param_shard"]
+            # stage 3: the narrow param shard is the resident copy of the params
+            totals["params" if self.gatherer is not None else "buffers"] += b["param_shard"]
         totals["buffers"] += self.reducer.buffer_bytes()
         return totals
 
@@ -386,5 +468,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for part in self.partitions:
             if part.param_shard is not None:
                 part.param_shard.copy_(part.master)
-        self._gather([1.0] * sum(len(part.params) for part in self.partitions))
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        else:
+            self._gather([1.0] * sum(len(part.params) for part in self.partitions))
         self.comm.reset_traffic()

@@ -11,6 +11,8 @@ parameter is freed once its last bucket is packed. A callback queued at the
 end of backward launches whatever is left (parameters that got no gradient
 count as zeros), so each backward is one complete round on every rank.
 Stage 1 keeps the ``.grad`` tensors and reduces all buckets at ``step()``.
+Stage 3 reduces as stage 2, except that packing never blocks on a full pool
+(see ``_acquire``).
 
 A bucket whose parameters are all frozen is never reduced.
 
@@ -247,7 +249,10 @@ class GradReducer:
             for buf in pool:
                 if id(buf) not in busy and buf.numel() >= numel:
                     return buf
-            if len(pool) < MAX_INFLIGHT:
+            # Stage 3 must not block here: a rank whose backward skipped a unit launches its
+            # buckets only at the end of backward, while this rank's next gather needs that
+            # rank to get there. Waiting would deadlock; a spare buffer does not.
+            if len(pool) < MAX_INFLIGHT or (self.stage == 3 and not self._pending[0].handle.done()):
                 size = max(b.numel for part in self.partitions if part.reduce_dtype == dtype
                            for b in part.layout.buckets)
                 pool.append(torch.empty(size, dtype=dtype, device=self.partitions[0].flat.device))

@@ -82,6 +82,28 @@ class PlainNet(nn.Module):
         return self.layers(x).mean(dim=1)
 
 
+class BNNet(nn.Module):
+    """Blocks of Linear + BatchNorm1d + GELU in a ModuleList: running stats are module buffers."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32, n_blocks: int = 3):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.inp = nn.Linear(D_IN, D)
+            # no bias before BatchNorm: its gradient is exactly zero (BN subtracts the mean)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D, bias=False), nn.BatchNorm1d(D), nn.GELU())
+                                        for _ in range(n_blocks))
+            self.head = nn.Linear(D, D_OUT)
+        self.to(dtype)
+
+    def forward(self, x, **_):
+        b = x.shape[0]
+        h = self.inp(x.flatten(0, 1))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).view(b, -1, D_OUT).mean(dim=1)
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Three groups with different lr / weight decay (TinyNet or PlainNet alike)."""
     special = ("branch.", "side.", "frozen.", "head.")

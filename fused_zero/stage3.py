@@ -1,0 +1,295 @@
+"""Stage 3: gather each unit's parameters just before use, prefetch, release after.
+
+Each unit (see units.py) owns partitions whose full flat buffer exists only
+while the unit is gathered. Released, the buffer's storage is resized to zero
+bytes and every parameter of the unit points at an empty placeholder (so a
+stray read sees a 0-element tensor, never freed memory). Gathering resizes the
+same storage back and all-gathers the shards into it; autograd's saved views of
+the parameters (a transposed weight) reference that storage, so they read the
+re-gathered values in backward.
+
+Every rank issues the same gathers in the same order whatever its data does:
+a forward walks a fixed schedule of units (recorded on the first training
+forward, then agreed by all ranks); a unit's pre-forward hook issues the
+schedule up to that unit and prefetches the next while fewer than
+``max_live_units`` units are gathered; the end of the forward issues (and
+releases) whatever the schedule has left, such as a branch this rank skipped.
+Backward walks the reversed schedule the same way, triggered by hooks on the
+units' outputs; a unit is released as soon as all of its trainable parameters
+got their gradient, and the end of backward releases the rest. The root unit
+stays gathered from the start of a training forward to the end of backward.
+
+The gathers run on their own process group (``Comm.duplicate``), so their
+order never interleaves with the gradient reduce-scatters of the reducer.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .buffers import Partition
+from .collectives import Comm, Handle
+
+
+class _Unit:
+    """One unit's partitions and where it is in the gather cycle."""
+
+    def __init__(self, index: int, module: nn.Module, parts: list[Partition]) -> None:
+        self.index = index
+        self.module = module
+        self.parts = parts
+        self.trainable = {p for part in parts for p in part.params if p.requires_grad}
+        self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
+        self.handles: list[Handle] | None = None  # in flight
+        self.gathered = False
+        self.grads_seen: set[nn.Parameter] = set()
+        self.backward_started = False
+
+
+class ParamGatherer:
+    """The hooks that gather, prefetch and release the units of one model."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], parts: list[list[Partition]], comm: Comm,
+                 max_live_units: int, reshard_after_forward: bool) -> None:
+        self.comm = comm
+        self.units = [_Unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, parts))]
+        self.max_live_units = max_live_units
+        self.reshard_after_forward = reshard_after_forward
+        self.schedule = list(range(1, len(self.units)))  # registration order until one is recorded
+        self._record: list[int] | None = []  # forward order being recorded (None: done)
+        self.phase: str | None = None  # "forward", "backward" or None
+        self._grad_forward = False
+        self._order: list[int] = []
+        self._cursor = 0
+        self.log: list[int] = []  # units in the order their gathers were issued since the last step
+        self.peak_bytes = 0
+        self._placeholders: dict = {}
+        self._hooks = []
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u), prepend=True))
+            self._hooks.append(u.module.register_forward_hook(self._post_forward_hook(u), always_call=True))
+            for p in u.trainable:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
+        for u in self.units:
+            self._release(u)
+
+    # -- accounting -------------------------------------------------------
+    def gathered_bytes(self) -> int:
+        """Bytes the units' full buffers hold right now (their storages' actual sizes)."""
+        return sum(part.flat.untyped_storage().nbytes() for u in self.units for part in u.parts)
+
+    def pool_bytes(self) -> int:
+        """The bound on gathered bytes: the root plus ``max_live_units`` of the largest unit."""
+        others = sorted((u.nbytes for u in self.units[1:]), reverse=True)
+        live = len(others) if not self.reshard_after_forward else self.max_live_units
+        return self.units[0].nbytes + sum(others[:live])
+
+    # -- gather and release -------------------------------------------------
+    def _issue(self, u: _Unit) -> None:
+        if u.gathered or u.handles is not None:
+            return
+        handles = []
+        for part in u.parts:
+            storage = part.flat.untyped_storage()
+            storage.resize_(part.flat.numel() * part.flat.element_size())
+            for b in part.layout.buckets:
+                handles.append(self.comm.all_gather(part.bucket(part.flat, b), part.gather_source(b),
+                                                    async_op=True))
+        u.handles = handles
+        self.log.append(u.index)
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+
+    def _wait(self, u: _Unit) -> None:
+        if u.handles is None:
+            return
+        for h in u.handles:
+            h.wait()
+        u.handles = None
+        for part in u.parts:
+            for p, slot, shape in zip(part.params, part.layout.slots, part.shapes):
+                p.data = part.flat[slot.offset: slot.offset + slot.numel].view(shape)
+        u.gathered = True
+
+    def _release(self, u: _Unit) -> None:
+        self._wait(u)  # never free a buffer a collective still writes into
+        for part in u.parts:
+            for p in part.params:
+                p.data = self._placeholder(p)
+            part.flat.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self._placeholders[key]
+
+    def _live(self) -> int:
+        return sum(1 for u in self.units[1:] if u.gathered or u.handles is not None)
+
+    # -- schedule ---------------------------------------------------------
+    def _start(self, phase: str, order: list[int]) -> None:
+        self.phase, self._order, self._cursor = phase, order, 0
+
+    def _require(self, u: _Unit) -> None:
+        """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
+        if u.index in self._order[self._cursor:]:
+            while not (u.gathered or u.handles is not None):
+                self._issue(self.units[self._order[self._cursor]])
+                self._cursor += 1
+        else:
+            self._issue(u)
+        self._wait(u)
+
+    def _prefetch(self) -> None:
+        while self._cursor < len(self._order) and self._live() < self.max_live_units:
+            self._issue(self.units[self._order[self._cursor]])
+            self._cursor += 1
+
+    def _drain(self) -> None:
+        """Issue what the schedule has left (units this rank skipped) and wait for it."""
+        rest = [self.units[i] for i in self._order[self._cursor:]]
+        self._cursor = len(self._order)
+        for u in rest:
+            self._issue(u)
+        for u in rest:
+            self._wait(u)
+
+    # -- forward ----------------------------------------------------------
+    def _pre_forward_hook(self, u: _Unit):
+        def hook(module, args):
+            if u.index == 0 and self.phase is None:
+                self._grad_forward = torch.is_grad_enabled()
+                self._start("forward", list(self.schedule))
+                self._issue(u)
+                self._wait(u)
+                self._prefetch()
+                return
+            if self.phase == "forward" and self._grad_forward and self._record is not None \
+                    and u.index and u.index not in self._record:
+                self._record.append(u.index)
+            self._require(u)
+            if self.phase == "forward":
+                self._prefetch()
+        return hook
+
+    def _post_forward_hook(self, u: _Unit):
+        def hook(module, args, output):
+            if sys.exc_info()[0] is not None:
+                if u.index == 0:
+                    self._abort()
+                return
+            if self.phase == "backward":  # recomputation (activation checkpointing): keep
+                return
+            grad = torch.is_grad_enabled()
+            if grad:
+                self._hook_outputs(u, output)
+            if u.index == 0:
+                self._end_forward()
+            elif self.phase is None or not grad or self.reshard_after_forward:
+                self._release(u)
+        return hook
+
+    def _hook_outputs(self, u: _Unit, output) -> None:
+        u.backward_started = False
+        u.grads_seen.clear()
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward_hook(u))
+
+    def _end_forward(self) -> None:
+        self._drain()
+        # Units this rank skipped were gathered only to pair with the ranks that ran them.
+        # Release them all (reshard) or keep them all (no reshard), so that whether a
+        # unit is gathered when backward starts never depends on this rank's data.
+        if not self._grad_forward:
+            for u in self.units:
+                self._release(u)
+        elif self.reshard_after_forward:
+            for u in self.units[1:]:
+                self._release(u)
+        if self._grad_forward and self._record is not None:
+            self._agree_on_schedule()
+        self.phase = None
+
+    def _agree_on_schedule(self) -> None:
+        record, self._record = self._record, None
+        orders = self.comm.all_gather_object(record)
+        if any(o != orders[0] for o in orders):
+            warnings.warn("the units ran in a different order on different ranks in the first forward; "
+                          "keeping the model's registration order for gathers and prefetch", stacklevel=3)
+            return
+        self.schedule = record + [i for i in self.schedule if i not in record]
+
+    def _abort(self) -> None:
+        """An exception escaped the forward: release everything this forward gathered."""
+        for u in self.units:
+            self._release(u)
+        self.phase = None
+
+    # -- backward ---------------------------------------------------------
+    def _pre_backward_hook(self, u: _Unit):
+        def hook(grad):
+            if self.phase != "backward":
+                order = list(reversed(self.schedule)) if self.reshard_after_forward else []
+                self._start("backward", order)
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if not u.backward_started:
+                u.backward_started = True
+                self._require(u)
+                self._prefetch()
+        return hook
+
+    def _grad_hook(self, u: _Unit):
+        def hook(p):
+            if self.phase != "backward" or u.index == 0:
+                return
+            u.grads_seen.add(p)
+            if len(u.grads_seen) == len(u.trainable):
+                self._release(u)
+        return hook
+
+    def _end_backward(self) -> None:
+        self._drain()
+        for u in self.units:
+            self._release(u)
+            u.backward_started = False
+            u.grads_seen.clear()
+        self.phase = None
+
+    # -- outside forward and backward ---------------------------------------
+    def release_all(self) -> None:
+        """The shards changed (a step, a load): drop every gathered copy."""
+        for u in self.units:
+            self._release(u)
+        self.log.clear()
+        self.peak_bytes = self.gathered_bytes()
+
+    @contextmanager
+    def full_parameters(self, writeback: bool = False):
+        if self.phase is not None:
+            raise RuntimeError("full_parameters() cannot be entered inside the model's forward or backward")
+        order = [self.units[0]] + [self.units[i] for i in self.schedule]
+        for u in order:
+            self._issue(u)
+        for u in order:
+            self._wait(u)
+        try:
+            yield
+            if writeback:
+                for u in self.units:
+                    for part in u.parts:
+                        part.load_master_from_params()
+        finally:
+            for u in self.units:
+                self._release(u)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

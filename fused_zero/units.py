@@ -1,0 +1,110 @@
+"""Stage 3: which modules are units, and which unit owns each parameter.
+
+A unit is a module whose parameters are gathered together just before its
+forward and released after it. Unit 0 is always the model itself (the root):
+it owns every parameter that no other unit owns, and stays gathered from the
+start of a training forward to the end of its backward.
+
+By default the units are the elements of every ``nn.ModuleList`` in the model
+that hold parameters (transformer blocks), outermost first; a model without a
+ModuleList gets one unit per direct child that holds parameters. ``units=``
+overrides that with module classes (every instance below the root becomes a
+unit) or with the module objects themselves.
+
+A parameter belongs to the innermost unit around the module that registers
+it. A parameter registered in several units (an embedding tied to the output
+head) goes to the root, so it is gathered whenever any of its users runs.
+
+Nothing here touches tensor data: modules in, a plan out.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from torch import nn
+
+
+class UnitPlan(NamedTuple):
+    """Units (index 0 the root) and the parameters each one owns, in model order."""
+
+    modules: tuple[nn.Module, ...]
+    params: tuple[tuple[nn.Parameter, ...], ...]
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Elements of ModuleLists holding parameters (outermost only), else the root's children."""
+    found: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, nn.ModuleList):
+            for child in m:
+                if _has_params(child):
+                    found.append(child)  # a unit: do not look for units inside it
+                else:
+                    visit(child)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    if not found:
+        found = [c for c in model.children() if _has_params(c)]
+    return found
+
+
+def resolve_units(model: nn.Module, units) -> list[nn.Module]:
+    """The unit modules below the root for ``units`` (None, classes or modules), model order."""
+    if units is None:
+        chosen = default_units(model)
+    else:
+        if isinstance(units, (type, nn.Module)) or not isinstance(units, Sequence):
+            raise TypeError("units must be a list of nn.Module classes or of submodules of the model, "
+                            f"got {type(units).__name__}")
+        if all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+            classes = tuple(units)
+            chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+        elif all(isinstance(u, nn.Module) for u in units):
+            members = {id(m) for m in model.modules()}
+            for u in units:
+                if id(u) not in members:
+                    raise ValueError(f"units contains a {type(u).__name__} that is not a submodule of the model; "
+                                     "pass modules of the model the optimizer shards")
+                if u is model:
+                    raise ValueError("units must not contain the model itself: it is always the root unit")
+            chosen = list(units)
+        else:
+            raise TypeError("units must be all nn.Module classes or all submodules of the model, not a mix")
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    unique = {id(m): m for m in chosen}
+    return sorted(unique.values(), key=lambda m: order[id(m)])
+
+
+def plan_units(model: nn.Module, units=None) -> UnitPlan:
+    """Assign every parameter of ``model`` to one unit; drop units that own none."""
+    candidates = [model] + resolve_units(model, units)
+    index = {id(m): i for i, m in enumerate(candidates)}
+    owners: dict[nn.Parameter, set[int]] = {}
+
+    def walk(m: nn.Module, unit: int, path: set[int]) -> None:
+        if id(m) in path:
+            return  # a module that contains itself: visited already
+        unit = index.get(id(m), unit)
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(p, set()).add(unit)
+        for child in m._modules.values():
+            if child is not None:
+                walk(child, unit, path | {id(m)})
+
+    walk(model, 0, set())
+    owned: list[list[nn.Parameter]] = [[] for _ in candidates]
+    for p in model.parameters():  # model order, each parameter once
+        where = owners[p]
+        owned[next(iter(where)) if len(where) == 1 else 0].append(p)
+    keep = [0] + [i for i in range(1, len(candidates)) if owned[i]]
+    return UnitPlan(tuple(candidates[i] for i in keep), tuple(tuple(owned[i]) for i in keep))
