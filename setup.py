@@ -9,6 +9,6 @@ setup(
     # top-level name lands in site-packages.
     packages=["fused_zero", "fused_zero.kernels"],
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
-    install_requires=["torch>=2.4", "triton", "numpy"],
+    install_requires=["torch>=2.4", "triton", "numpy", "safetensors"],
     extras_require={"test": ["pytest", "pytest-benchmark"]},
 )
