@@ -1,0 +1,316 @@
+"""ZeRO stage 3 mechanics: gather order and prefetch, the pool bound, release on an exception,
+full parameters on demand, eval, accounting (16Ψ/N bytes, 3Ψ traffic) and bad input.
+
+Parity with DDP over many steps is tests/test_stage3_parity.py; here one spawn of two gloo
+ranks measures the mechanics on the example GPT, and the tests assert.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from _models import HYPER, TinyNet, param_groups, rel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
+
+CFG = GPTConfig(vocab=96, d_model=32, n_layer=3, n_head=2, seq_len=16)
+BUCKET = 2000
+
+
+class ReversedGPT(GPT):
+    """Runs its blocks in reverse registration order: the recorded order must win."""
+
+    def forward(self, idx, targets=None):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for block in reversed(self.blocks):
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _step(model, opt, step, rank):
+    idx, tgt = synthetic_batch(CFG, 4, step=step, rank=rank)
+    opt.zero_grad()
+    loss = model(idx, tgt)[1]
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _snapshots(model, opt):
+    """Record the gather log as each block's forward starts (after our own pre-hook)."""
+    seen = []
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: seen.append((i + 1, list(opt.gatherer.log))))
+    return seen
+
+
+def _mechanics(rank, world_size):
+    from fused_zero import ShardedOptimizer
+
+    out = {}
+    model = GPT(CFG, seed=0)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    opt = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=BUCKET)
+    g = opt.gatherer
+    out["units"] = [type(u.module).__name__ for u in g.units]
+    seen = _snapshots(model, opt)
+
+    def both(step, ranks_data=True):
+        _step(model, opt, step, rank)
+        # the reference: the average of both ranks' gradients, as DDP would make them
+        ref_opt.zero_grad()
+        for r in range(world_size):
+            idx, tgt = synthetic_batch(CFG, 4, step=step, rank=r)
+            (ref(idx, tgt)[1] / world_size).backward()
+        ref_opt.step()
+
+    both(0)
+    out["released_numel"] = [p.numel() for p in model.parameters()]
+    seen.clear()
+    g.log.clear()
+    g.peak_bytes = 0
+    idx, tgt = synthetic_batch(CFG, 4, step=1, rank=rank)
+    opt.zero_grad()
+    loss = model(idx, tgt)[1]
+    out["log_forward"] = list(g.log)
+    loss.backward()
+    out["log_step"] = list(g.log)
+    out["seen"] = list(seen)
+    out["peak"], out["pool"] = g.peak_bytes, g.pool_bytes()
+    out["unit_bytes"] = [u.nbytes for u in g.units]
+    opt.step()
+    ref_opt.zero_grad()
+    for r in range(world_size):
+        i, t = synthetic_batch(CFG, 4, step=1, rank=r)
+        (ref(i, t)[1] / world_size).backward()
+    ref_opt.step()
+    out["comm"] = opt.comm_bytes()
+    out["flat_bytes"] = sum(part.layout.numel * 4 for part in opt.partitions)
+    out["memory"] = opt.memory_bytes()
+    out["shard_numel"] = sum(part.layout.shard_numel for part in opt.partitions)
+    out["gathered_after_step"] = g.gathered_bytes()
+
+    # eval under no_grad: one forward's gathers, all released
+    g.log.clear()
+    model.eval()
+    with torch.no_grad():
+        logits = model(idx)
+    model.train()
+    out["eval_log"], out["gathered_after_eval"] = list(g.log), g.gathered_bytes()
+    with torch.no_grad():
+        out["eval_err"] = rel(logits, ref(idx))
+
+    # an exception inside a unit's forward releases what was gathered; training goes on
+    blk = model.blocks[1]
+    blk.forward = lambda x: (_ for _ in ()).throw(RuntimeError("boom"))
+    try:
+        model(idx, tgt)
+        out["raised"] = False
+    except RuntimeError as e:
+        out["raised"] = "boom" in str(e)
+    del blk.forward
+    out["after_exception"] = (g.gathered_bytes(), g.phase)
+    both(2)
+
+    # full parameters: readable, and writeback reaches the masters
+    with opt.full_parameters(writeback=True):
+        out["full_numel"] = [p.numel() for p in model.parameters()]
+        with torch.no_grad():
+            model.ln_f.weight.add_(0.5)
+            ref.ln_f.weight.add_(0.5)
+    both(3)
+    with opt.full_parameters():
+        refs = dict(ref.named_parameters())
+        out["param_err"] = max(rel(p, refs[n]) for n, p in model.named_parameters() if not n.endswith("qkv.bias"))
+
+    # no prefetch with one live unit
+    m1 = GPT(CFG, seed=0)
+    o1 = ShardedOptimizer(m1, **HYPER, stage=3, bucket_numel=BUCKET, max_live_units=1)
+    seen1 = _snapshots(m1, o1)
+    _step(m1, o1, 0, rank)
+    out["seen_live1"] = list(seen1)
+    out["peak_live1"], out["pool_live1"] = o1.gatherer.peak_bytes, o1.gatherer.pool_bytes()
+
+    # the forward order is recorded on the first step and used from then on
+    m2 = ReversedGPT(CFG, seed=0)
+    o2 = ShardedOptimizer(m2, **HYPER, stage=3, bucket_numel=BUCKET)
+    _step(m2, o2, 0, rank)
+    out["schedule_reversed"] = list(o2.gatherer.schedule)
+    idx, tgt = synthetic_batch(CFG, 4, step=1, rank=rank)
+    o2.zero_grad()
+    m2(idx, tgt)[1].backward()
+    out["log_reversed"] = list(o2.gatherer.log)  # step() clears it
+    o2.step()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mech():
+    return run_ranks(_mechanics, 2, timeout=240)
+
+
+def test_units_are_root_then_blocks(mech):
+    assert mech[0]["units"] == ["GPT", "Block", "Block", "Block"]
+
+
+def test_forward_then_reversed_backward_gather_order(mech):
+    for r in mech:
+        assert r["log_forward"] == [0, 1, 2, 3]
+        # the root stays gathered through backward; every block is gathered again, last first
+        assert r["log_step"] == [0, 1, 2, 3, 3, 2, 1]
+
+
+def test_next_unit_is_prefetched_before_the_current_one_computes(mech):
+    for r in mech:
+        for unit, log in r["seen"]:
+            expected_last = min(unit + 1, 3)
+            assert log[-1] == expected_last, (unit, log)
+
+
+def test_one_live_unit_means_no_prefetch(mech):
+    for r in mech:
+        for unit, log in r["seen_live1"]:
+            assert log[-1] == unit, (unit, log)
+        assert r["peak_live1"] <= r["pool_live1"]
+
+
+def test_peak_gathered_bytes_within_pool(mech):
+    for r in mech:
+        root, blocks = r["unit_bytes"][0], r["unit_bytes"][1:]
+        assert r["pool"] == root + 2 * max(blocks)
+        assert root + max(blocks) < r["peak"] <= r["pool"]
+
+
+def test_recorded_forward_order_drives_gathers(mech):
+    for r in mech:
+        assert r["schedule_reversed"] == [3, 2, 1]
+        assert r["log_reversed"] == [0, 3, 2, 1, 1, 2, 3]
+
+
+def test_parameters_are_empty_placeholders_between_steps(mech):
+    r = mech[0]
+    assert set(r["released_numel"]) == {0}
+    assert all(n > 0 for n in r["full_numel"])
+    assert r["gathered_after_step"] == 0
+
+
+def test_traffic_is_3_psi_minus_the_root_kept_through_backward(mech):
+    for r in mech:
+        blocks = sum(r["unit_bytes"][1:])
+        assert r["comm"]["all_gather"] == r["flat_bytes"] + blocks
+        assert r["comm"]["reduce_scatter"] == r["flat_bytes"]
+
+
+def test_resident_state_is_16_psi_over_n(mech):
+    for r in mech:
+        m = r["memory"]
+        total = m["params"] + m["grads"] + m["master"] + m["exp_avg"] + m["exp_avg_sq"]
+        assert total == 16 * r["shard_numel"]
+        assert m["params"] == 0  # fp32: the master shard is the resident parameter copy
+
+
+def test_eval_under_no_grad(mech):
+    for r in mech:
+        assert r["eval_log"] == [0, 1, 2, 3]
+        assert r["gathered_after_eval"] == 0
+        assert r["eval_err"] < 1e-5
+
+
+def test_exception_in_forward_releases_everything(mech):
+    for r in mech:
+        assert r["raised"]
+        assert r["after_exception"] == (0, None)
+
+
+def test_training_continues_after_exception_and_writeback(mech):
+    for r in mech:
+        assert r["param_err"] < 1e-5
+
+
+# -- single process -------------------------------------------------------------------------
+
+def test_bf16_resident_state_is_16_psi():
+    from fused_zero import ShardedOptimizer
+    model = GPT(CFG, seed=0).to(torch.bfloat16)
+    opt = ShardedOptimizer(model, stage=3, bucket_numel=BUCKET)
+    _step(model, opt, 0, 0)
+    m = opt.memory_bytes()
+    n = sum(part.layout.shard_numel for part in opt.partitions)
+    # bf16 param shard 2 + fp32 master, exp_avg, exp_avg_sq 12 + bf16 gradient shard 2
+    assert m["params"] + m["grads"] + m["master"] + m["exp_avg"] + m["exp_avg_sq"] == 16 * n
+
+
+def test_groups_with_module():
+    from fused_zero import ShardedOptimizer
+    model = TinyNet()
+    opt = ShardedOptimizer(param_groups(model), stage=3, module=model, bucket_numel=1000)
+    assert [g["lr"] for g in opt.param_groups] == [2e-3, 1e-3, 3e-3]
+    assert {part.group_index for part in opt.partitions} == {0, 1, 2}
+
+
+def test_parameter_missing_from_groups():
+    from fused_zero import ShardedOptimizer
+    model = TinyNet()
+    with pytest.raises(ValueError, match="in no param group"):
+        ShardedOptimizer(param_groups(model)[:2], stage=3, module=model)
+
+
+def test_foreign_parameter_in_groups():
+    from fused_zero import ShardedOptimizer
+    model = TinyNet()
+    groups = param_groups(model) + [{"params": [nn.Parameter(torch.zeros(3))]}]
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        ShardedOptimizer(groups, stage=3, module=model)
+
+
+def test_add_param_group_after_construction():
+    from fused_zero import ShardedOptimizer
+    opt = ShardedOptimizer(GPT(CFG), stage=3)
+    with pytest.raises(RuntimeError, match="module=model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+
+
+def test_units_need_stage_3():
+    from fused_zero import ShardedOptimizer
+    with pytest.raises(ValueError, match="units= only applies to stage 3"):
+        ShardedOptimizer(GPT(CFG), stage=2, units=[Block])
+
+
+def test_invalid_max_live_units():
+    from fused_zero import ShardedOptimizer
+    with pytest.raises(ValueError, match="max_live_units"):
+        ShardedOptimizer(GPT(CFG), stage=3, max_live_units=0)
+
+
+def test_full_parameters_inside_forward_raises():
+    from fused_zero import ShardedOptimizer
+    model = GPT(CFG)
+    opt = ShardedOptimizer(model, stage=3)
+
+    def hook(module, args):
+        with opt.full_parameters():
+            pass
+    handle = model.blocks[0].register_forward_pre_hook(hook)
+    idx, tgt = synthetic_batch(CFG, 2, step=0)
+    with pytest.raises(RuntimeError, match="inside the model's forward"):
+        model(idx, tgt)
+    assert opt.gatherer.gathered_bytes() == 0
+    handle.remove()
+    _step(model, opt, 0, 0)  # still usable
+
+
+def test_user_units_classes():
+    from fused_zero import ShardedOptimizer
+    from gpt import MLP
+    model = GPT(CFG)
+    opt = ShardedOptimizer(model, stage=3, units=[MLP])
+    assert [type(u.module).__name__ for u in opt.gatherer.units] == ["GPT", "MLP", "MLP", "MLP"]
+    _step(model, opt, 0, 0)
