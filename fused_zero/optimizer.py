@@ -1,4 +1,4 @@
-"""ShardedOptimizer: ZeRO stages 1 and 2 as a drop-in torch.optim.Optimizer.
+"""ShardedOptimizer: ZeRO stages 1, 2 and 3 as a drop-in torch.optim.Optimizer.
 
 step() has three phases:
 1. reduce: wait for the buckets' reduce-scatters (stage 2 launched them
@@ -7,7 +7,8 @@ step() has three phases:
    on any rank, the squared grad norm and a non-finite flag when clipping or
    a GradScaler needs them), then the fused AdamW kernel over this rank's
    fp32 master shard, writing the narrow param shard in the same pass;
-3. gather: all-gather every updated bucket back into the full param buffer.
+3. gather: all-gather every updated bucket back into the full param buffer
+   (stage 3 gathers nothing here: each unit's next forward does, see stage3.py).
 
 Semantics follow torch.optim.AdamW: a parameter whose gradient is None on
 every rank is not updated and its step count does not advance; a step that a
