@@ -32,19 +32,23 @@ class UnitPlan(NamedTuple):
     params: tuple[tuple[nn.Parameter, ...], ...]
 
 
+#: Modules whose forward never runs: hooks on them would never fire.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _has_params(m: nn.Module) -> bool:
     return next(m.parameters(), None) is not None
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """Elements of ModuleLists holding parameters (outermost only), else the root's children."""
-    found: list[nn.Module] = []
+    found: dict[int, nn.Module] = {}
 
     def visit(m: nn.Module) -> None:
         if isinstance(m, nn.ModuleList):
             for child in m:
-                if _has_params(child):
-                    found.append(child)  # a unit: do not look for units inside it
+                if _has_params(child) and not isinstance(child, _CONTAINERS):
+                    found.setdefault(id(child), child)  # a unit: no units inside it
                 else:
                     visit(child)
             return
@@ -53,8 +57,11 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     if not found:
-        found = [c for c in model.children() if _has_params(c)]
-    return found
+        for child in model.children():
+            for c in (child.children() if isinstance(child, _CONTAINERS) else (child,)):
+                if _has_params(c) and not isinstance(c, _CONTAINERS):
+                    found.setdefault(id(c), c)
+    return list(found.values())
 
 
 def resolve_units(model: nn.Module, units) -> list[nn.Module]:
@@ -62,7 +69,7 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     if units is None:
         chosen = default_units(model)
     else:
-        if isinstance(units, (type, nn.Module)) or not isinstance(units, Sequence):
+        if isinstance(units, (type, nn.Module, str, bytes)) or not isinstance(units, Sequence):
             raise TypeError("units must be a list of nn.Module classes or of submodules of the model, "
                             f"got {type(units).__name__}")
         if all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
@@ -78,7 +85,14 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
                     raise ValueError("units must not contain the model itself: it is always the root unit")
             chosen = list(units)
         else:
-            raise TypeError("units must be all nn.Module classes or all submodules of the model, not a mix")
+            bad = [u for u in units if not (isinstance(u, nn.Module) or (isinstance(u, type) and issubclass(u, nn.Module)))]
+            raise TypeError("units must be all nn.Module classes or all submodules of the model"
+                            + (f"; got {bad[0]!r}" if bad else ", not a mix of both"))
+        for m in chosen:
+            if isinstance(m, _CONTAINERS):
+                raise ValueError(f"units contains a {type(m).__name__}, whose forward never runs, so its "
+                                 "parameters would never be gathered; pass its elements instead "
+                                 "(e.g. units=list(model.blocks))")
     order = {id(m): i for i, m in enumerate(model.modules())}
     unique = {id(m): m for m in chosen}
     return sorted(unique.values(), key=lambda m: order[id(m)])
@@ -90,18 +104,21 @@ def plan_units(model: nn.Module, units=None) -> UnitPlan:
     index = {id(m): i for i, m in enumerate(candidates)}
     owners: dict[nn.Parameter, set[int]] = {}
 
-    def walk(m: nn.Module, unit: int, path: set[int]) -> None:
-        if id(m) in path:
-            return  # a module that contains itself: visited already
+    visited: set[tuple[int, int]] = set()
+
+    def walk(m: nn.Module, unit: int) -> None:
         unit = index.get(id(m), unit)
+        if (id(m), unit) in visited:
+            return  # a shared module seen under this unit already (or a cycle)
+        visited.add((id(m), unit))
         for p in m._parameters.values():
             if p is not None:
                 owners.setdefault(p, set()).add(unit)
         for child in m._modules.values():
             if child is not None:
-                walk(child, unit, path | {id(m)})
+                walk(child, unit)
 
-    walk(model, 0, set())
+    walk(model, 0)
     owned: list[list[nn.Parameter]] = [[] for _ in candidates]
     for p in model.parameters():  # model order, each parameter once
         where = owners[p]
