@@ -7,8 +7,8 @@
 CPU, world size 2 (gloo): a GPT of d=512, 8 layers, 8 heads, vocab 8192 (untied head), seq 128,
 batch 8 per rank, fp32: 33.7M parameters. Variants: DDP + torch AdamW(fused=True) (the
 baseline; DDP with default settings); torch's ZeroRedundancyOptimizer(AdamW, fused=True) under
-DDP; FSDP2 (fully_shard per block and root) + torch AdamW; ShardedOptimizer stage 1 and 2 (no DDP);
-stage 3 as soon as ShardedOptimizer accepts it (skipped while it raises).
+DDP; FSDP2 (fully_shard per block and root) + torch AdamW; ShardedOptimizer stages 1, 2 and 3 (no DDP;
+stage 3 takes the model, its units are the GPT's blocks).
 
 How the numbers are measured: ONE torch.multiprocessing spawn of 2 ranks and one process group
 runs every variant. Each variant gets its own model built from the same seed and the same
