@@ -156,18 +156,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # first, so the short remainder bucket (the layout's last) holds the first
                 # parameters and is the last to reduce, leaving step() little to wait for.
                 params = [p for p in reversed(group["params"]) if p.dtype == dtype]
-                part = built.get(id(params[0]))
-                if part is None:
-                    layout = build_layout([p.numel() for p in params], self.comm.world_size,
-                                          self.config.bucket_numel, ALIGN)
-                    part = Partition(gi, params, layout, self.comm.rank, self.config.reduce_dtype or dtype)
-                    if self.comm.world_size > 1:
-                        self.comm.broadcast(part.flat, src=0)
-                        part.load_master_from_params()
+                part = built.get(id(params[0])) or self._new_partition(gi, params)
                 partitions.append(part)
                 positions.append([position[p] for p in params])
         self.partitions = partitions
         self.reducer = GradReducer(partitions, positions, self.comm, self.config.stage, self.config.overlap)
+
+    def _new_partition(self, group_index: int, params: list[nn.Parameter]) -> Partition:
+        """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
+        layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
+        part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype)
+        if self.comm.world_size > 1:
+            self.comm.broadcast(part.flat, src=0)
+            part.load_master_from_params()
+        return part
 
     def _build_stage3(self) -> None:
         """One partition per (unit, group, dtype); the gatherer owns the full buffers."""
@@ -195,13 +197,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 mine = [p for p in reversed(ps) if group_of[p] == gi]
                 for dtype in dict.fromkeys(p.dtype for p in mine):
                     params = [p for p in mine if p.dtype == dtype]
-                    layout = build_layout([p.numel() for p in params], self.comm.world_size,
-                                          self.config.bucket_numel, ALIGN)
-                    part = Partition(gi, params, layout, self.comm.rank, self.config.reduce_dtype or dtype)
-                    if self.comm.world_size > 1:
-                        self.comm.broadcast(part.flat, src=0)
-                        part.load_master_from_params()
-                    parts.append(part)
+                    parts.append(self._new_partition(gi, params))
                     positions.append([position[p] for p in params])
             unit_parts.append(parts)
         self.partitions = [part for parts in unit_parts for part in parts]

@@ -166,11 +166,7 @@ class ParamGatherer:
             if u.index == 0 and self.phase is None:
                 self._grad_forward = torch.is_grad_enabled()
                 self._start("forward", list(self.schedule))
-                self._issue(u)
-                self._wait(u)
-                self._prefetch()
-                return
-            if self.phase == "forward" and self._grad_forward and self._record is not None \
+            elif self.phase == "forward" and self._grad_forward and self._record is not None \
                     and u.index and u.index not in self._record:
                 self._record.append(u.index)
             self._require(u)
