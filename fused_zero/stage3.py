@@ -69,12 +69,11 @@ class ParamGatherer:
         self.log: list[int] = []  # units in the order their gathers were issued since the last step
         self.peak_bytes = 0
         self._placeholders: dict = {}
-        self._hooks = []
-        for u in self.units:
-            self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u), prepend=True))
-            self._hooks.append(u.module.register_forward_hook(self._post_forward_hook(u), always_call=True))
+        for u in self.units:  # the hooks live as long as the model
+            u.module.register_forward_pre_hook(self._pre_forward_hook(u), prepend=True)
+            u.module.register_forward_hook(self._post_forward_hook(u), always_call=True)
             for p in u.trainable:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
+                p.register_post_accumulate_grad_hook(self._grad_hook(u))
         for u in self.units:
             self._release(u)
 
@@ -284,8 +283,3 @@ class ParamGatherer:
         finally:
             for u in self.units:
                 self._release(u)
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
