@@ -25,6 +25,7 @@ Broadcast and object collectives are set-up only and are not counted.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -89,13 +90,6 @@ def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
     return _DONE
 
 
-def _local_copy(comm: "Comm") -> "Comm":
-    twin = Comm.__new__(Comm)
-    twin.__dict__.update(comm.__dict__)
-    twin.reset_traffic()
-    return twin
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
@@ -129,8 +123,10 @@ class Comm:
         whose order depends on timing (stage 3's gathers against the reducer's
         reduce-scatters) gets a group of its own so the two never interleave.
         """
-        if self._local:
-            return _local_copy(self)
+        if self._local:  # nothing to keep apart: the same (local) communicator, own traffic count
+            twin = copy.copy(self)
+            twin.reset_traffic()
+            return twin
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         group = dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=self.group is not None)
         return Comm(group)

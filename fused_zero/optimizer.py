@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -217,14 +217,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         changes made inside back into the master weights. Stages 1 and 2 always
         hold full parameters; there it only applies ``writeback``.
         """
-        if self.gatherer is not None:
-            with self.gatherer.full_parameters(writeback):
-                yield
-            return
-        yield
-        if writeback:
-            for part in self.partitions:
-                part.load_master_from_params()
+        with self.gatherer.full_parameters() if self.gatherer is not None else nullcontext():
+            yield
+            if writeback:  # stage 3: before the gathered copies are released
+                for part in self.partitions:
+                    part.load_master_from_params()
 
     @contextmanager
     def no_sync(self):

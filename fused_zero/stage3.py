@@ -266,7 +266,7 @@ class ParamGatherer:
         self.peak_bytes = self.gathered_bytes()
 
     @contextmanager
-    def full_parameters(self, writeback: bool = False):
+    def full_parameters(self):
         if self.phase is not None:
             raise RuntimeError("full_parameters() cannot be entered inside the model's forward or backward")
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
@@ -276,10 +276,6 @@ class ParamGatherer:
             self._wait(u)
         try:
             yield
-            if writeback:
-                for u in self.units:
-                    for part in u.parts:
-                        part.load_master_from_params()
         finally:
             for u in self.units:
                 self._release(u)
