@@ -10,7 +10,23 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Bucket, FlatLayout
+from typing import NamedTuple
+
+from .layout import Bucket, FlatLayout, ShardPiece
+
+#: The sharded optimizer states every partition holds, in this order.
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class PartitionIndex(NamedTuple):
+    """What a partition's shard holds, for code outside the optimizer (checkpoints)."""
+
+    group_index: int
+    params: tuple  # the partition's parameters, in layout order
+    shapes: tuple  # their shapes (stage 3 parameters may be 0-element placeholders)
+    pieces: tuple[ShardPiece, ...]  # runs of parameter elements in this rank's shard
+    shard_numel: int
+    kinds: tuple[str, ...]  # the state kinds this shard holds (STATE_KINDS, + max_exp_avg_sq with amsgrad)
 
 
 class Partition:

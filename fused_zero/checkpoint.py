@@ -63,8 +63,6 @@ from .optimizer import ShardedOptimizer
 
 __all__ = ["save", "load", "consolidate", "load_torch_state", "read_extras", "CheckpointError", "main"]
 
-_ERRORS = {c.__name__: c for c in (ValueError, TypeError, FileNotFoundError, FileExistsError, CheckpointError)}
-
 
 def _comm(optimizer):
     if not isinstance(optimizer, ShardedOptimizer):
@@ -74,24 +72,7 @@ def _comm(optimizer):
 
 
 def _agree(comm, fn, share=None):
-    """Run ``fn`` (no collectives inside) on every rank; if it raised on any rank, raise on all.
-
-    Returns ``(fn's result, [share(result) of every rank])``.
-    """
-    error, result, mine = None, None, None
-    try:
-        result = fn()
-        mine = share(result) if share is not None else None
-    except Exception as e:  # noqa: BLE001 - raised again below, on every rank
-        error = e
-    gathered = comm.all_gather_object((None if error is None else (type(error).__name__, str(error)), mine))
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-    if failed:
-        r, (kind, msg) = failed[0]
-        raise _ERRORS.get(kind, RuntimeError)(f"rank {r} failed: {msg}")
-    return result, [s for _, s in gathered]
+    return comm.agree(fn, share, errors=(CheckpointError,))
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -399,12 +380,8 @@ def _commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, s
             sched_state=None) -> None:
     """Write what every rank has read into the optimizer, model and scheduler (all ranks join)."""
     opt = view.opt
-    for part, new in zip(opt.partitions, staged):
-        for kind, t in zip(KINDS, new):
-            if t is not None:
-                getattr(part, kind).copy_(t)
-    for part in opt.partitions:
-        for p in part.params:
+    for info in opt.shard_index():
+        for p in info.params:
             opt.state.pop(p, None)
             step = steps.get(view.name(p))
             if step is not None:
@@ -417,7 +394,7 @@ def _commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, s
         p.copy_(tensors[name])
     if scheduler is not None:
         scheduler.load_state_dict(sched_state)
-    opt._params_from_master()
+    opt.load_shards([dict(zip(KINDS, new)) for new in staged])
 
 
 # -- plain PyTorch -------------------------------------------------------------------------------

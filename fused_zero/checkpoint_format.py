@@ -237,10 +237,11 @@ class ModelView:
                     self.keys.append(pre + n)
                     self.buffers[pre + n] = b
         self.opt = opt
-        self.where = {id(p): (k, i) for k, part in enumerate(opt.partitions) for i, p in enumerate(part.params)}
+        self.index = opt.shard_index()
+        self.where = {id(p): (k, i) for k, part in enumerate(self.index) for i, p in enumerate(part.params)}
         # Stage 3 releases parameters outside forward (0-element placeholders): take their
         # shapes from the partitions, never from the tensors.
-        self.shapes = {k: list(part.shapes) for k, part in enumerate(opt.partitions)}
+        self.shapes = {k: list(part.shapes) for k, part in enumerate(self.index)}
         self.groups: list[list[str]] = []  # names per param group, in group order
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
@@ -275,14 +276,14 @@ class ModelView:
 def shard_tensors(view: ModelView, chunk_numel: int) -> tuple[dict[str, torch.Tensor], list[list]]:
     """This rank's chunks as ({key: CPU tensor}, [[name, start, numel, crc x3], ...])."""
     tensors, table = {}, []
-    for part in view.opt.partitions:
+    for k, part in enumerate(view.index):
         for piece in part.pieces:
             name = view.name(part.params[piece.param_index])
             for start, n in chunks(piece.param_offset, piece.numel, chunk_numel):
                 lo = piece.shard_offset + start - piece.param_offset
                 row = [name, start, n]
                 for kind in KINDS:
-                    t = getattr(part, kind)[lo:lo + n].detach().to("cpu", copy=True)
+                    t = view.opt.read_shard(k, kind, lo, lo + n)
                     tensors[tensor_key(name, kind, start)] = t
                     row.append(crc32(t))
                 table.append(row)
@@ -362,9 +363,9 @@ def reshard(view: ModelView, meta: dict, read_chunk: Callable[[str, Chunk], list
     ``read_chunk(name, chunk)`` returns the chunk's three tensors; each chunk is read once per
     parameter however many of this rank's pieces it meets. Padding stays zero.
     """
-    staged = [[torch.zeros(part.layout.shard_numel) for _ in KINDS] for part in view.opt.partitions]
+    staged = [[torch.zeros(part.shard_numel) for _ in KINDS] for part in view.index]
     wants: dict[str, list] = {}
-    for k, part in enumerate(view.opt.partitions):
+    for k, part in enumerate(view.index):
         for piece in part.pieces:
             wants.setdefault(view.name(part.params[piece.param_index]), []).append((k, piece))
     alias = aliases(meta)
@@ -443,8 +444,8 @@ def from_torch(view: ModelView, optim_sd: dict, model_sd: dict | None) -> tuple[
         if lines:
             raise ValueError("model_state_dict does not fit the model: " + "; ".join(lines))
     staged = []
-    for part in opt.partitions:
-        n = part.layout.shard_numel
+    for part in opt.shard_index():
+        n = part.shard_numel
         new = [None if model_sd is None else torch.zeros(n), torch.zeros(n), torch.zeros(n)]
         for piece in part.pieces:
             p = part.params[piece.param_index]

@@ -275,17 +275,51 @@ class Comm:
         if not self._local:
             dist.barrier(group=self.group)
 
+    def agree(self, fn: Callable[[], Any], share: Callable[[Any], Any] | None = None,
+              errors: tuple[type, ...] = ()) -> tuple[Any, list]:
+        """Run ``fn`` (no collectives inside) on every rank; if it raised on any rank, raise on all.
+
+        Returns ``(fn's result, [share(result) of every rank])``. One all_gather_object
+        that every rank joins whatever happened: a rank whose check failed never leaves
+        the others waiting in a later collective. The rank that failed raises its own
+        exception; the others raise the same type (``errors``, the builtin ValueError,
+        TypeError, RuntimeError, OSError family; RuntimeError otherwise) naming that rank.
+        """
+        error, result, mine = None, None, None
+        try:
+            result = fn()
+            mine = share(result) if share is not None else None
+        except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+            error = e
+        gathered = self.all_gather_object((None if error is None else (_error_class(error, errors), str(error)), mine))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failed:
+            r, (cls, msg) = failed[0]
+            raise cls(f"rank {r} failed: {msg}")
+        return result, [s for _, s in gathered]
+
     def check_same(self, value: Any, what: str, hint: str = "") -> None:
         """Raise ValueError on EVERY rank if any rank's ``value`` differs from rank 0's.
 
         One all_gather_object that every rank joins, then the same comparison on the
         same data everywhere: all ranks agree on the verdict, so none is left waiting.
         """
-        values = self.all_gather_object(value)
+        _, values = self.agree(lambda: value, share=lambda v: v)
         for r in range(1, len(values)):
             diff = _first_difference(values[r], values[0], r)
             if diff is not None:
                 raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
+
+
+def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
+    """The class other ranks raise for ``error``: one of ``extra`` or a builtin (they pickle)."""
+    for cls in type(error).__mro__:
+        if cls in extra or cls in (FileNotFoundError, FileExistsError, PermissionError, OSError, TypeError, ValueError,
+                   NotImplementedError, RuntimeError):
+            return cls
+    return RuntimeError
 
 
 def _first_difference(mine: Any, ref: Any, rank: int) -> str | None:

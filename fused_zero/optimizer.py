@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .buffers import Partition
+from .buffers import STATE_KINDS, Partition, PartitionIndex
 from .collectives import Comm
 from .config import ALIGN, ZeroConfig
 from .layout import build_layout
@@ -448,6 +448,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for part, s in zip(self.partitions, shards["partitions"]):
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(part, name).copy_(s[name])
+        self._params_from_master()
+
+    # -- the shards, for checkpoints ---------------------------------------
+    def shard_index(self) -> tuple[PartitionIndex, ...]:
+        """This rank's shards: one entry per partition, in partition order."""
+        return tuple(PartitionIndex(part.group_index, tuple(part.params), part.shapes, part.pieces,
+                                    part.layout.shard_numel, STATE_KINDS) for part in self.partitions)
+
+    def read_shard(self, partition: int, kind: str, start: int, end: int) -> torch.Tensor:
+        """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard."""
+        if kind not in STATE_KINDS:
+            raise ValueError(f"kind must be one of {STATE_KINDS}, got {kind!r}")
+        self.reducer.wait()
+        return getattr(self.partitions[partition], kind)[start:end].detach().to("cpu", copy=True)
+
+    @torch.no_grad()
+    def load_shards(self, staged) -> None:
+        """Write whole shards, then make the parameters what the masters say (every rank joins).
+
+        ``staged`` holds one mapping per partition (shard_index() order) from a state
+        kind to a tensor of the shard's size, or None to keep that kind as it is.
+        """
+        if len(staged) != len(self.partitions):
+            raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
+        self.reducer.wait()
+        for part, new in zip(self.partitions, staged):
+            for kind, t in new.items():
+                if t is not None:
+                    getattr(part, kind).copy_(t)
         self._params_from_master()
 
     @torch.no_grad()
