@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .spans import overlaps
+
 # torch 2.13 renamed the flat-tensor collectives and deprecates the old names
 # (FutureWarning); torch 2.11 on the GPU machines has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,21 +80,11 @@ class _AllWorks(NamedTuple):
             w.wait()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
 def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
     """World size 1: a reduce-scatter or all-gather is a copy (none when in place)."""
     if output.data_ptr() != input.data_ptr():
         output.view(-1).copy_(input.view(-1))
     return _DONE
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
 
 
 class Comm:
@@ -172,9 +164,8 @@ class Comm:
                 f"{name} {big_name} has {big.numel()} elements; it must be world_size ({self.world_size}) "
                 f"× {small_name} ({small.numel()}) = {self.world_size * small.numel()}"
             )
-        (b0, b1), (s0, s1) = _span(big), _span(small)
-        own = b0 + self.rank * small.numel() * small.element_size()
-        if small.numel() and s0 < b1 and b0 < s1 and s0 != own:
+        own = big.data_ptr() + self.rank * small.numel() * small.element_size()
+        if overlaps(big, small) and small.data_ptr() != own:
             raise ValueError(
                 f"{name} {small_name} overlaps {big_name} but is not its slice "
                 f"[rank*n:(rank+1)*n] = [{self.rank * small.numel()}:{(self.rank + 1) * small.numel()}]; "
@@ -197,7 +188,7 @@ class Comm:
         if self._local:
             return _copy_local(output, input)
         self._count("reduce_scatter", input)
-        if scratch_input and self.backend == "gloo" and not _overlaps(output, input):
+        if scratch_input and self.backend == "gloo" and not overlaps(output, input):
             n = output.numel()
             mine = input.view(-1)[self.rank * n:(self.rank + 1) * n]
             work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)

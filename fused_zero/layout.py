@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .spans import intersect
+
 
 class ParamSlot(NamedTuple):
     """Where parameter ``index`` lives in the flat buffer."""
@@ -82,9 +84,8 @@ class FlatLayout:
     def params_of_bucket(self, bucket_index: int) -> tuple[int, ...]:
         """Indices of the parameters with elements in bucket ``bucket_index``."""
         b = self.buckets[bucket_index]
-        return tuple(
-            s.index for s in self.slots if s.numel and s.offset < b.offset + b.numel and b.offset < s.offset + s.numel
-        )
+        return tuple(s.index for s in self.slots
+                     if intersect(s.offset, s.offset + s.numel, b.offset, b.offset + b.numel))
 
     def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
         """Every run of parameter elements in ``rank``'s shard, in shard order."""
@@ -92,8 +93,9 @@ class FlatLayout:
         for b in self.buckets:
             lo, hi = self.shard_range(b, rank)
             for s in self.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if start < end:
+                common = intersect(lo, hi, s.offset, s.offset + s.numel)
+                if common:
+                    start, end = common
                     pieces.append(ShardPiece(s.index, start - s.offset, b.shard_offset + start - lo, end - start))
         return tuple(pieces)
 
