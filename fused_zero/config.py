@@ -43,6 +43,11 @@ class ZeroConfig:
     max_live_units: int = 2
     reshard_after_forward: bool = True
 
+    @property
+    def needs_module(self) -> bool:
+        """Whether the optimizer must be given the model itself (stage 3 shards its parameters)."""
+        return self.stage == 3
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")

@@ -1,29 +1,35 @@
-"""Gradient reduction: pack each bucket's grads, reduce-scatter into the shard.
+"""GradSync: pack each bucket's gradients, reduce-scatter them into the rank's shard.
 
 Every rank launches the buckets in one fixed order (by the position of their
 last parameter, descending: backward reaches late parameters first), so the
 collectives pair up across ranks whatever order the gradients arrive in.
 
-Stage 2: post-accumulate-grad hooks count the parameters of each bucket; a
-bucket is launched once it and every bucket before it in the order are
-complete, overlapping the rest of backward, and the full-size ``.grad`` of a
-parameter is freed once its last bucket is packed. A callback queued at the
-end of backward launches whatever is left (parameters that got no gradient
-count as zeros), so each backward is one complete round on every rank.
-Stage 1 keeps the ``.grad`` tensors and reduces all buckets at ``step()``.
-Stage 3 reduces as stage 2, except that packing never blocks on a full pool
-(see ``_acquire``).
+Reducing during backward (stages 2 and 3): the optimizer's gradient hook calls
+``on_grad``, which counts the parameters of each bucket; a bucket is launched
+once it and every bucket before it in the order are complete, overlapping the
+rest of backward, and the full-size ``.grad`` of a parameter is freed once its
+last bucket is packed. A hook never waits for a reduction: when every pool
+buffer is still in flight, the launch is deferred to the next hook (the
+gradients stay in ``.grad`` until then). ``close_round``, which the optimizer
+calls at the end of backward, launches whatever is left (parameters that got
+no gradient count as zeros) and may wait for buffers, so each backward is one
+complete round on every rank. Reducing at step (stage 1): ``.grad`` is kept and
+every bucket is launched from it by ``reduce_all``.
 
 A bucket whose parameters are all frozen is never reduced.
 
 Which parameters hold a gradient (``present``) follows torch's ``.grad``.
-Stage 1 keeps ``.grad`` itself, so every ``step()`` reduces it afresh. Stage 2
-has freed ``.grad`` and the shards stand in for it: a round adds to what
-earlier rounds of the same step left (several backwards accumulate), and
+Reducing at step, ``.grad`` itself is reduced afresh every step. Reducing in
+backward, ``.grad`` was freed and the shards stand in for it: a round adds to
+what earlier rounds of the same step left (several backwards accumulate), and
 ``step()`` consumes them, as if ``.grad`` were then set to None (the optimizer
 cannot see ``model.zero_grad()``, so it never carries gradients across steps).
 ``zero_grad(set_to_none=False)`` makes the parameters that held a gradient
 hold zeros, as torch does: they stay present, and step with zero gradients.
+
+Where a quantized gradient codec plugs in: ``_launch`` packs into the wire
+buffer (today a cast to the partition's reduce dtype and a 1/N scale) and
+``_finish_oldest`` lands the result in the shard.
 """
 from __future__ import annotations
 
@@ -34,11 +40,19 @@ from typing import NamedTuple
 import torch
 
 from . import ops
-from .buffers import Partition
 from .collectives import Comm, Handle
+from .partition import Partition
+from .spans import intersect
 
-#: Bucket buffers in flight per reduction dtype; packing waits for the oldest.
+#: Bucket buffers in flight per reduction dtype.
 MAX_INFLIGHT = 2
+
+
+class GradPolicy(NamedTuple):
+    """When gradients are reduced, and whether ``.grad`` survives it (the stage decides)."""
+
+    in_backward: bool  # launch each bucket during backward (else all at step)
+    free_grads: bool  # set .grad to None once packed
 
 
 class _Segment(NamedTuple):
@@ -62,7 +76,7 @@ def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
     segs, pos = [], b.offset
     for j in part.bucket_params[k]:
         slot = part.layout.slots[j]
-        start, end = max(slot.offset, b.offset), min(slot.offset + slot.numel, b.offset + b.numel)
+        start, end = intersect(slot.offset, slot.offset + slot.numel, b.offset, b.offset + b.numel)
         if start > pos:
             segs.append(_Segment(None, 0, pos - b.offset, start - pos))
         segs.append(_Segment(part.params[j], start - slot.offset, start - b.offset, end - start))
@@ -72,14 +86,14 @@ def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
     return tuple(segs)
 
 
-class GradReducer:
+class GradSync:
     """Drives the reduce-scatter of every bucket of every partition."""
 
     def __init__(self, partitions: list[Partition], positions: list[list[int]], comm: Comm,
-                 stage: int, overlap: bool) -> None:
+                 policy: GradPolicy, overlap: bool) -> None:
         self.partitions = partitions
         self.comm = comm
-        self.stage = stage
+        self.policy = policy
         self.overlap = overlap
         self.sync = True
         keys = [(pi, k) for pi, part in enumerate(partitions) for k in range(len(part.layout.buckets))]
@@ -92,7 +106,7 @@ class GradReducer:
             for seg in self.segments[key]:
                 if seg.param is not None:
                     self.buckets_of.setdefault(seg.param, []).append(key)
-        # Parameters whose .grad can be freed once bucket `key` is packed (stage 2).
+        # Parameters whose .grad can be freed once bucket `key` is packed.
         self.frees = {key: [] for key in self.order}
         for p, keys_of_p in self.buckets_of.items():
             self.frees[max(keys_of_p, key=self.order.index)].append(p)
@@ -102,21 +116,17 @@ class GradReducer:
         self._plans: dict = {}  # one pack plan per bucket, reused while the grads stay put
         self._pending: deque[_Inflight] = deque()
         self._written = False  # the shards hold reductions: the next round adds
-        self._reduced = False  # stage 1: this step's reduction is launched
+        self._reduced = False  # reducing at step: this step's reduction is launched
         self._round_open = False
         self._seen: set[torch.nn.Parameter] = set()
         self._remaining: dict = {}
         self._next = 0
-        self._hooks = []
-        if stage >= 2:
-            for p in self.buckets_of:
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # -- backward ---------------------------------------------------------
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def on_grad(self, p: torch.nn.Parameter) -> None:
+        """``p``'s gradient was accumulated (the optimizer's hook)."""
         _check_dense(p)
-        if not self.sync:
+        if not (self.sync and self.policy.in_backward):
             return
         if not self._round_open:
             self._open_round()
@@ -134,9 +144,11 @@ class GradReducer:
         self._seen.clear()
         self._remaining = {key: sum(1 for s in self.segments[key] if s.param is not None and s.param.requires_grad)
                            for key in self.order}
-        torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
-    def _close_round(self) -> None:
+    def close_round(self) -> None:
+        """The end of a backward: launch every bucket this round has left."""
+        if not self._round_open:
+            return
         self._launch_ready(flush=True)
         self._round_open = False
         self._seen.clear()
@@ -147,19 +159,27 @@ class GradReducer:
             key = self.order[self._next]
             if not flush and self._remaining[key] > 0:
                 return
-            self._launch(key, free_grads=True)
+            if not self._launch(key, free_grads=self.policy.free_grads, block=flush):
+                return  # no free buffer: the next hook (or the end of backward) launches it
             self._next += 1
 
     # -- step -------------------------------------------------------------
-    def reduce_all(self) -> None:
-        """Launch every bucket from the current ``.grad`` tensors (stage 1), once a step."""
-        if self._reduced:
-            return
-        self.present.clear()
-        self._written = False
-        for key in self.order:
-            self._launch(key, free_grads=False)
-        self._reduced = True
+    def prepare_step(self) -> None:
+        """Every reduction of this step launched and waited for (or a clear error)."""
+        if self.policy.in_backward:
+            stale = self.unreduced_grads()
+            if stale:
+                raise RuntimeError(
+                    f"{len(stale)} parameters hold gradients that were never reduced (accumulated under "
+                    "no_sync() without a final backward outside it); run the last micro-batch's backward "
+                    "outside opt.no_sync()")
+        elif not self._reduced:
+            self.present.clear()
+            self._written = False
+            for key in self.order:
+                self._launch(key, free_grads=False, block=True)
+            self._reduced = True
+        self.wait()
 
     def wait(self) -> None:
         """Wait for every launched reduction and apply accumulation."""
@@ -183,7 +203,7 @@ class GradReducer:
         else:
             for part in self.partitions:
                 part.grad_shard.zero_()
-            if self.stage >= 2:  # torch would still hold (now zeroed) .grad tensors for these
+            if self.policy.free_grads:  # torch would still hold (now zeroed) .grad tensors for these
                 self.present |= self._last_present
 
     @contextmanager
@@ -195,26 +215,24 @@ class GradReducer:
             self.sync = previous
 
     def unreduced_grads(self) -> list[torch.nn.Parameter]:
-        """Params (stage 2) holding a ``.grad`` that no round has reduced."""
+        """Params holding a ``.grad`` that no round has reduced (reducing in backward)."""
         return [p for p in self.buckets_of if p.grad is not None]
 
     def buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self._pool.values() for t in bufs)
 
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
     # -- internals --------------------------------------------------------
-    def _launch(self, key, free_grads: bool) -> None:
+    def _launch(self, key, free_grads: bool, block: bool) -> bool:
+        """Pack bucket ``key`` and start its reduce-scatter; False if no buffer is free and not ``block``."""
         pi, k = key
         part = self.partitions[pi]
         b = part.layout.buckets[k]
         segs = self.segments[key]
         if not any(s.param is not None and s.param.requires_grad for s in segs):
-            return  # frozen bucket: same decision on every rank
-        base = self._acquire(part.reduce_dtype, b.numel)
+            return True  # frozen bucket: same decision on every rank
+        base = self._acquire(part.reduce_dtype, b.numel, block)
+        if base is None:
+            return False
         buf = base[: b.numel]
         tensors = []
         for s in segs:
@@ -240,23 +258,29 @@ class GradReducer:
         if free_grads:
             for p in self.frees[key]:
                 p.grad = None
+        return True
 
-    def _acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A pool buffer of ``dtype`` holding ``numel`` that no reduction uses."""
+    def _acquire(self, dtype: torch.dtype, numel: int, block: bool) -> torch.Tensor | None:
+        """A pool buffer of ``dtype`` holding ``numel`` that no reduction uses.
+
+        At most MAX_INFLIGHT buffers per dtype. When all are in flight, wait for the
+        oldest only if ``block``: a hook inside backward must not, since another rank
+        may need this rank to reach a later collective (stage 3's next gather) before
+        it can launch the reduction this one would wait for.
+        """
         pool = self._pool.setdefault(dtype, [])
         while True:
             busy = {id(f.buffer) for f in self._pending}
             for buf in pool:
                 if id(buf) not in busy and buf.numel() >= numel:
                     return buf
-            # Stage 3 must not block here: a rank whose backward skipped a unit launches its
-            # buckets only at the end of backward, while this rank's next gather needs that
-            # rank to get there. Waiting would deadlock; a spare buffer does not.
-            if len(pool) < MAX_INFLIGHT or (self.stage == 3 and not self._pending[0].handle.done()):
+            if len(pool) < MAX_INFLIGHT:
                 size = max(b.numel for part in self.partitions if part.reduce_dtype == dtype
                            for b in part.layout.buckets)
                 pool.append(torch.empty(size, dtype=dtype, device=self.partitions[0].flat.device))
                 continue
+            if not block and not self._pending[0].handle.done():
+                return None
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:

@@ -16,26 +16,20 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 """
 from __future__ import annotations
 
-import math
-import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from . import ops
-from .buffers import STATE_KINDS, Partition, PartitionIndex
+from .amp import scaler_inputs
 from .collectives import Comm
-from .config import ALIGN, ZeroConfig
-from .layout import build_layout
-from .reducer import GradReducer
-from .stage3 import ParamGatherer
-from .units import plan_units
-
-# GradScaler passes itself to step() when step() takes `grad_scaler`: that is
-# how it learns the globally agreed found_inf (see _scaler_inputs). The
-# deprecation notice it prints for that protocol says nothing to our users.
-warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+from .config import ZeroConfig
+from .grad_sync import GradSync
+from .hooks import HookSet
+from .partition import Partition, PartitionIndex
+from .stages import make_stage
+from .stats import StepStats, all_reduce_stats, checksum
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,19 +77,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if module is not None and module is not params:
                 raise ValueError("the first argument is a model and module= names another one; pass one model")
             module, params = params, list(params.parameters())
-        if module is None and config.stage == 3:
+        if module is None and config.needs_module:
             raise ValueError("stage 3 shards the model's parameters: pass the nn.Module itself, "
                              "ShardedOptimizer(model, stage=3, ...), or its param groups with module=model")
-        if units is not None and config.stage != 3:
+        if units is not None and not config.needs_module:
             raise ValueError("units= only applies to stage 3")
         self._names: dict[nn.Parameter, str] = {} if module is None else {p: n for n, p in module.named_parameters()}
         self.module = module
         self._units = units
-        self.gatherer: ParamGatherer | None = None
         self.config = config
         self.comm = Comm(process_group)
+        self._stage = make_stage(self.comm, config)
         self.partitions: list[Partition] = []
-        self.reducer: GradReducer | None = None
+        self.grad_sync: GradSync | None = None
+        self._hooks: HookSet | None = None
+        self._in_backward = False
         self._clip_coef: torch.Tensor | None = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
@@ -113,8 +109,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        if self.reducer is not None:  # after construction: lay out the new group too
-            if self.config.stage == 3:
+        if self.grad_sync is not None:  # after construction: lay out the new group too
+            if not self._stage.can_add_groups:
                 self.param_groups.pop()
                 raise RuntimeError("stage 3 lays out every parameter of the model at construction; pass all "
                                    "param groups to ShardedOptimizer(..., module=model) instead of add_param_group")
@@ -136,76 +132,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "move the model to one device before building the optimizer")
 
     def _build(self) -> None:
-        """Lay out every group, check all ranks agree, broadcast rank 0's values."""
-        if self.reducer is not None:
-            self.reducer.wait()
-            self.reducer.close()
-        if self.config.stage == 3:
-            return self._build_stage3()
-        signature = [(gi, self._names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
-                     for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
-        self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
-                             "in the same groups and order, on every rank")
-        built = {id(part.params[0]): part for part in self.partitions}
-        partitions, positions, position = [], [], {}
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                position.setdefault(p, len(position))
-            for dtype in dict.fromkeys(p.dtype for p in group["params"]):
-                # Reverse order, as DDP's buckets: backward reaches the last parameters
-                # first, so the short remainder bucket (the layout's last) holds the first
-                # parameters and is the last to reduce, leaving step() little to wait for.
-                params = [p for p in reversed(group["params"]) if p.dtype == dtype]
-                part = built.get(id(params[0])) or self._new_partition(gi, params)
-                partitions.append(part)
-                positions.append([position[p] for p in params])
-        self.partitions = partitions
-        self.reducer = GradReducer(partitions, positions, self.comm, self.config.stage, self.config.overlap)
+        """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
+        if self.grad_sync is not None:
+            self.grad_sync.wait()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
+                                                       self._begin_backward, self.partitions)
+        self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
+        self._hooks = HookSet(self)
+        for part in self.partitions:
+            for p in part.params:
+                if p.requires_grad:
+                    self._hooks.grad(p, "_on_grad")
 
-    def _new_partition(self, group_index: int, params: list[nn.Parameter]) -> Partition:
-        """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
-        layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
-        part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype)
-        if self.comm.world_size > 1:
-            self.comm.broadcast(part.flat, src=0)
-            part.load_master_from_params()
-        return part
+    # -- backward: one hook per parameter, one callback per backward ---------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        self._begin_backward()
+        self.grad_sync.on_grad(p)  # reduce first: the gatherer may then release p's unit
+        self._stage.on_grad(p)
 
-    def _build_stage3(self) -> None:
-        """One partition per (unit, group, dtype); the gatherer owns the full buffers."""
-        plan = plan_units(self.module, self._units)
-        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        in_module = {p for ps in plan.params for p in ps}
-        missing = [self._names[p] for p in self._names if p not in group_of]
-        if missing:
-            raise ValueError(f"stage 3 shards every parameter of the model, but {missing[:5]} "
-                             f"{'(and more) ' if len(missing) > 5 else ''}are in no param group; "
-                             "add them to a group (frozen ones too)")
-        extra = [tuple(p.shape) for p in group_of if p not in in_module]
-        if extra:
-            raise ValueError(f"param groups hold {len(extra)} parameters (shapes {extra[:5]}) that are not "
-                             "parameters of the model passed as module=")
-        unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
-        signature = [(group_of[p], unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                     for p, name in self._names.items()]
-        self.comm.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
-        position = {p: i for i, p in enumerate(p for ps in plan.params for p in ps)}
-        unit_parts, positions = [], []
-        for ps in plan.params:
-            parts = []
-            for gi in range(len(self.param_groups)):
-                mine = [p for p in reversed(ps) if group_of[p] == gi]
-                for dtype in dict.fromkeys(p.dtype for p in mine):
-                    params = [p for p in mine if p.dtype == dtype]
-                    parts.append(self._new_partition(gi, params))
-                    positions.append([position[p] for p in params])
-            unit_parts.append(parts)
-        self.partitions = [part for parts in unit_parts for part in parts]
-        # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
-        # embedding's gradient, which backward produces at the very end.
-        self.reducer = GradReducer(self.partitions, positions, self.comm, 3, self.config.overlap)
-        self.gatherer = ParamGatherer(plan.modules, unit_parts, self.comm.duplicate(),
-                                      self.config.max_live_units, self.config.reshard_after_forward)
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay("_end_backward"))
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
+        self.grad_sync.close_round()
 
     # -- the training-loop API --------------------------------------------
     @contextmanager
@@ -217,7 +172,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         changes made inside back into the master weights. Stages 1 and 2 always
         hold full parameters; there it only applies ``writeback``.
         """
-        with self.gatherer.full_parameters() if self.gatherer is not None else nullcontext():
+        with self._stage.full_parameters():
             yield
             if writeback:  # stage 3: before the gathered copies are released
                 for part in self.partitions:
@@ -226,11 +181,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally: backward passes inside do not reduce."""
-        with self.reducer.no_sync():
+        with self.grad_sync.no_sync():
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.reducer.zero_grad(set_to_none)
+        self.grad_sync.zero_grad(set_to_none)
         self._clip_coef = None
         super().zero_grad(set_to_none=set_to_none)
 
@@ -244,10 +199,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
-        self._reduce()
-        inv_scale = self._scaler_inputs(grad_scaler)[0] if grad_scaler is not None else None
-        stats = self._all_reduce_stats(with_norm=True)
-        total = self._total_norm(stats, inv_scale)
+        self.grad_sync.prepare_step()
+        inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
+        stats = self._stats(with_norm=True)
+        total = stats.total_norm(inv_scale)
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
@@ -257,69 +212,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._reduce()
-        inv_scale, found_inf, scaler_state = self._scaler_inputs(grad_scaler)
+        # 1. reduce
+        self.grad_sync.prepare_step()
+        # 2. update
+        scaler = self._scaler(grad_scaler)
         need_norm = self._clip_coef is None and self.config.max_grad_norm is not None
-        stats = self._all_reduce_stats(with_norm=need_norm or scaler_state is not None or found_inf is not None)
-        active = stats[2:].tolist()
-        if scaler_state is not None or found_inf is not None:
-            found = (stats[1] > 0).float()
-            if found_inf is not None:
-                found = torch.maximum(found, found_inf.to(found))
-            if scaler_state is not None:
-                scaler_state["found_inf_per_device"] = {found.device: found}
+        amp = scaler.state is not None or scaler.found_inf is not None
+        stats = self._stats(with_norm=need_norm or amp)
+        if amp:
+            found = (stats.nonfinite > 0).float()
+            if scaler.found_inf is not None:
+                found = torch.maximum(found, scaler.found_inf.to(found))
+            if scaler.state is not None:
+                scaler.state["found_inf_per_device"] = {found.device: found}
             if found.item():
                 self._end_step()
                 return loss
         coef = self._clip_coef
         if need_norm:
-            total = self._total_norm(stats, inv_scale)
+            total = stats.total_norm(scaler.inv_scale)
             coef = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
-        grad_scale = inv_scale
+        grad_scale = scaler.inv_scale
         if coef is not None:
             grad_scale = coef if grad_scale is None else grad_scale * coef
-        self._update(active, grad_scale)
-        if self.gatherer is not None:
-            self.gatherer.release_all()  # the next forward gathers the new values
-        else:
-            self._gather(active)
+        self._update(stats.has_grad, grad_scale)
+        # 3. gather (stages 1-2) or release (stage 3: the next forward gathers)
+        self._stage.after_update(self.partitions, stats.has_grad)
         self._end_step()
         return loss
 
     # -- phases -----------------------------------------------------------
-    def _reduce(self) -> None:
-        if self.config.stage == 1:
-            self.reducer.reduce_all()
-        else:
-            stale = self.reducer.unreduced_grads()
-            if stale:
-                raise RuntimeError(
-                    f"{len(stale)} parameters hold gradients that were never reduced (accumulated under "
-                    "no_sync() without a final backward outside it); run the last micro-batch's backward "
-                    "outside opt.no_sync()")
-        self.reducer.wait()
-
-    def _all_reduce_stats(self, with_norm: bool) -> torch.Tensor:
-        """[squared grad norm, non-finite flag, has-grad per param...], summed over ranks."""
-        params = [p for part in self.partitions for p in part.params]
+    def _scaler(self, grad_scaler):
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
-        stats = torch.zeros(2 + len(params), dtype=torch.float32, device=device)
-        if with_norm and self.partitions:
-            norm = ops.norm_stats_many([part.grad_shard for part in self.partitions])
-            stats[0], stats[1] = norm.sq_sum, norm.nonfinite
-        has = self.reducer.present
-        stats[2:] = torch.tensor([p in has for p in params], dtype=torch.float32)
-        self.comm.all_reduce(stats)
+        return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self._stage.grad_policy.free_grads)
+
+    def _stats(self, with_norm: bool) -> StepStats:
+        """The one all-reduce of step(); raises on every rank if ranks disagree on what must agree."""
+        agreed = [(g["lr"], g["betas"], g["eps"], g["weight_decay"], g.get("maximize", False))
+                  for g in self.param_groups]
+        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm,
+                                 checksum((agreed, with_norm, self.config)))
+        if not stats.agreed:
+            self.grad_sync.end_step()
+            raise RuntimeError(
+                "ranks disagree on this step: a param group's lr, betas, eps, weight_decay or maximize, the "
+                "optimizer's options, or whether this step clips or uses a GradScaler differ across ranks; "
+                "set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank")
         return stats
 
-    @staticmethod
-    def _total_norm(stats: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
-        total = stats[0].sqrt()
-        return total if inv_scale is None else total * inv_scale
-
-    def _update(self, active: list[float], grad_scale: torch.Tensor | None) -> None:
-        flags = iter(active)
-        for part in self.partitions:
+    def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None) -> None:
+        for part, flags in zip(self.partitions, has_grad):
             group = self.param_groups[part.group_index]
             steps = {}
             for p, flag in zip(part.params, flags):
@@ -330,70 +272,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     state["step"] += 1
                     steps[p] = int(state["step"])
             beta1, beta2 = group["betas"]
-            for start, end, step in self._runs(part, steps):
-                ops.adamw_(part.master[start:end], part.grad_shard[start:end], part.exp_avg[start:end],
-                           part.exp_avg_sq[start:end], step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
-                           eps=group["eps"], weight_decay=group["weight_decay"],
-                           adam_w_mode=self.config.adam_w_mode, maximize=group.get("maximize", False),
+            runs = _runs(part, steps)
+            for run, chunk in zip(runs, part.store.update_chunks([(a, b) for a, b, _ in runs])):
+                start, end, step = run
+                ops.adamw_(chunk.master, part.grad_shard[start:end], chunk.exp_avg, chunk.exp_avg_sq, step=step,
+                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], adam_w_mode=self.config.adam_w_mode,
+                           maximize=group.get("maximize", False),
                            param_out=None if part.param_shard is None else part.param_shard[start:end],
                            grad_scale=grad_scale)
 
-    def _runs(self, part: Partition, steps: dict) -> list[tuple[int, int, int]]:
-        """Maximal [start, end) shard ranges of active params sharing a step count.
-
-        Padding between two pieces of one run is updated too (it stays zero).
-        """
-        runs: list[list[int]] = []
-        current = None
-        for piece in part.pieces:
-            step = steps.get(part.params[piece.param_index])
-            if step is None:
-                current = None
-                continue
-            if current is not None and current[2] == step:
-                current[1] = piece.shard_offset + piece.numel
-            else:
-                current = [piece.shard_offset, piece.shard_offset + piece.numel, step]
-                runs.append(current)
-        return [tuple(r) for r in runs]
-
-    def _gather(self, active: list[float]) -> None:
-        flags = iter(active)
-        handles = []
-        for part in self.partitions:
-            updated = [bool(next(flags)) for _ in part.params]
-            for k, b in enumerate(part.layout.buckets):
-                if any(updated[j] for j in part.bucket_params[k]):
-                    handles.append(self.comm.all_gather(part.bucket(part.flat, b), part.gather_source(b),
-                                                        async_op=True))
-        for h in handles:
-            h.wait()
-
     def _end_step(self) -> None:
-        self.reducer.end_step()
+        self.grad_sync.end_step()
         self._clip_coef = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
-        if self.gatherer is not None:  # the gathers of this step's forward and backward
-            for kind, n in self.gatherer.comm.traffic().items():
-                self._last_traffic[kind] += n
-            self.gatherer.comm.reset_traffic()
-
-    def _scaler_inputs(self, grad_scaler):
-        """(inverse loss scale or None, found_inf or None, the scaler's per-optimizer state or None)."""
-        if grad_scaler is None or not grad_scaler.is_enabled():
-            # The attribute protocol: GradScaler sets these when step() takes no grad_scaler.
-            scale = getattr(self, "grad_scale", None)
-            inv = None if scale is None else scale.double().reciprocal().float()
-            return inv, getattr(self, "found_inf", None), None
-        from torch.amp.grad_scaler import OptState
-
-        state = grad_scaler._per_optimizer_states[id(self)]
-        # Stage 1 keeps .grad: scaler.unscale_(opt) has already unscaled it in place.
-        if state["stage"] is OptState.UNSCALED and self.config.stage == 1:
-            return None, None, state
-        scale = grad_scaler._scale
-        return scale.double().reciprocal().float().to(self.partitions[0].flat.device), None, state
+        for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers
+            self._last_traffic[kind] += n
 
     # -- accounting and state ---------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
@@ -404,12 +299,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             totals["params"] += b["params"]
             totals["grads"] += b["grad_shard"] + sum(p.grad.numel() * p.grad.element_size()
                                                      for p in part.params if p.grad is not None)
-            totals["master"] += b["master"]
-            totals["exp_avg"] += b["exp_avg"]
-            totals["exp_avg_sq"] += b["exp_avg_sq"]
+            for kind in part.store.kinds:
+                totals[kind] = totals.get(kind, 0) + b[kind]
             # stage 3: the narrow param shard is the resident copy of the params
-            totals["params" if self.gatherer is not None else "buffers"] += b["param_shard"]
-        totals["buffers"] += self.reducer.buffer_bytes()
+            totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
+        totals["buffers"] += self.grad_sync.buffer_bytes()
         return totals
 
     def comm_bytes(self) -> dict[str, int]:
@@ -422,8 +316,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "partitions": [{"group_index": part.group_index, "numel": part.layout.numel,
-                            "master": part.master.clone(), "exp_avg": part.exp_avg.clone(),
-                            "exp_avg_sq": part.exp_avg_sq.clone()} for part in self.partitions],
+                            **{kind: self.read_shard(k, kind, 0, part.layout.shard_numel)
+                               for kind in part.store.kinds}}
+                           for k, part in enumerate(self.partitions)],
         }
         return sd
 
@@ -442,26 +337,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if saved != mine:
             raise ValueError(f"the state dict's flat buffers (group, elements) {saved} do not match this "
                              f"optimizer's {mine}: it was saved for another model or bucket layout")
-        self.reducer.wait()
+        self.grad_sync.wait()
         torch_sd = {k: v for k, v in state_dict.items() if k != "fused_zero"}
         super().load_state_dict(torch_sd)
-        for part, s in zip(self.partitions, shards["partitions"]):
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(part, name).copy_(s[name])
-        self._params_from_master()
+        self.load_shards([{kind: s[kind] for kind in part.store.kinds}
+                          for part, s in zip(self.partitions, shards["partitions"])])
 
     # -- the shards, for checkpoints ---------------------------------------
     def shard_index(self) -> tuple[PartitionIndex, ...]:
         """This rank's shards: one entry per partition, in partition order."""
-        return tuple(PartitionIndex(part.group_index, tuple(part.params), part.shapes, part.pieces,
-                                    part.layout.shard_numel, STATE_KINDS) for part in self.partitions)
+        return tuple(part.index() for part in self.partitions)
 
     def read_shard(self, partition: int, kind: str, start: int, end: int) -> torch.Tensor:
         """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard."""
-        if kind not in STATE_KINDS:
-            raise ValueError(f"kind must be one of {STATE_KINDS}, got {kind!r}")
-        self.reducer.wait()
-        return getattr(self.partitions[partition], kind)[start:end].detach().to("cpu", copy=True)
+        self.grad_sync.wait()
+        return self.partitions[partition].store.read(kind, start, end)
 
     @torch.no_grad()
     def load_shards(self, staged) -> None:
@@ -472,27 +362,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if len(staged) != len(self.partitions):
             raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
-        self.reducer.wait()
+        self.grad_sync.wait()
         for part, new in zip(self.partitions, staged):
             for kind, t in new.items():
                 if t is not None:
-                    getattr(part, kind).copy_(t)
-        self._params_from_master()
-
-    @torch.no_grad()
-    def _params_from_master(self) -> None:
-        """Make the model's parameters what the fp32 master shards say (every rank joins).
-
-        For whoever wrote the master shards directly (load_state_dict, checkpoint
-        loading): the narrow param shards are re-rounded and the full parameters
-        all-gathered, so the next forward sees the loaded weights.
-        """
-        self.reducer.wait()
+                    part.store.write(kind, 0, t)
         for part in self.partitions:
-            if part.param_shard is not None:
-                part.param_shard.copy_(part.master)
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-        else:
-            self._gather([1.0] * sum(len(part.params) for part in self.partitions))
+            part.param_shard_from_master()
+        self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
         self.comm.reset_traffic()
+
+
+def _runs(part: Partition, steps: dict) -> list[tuple[int, int, int]]:
+    """Maximal [start, end) shard ranges of active params sharing a step count.
+
+    Padding between two pieces of one run is updated too (it stays zero).
+    """
+    runs: list[list[int]] = []
+    current = None
+    for piece in part.pieces:
+        step = steps.get(part.params[piece.param_index])
+        if step is None:
+            current = None
+            continue
+        if current is not None and current[2] == step:
+            current[1] = piece.shard_offset + piece.numel
+        else:
+            current = [piece.shard_offset, piece.shard_offset + piece.numel, step]
+            runs.append(current)
+    return [tuple(r) for r in runs]

@@ -1,21 +1,26 @@
-"""Flat buffers of one partition: the full param buffer and this rank's shards.
+"""A partition: the parameters of one (param group, dtype) and the memory they live in.
 
-A partition is the parameters of one param group that share a dtype. Its
-parameters become views into one padded flat buffer laid out by
-``layout.build_layout``; this rank keeps fp32 master weights, exp_avg,
-exp_avg_sq and the reduced gradient only for its shard of every bucket,
-concatenated into flat shard buffers.
+Its parameters are views into one padded flat buffer laid out by
+``layout.build_layout``; this rank keeps the reduced gradient and, through a
+``ShardStore``, the fp32 master weights and Adam moments only for its shard of
+every bucket, concatenated into flat shard buffers.
+
+The partition owns that memory's whole life: it binds the parameters as views
+(``bind``), can release the full buffer to zero bytes with the parameters on
+an empty placeholder (``release``, stage 3) and materialize it again
+(``materialize``), notices parameters that no longer view it (``detached``:
+``model.to()``, ``load_state_dict`` with assign, ``p.data = t``) and binds them
+again (``rebind``), copying their values in.
 """
 from __future__ import annotations
 
-import torch
-
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from .layout import Bucket, FlatLayout, ShardPiece
+import torch
 
-#: The sharded optimizer states every partition holds, in this order.
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+from .layout import Bucket, FlatLayout, ShardPiece
+from .store import DeviceStore, ShardStore
 
 
 class PartitionIndex(NamedTuple):
@@ -26,58 +31,105 @@ class PartitionIndex(NamedTuple):
     shapes: tuple  # their shapes (stage 3 parameters may be 0-element placeholders)
     pieces: tuple[ShardPiece, ...]  # runs of parameter elements in this rank's shard
     shard_numel: int
-    kinds: tuple[str, ...]  # the state kinds this shard holds (STATE_KINDS, + max_exp_avg_sq with amsgrad)
+    kinds: tuple[str, ...]  # the state kinds the shard holds (store.STATE_KINDS, + max_exp_avg_sq)
+
+
+StoreFactory = Callable[[int, torch.device, bool], ShardStore]
 
 
 class Partition:
     """The flat buffers of the parameters of one (param group, dtype)."""
 
-    def __init__(
-        self,
-        group_index: int,
-        params: list[torch.nn.Parameter],
-        layout: FlatLayout,
-        rank: int,
-        reduce_dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, group_index: int, params: list[torch.nn.Parameter], layout: FlatLayout, rank: int,
+                 reduce_dtype: torch.dtype, amsgrad: bool = False, store: StoreFactory = DeviceStore) -> None:
         self.group_index = group_index
         self.params = params
-        # The parameters' shapes, kept: stage 3 points released parameters at empty tensors.
+        # Kept: stage 3 points released parameters at empty tensors.
         self.shapes = tuple(p.shape for p in params)
         self.layout = layout
         self.rank = rank
         # The layout is frozen: its per-step lookups are computed once here.
         self.pieces = layout.shard_pieces(rank)
         self.bucket_params = tuple(layout.params_of_bucket(k) for k in range(len(layout.buckets)))
-        device = params[0].device
+        self.device = params[0].device
         self.dtype = params[0].dtype
         self.reduce_dtype = reduce_dtype
-        self.flat = torch.zeros(layout.numel, dtype=self.dtype, device=device)
-        with torch.no_grad():
-            for p, slot in zip(params, layout.slots):
-                view = self.flat[slot.offset: slot.offset + slot.numel].view(p.shape)
-                view.copy_(p)
-                p.data = view
+        self.flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         n = layout.shard_numel
-        self.master = torch.empty(n, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
-        self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=device)
+        self.store = store(n, self.device, amsgrad)
+        self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=self.device)
         # Narrow params are written back by the fused kernel into a contiguous
         # shard, then all-gathered; fp32 params are gathered from the master.
-        self.param_shard = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype, device=device)
+        self.param_shard = None
+        if self.dtype != torch.float32 or self.store.gather_source() is None:
+            self.param_shard = torch.empty(n, dtype=self.dtype, device=self.device)
+        self.bind()
+
+    # -- the parameters as views of the flat buffer ---------------------------
+    def views(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the view of the flat buffer it should be), in layout order."""
+        for p, slot, shape in zip(self.params, self.layout.slots, self.shapes):
+            yield p, self.flat[slot.offset: slot.offset + slot.numel].view(shape)
+
+    @torch.no_grad()
+    def bind(self) -> None:
+        """flat <- the parameters' values; the parameters become views of it; master <- flat."""
+        for p, view in self.views():
+            view.copy_(p)
+            p.data = view
         self.load_master_from_params()
 
-    def load_master_from_params(self) -> None:
-        """master (and the narrow param shard) <- this rank's shard of the params.
+    def point_params(self) -> None:
+        """The parameters view the (materialized) flat buffer again."""
+        for p, view in self.views():
+            p.data = view
 
-        Call it whenever the parameters were changed outside the optimizer:
-        step() would otherwise overwrite them from the old master.
+    def release(self, placeholder: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Free the flat buffer's memory; the parameters point at ``placeholder(p)``."""
+        for p in self.params:
+            p.data = placeholder(p)
+        self.flat.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        """Give the flat buffer its memory back (values undefined until gathered)."""
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+
+    def detached(self) -> list[torch.nn.Parameter]:
+        """Parameters that no longer view their place in the flat buffer (something replaced .data)."""
+        return [p for p, view in self.views()
+                if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype
+                or p.device != view.device]
+
+    @torch.no_grad()
+    def rebind(self, params: list[torch.nn.Parameter]) -> None:
+        """Copy ``params``' current values into the flat buffer, view it again, reload the master."""
+        wanted = {id(p) for p in params}
+        for p, view in self.views():
+            if id(p) in wanted:
+                view.copy_(p.detach().to(device=view.device, dtype=view.dtype))
+                p.data = view
+        self.load_master_from_params()
+
+    # -- shards ------------------------------------------------------------
+    @torch.no_grad()
+    def load_master_from_params(self) -> None:
+        """master (and the narrow param shard) <- this rank's shard of the flat buffer.
+
+        Whenever the parameters were changed outside the optimizer: step() would
+        otherwise overwrite them from the old master.
         """
         for b in self.layout.buckets:
-            self.shard(self.master, b).copy_(self.bucket(self.flat, b)[self._own(b)])
+            self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
         if self.param_shard is not None:
-            self.param_shard.copy_(self.master)
+            for b in self.layout.buckets:
+                self.shard(self.param_shard, b).copy_(self.bucket(self.flat, b)[self._own(b)])
+
+    @torch.no_grad()
+    def param_shard_from_master(self) -> None:
+        """The narrow param shard <- the master (rounded): after the master was written directly."""
+        if self.param_shard is not None:
+            for chunk in self.store.update_chunks([(0, self.layout.shard_numel)]):
+                self.param_shard.copy_(chunk.master)
 
     def bucket(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """The view of a full-size flat buffer that bucket ``b`` covers."""
@@ -89,20 +141,18 @@ class Partition:
 
     def gather_source(self, b: Bucket) -> torch.Tensor:
         """What this rank contributes to bucket ``b``'s all-gather of params."""
-        return self.shard(self.master if self.param_shard is None else self.param_shard, b)
+        return self.shard(self.store.gather_source() if self.param_shard is None else self.param_shard, b)
 
     def _own(self, b: Bucket) -> slice:
         return slice(self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel)
+
+    def index(self) -> PartitionIndex:
+        return PartitionIndex(self.group_index, tuple(self.params), self.shapes, self.pieces,
+                              self.layout.shard_numel, self.store.kinds)
 
     def shard_bytes(self) -> dict[str, int]:
         def nbytes(t):
             return 0 if t is None else t.untyped_storage().nbytes()
 
-        return {
-            "params": nbytes(self.flat),
-            "grad_shard": nbytes(self.grad_shard),
-            "master": nbytes(self.master),
-            "exp_avg": nbytes(self.exp_avg),
-            "exp_avg_sq": nbytes(self.exp_avg_sq),
-            "param_shard": nbytes(self.param_shard),
-        }
+        return {"params": nbytes(self.flat), "grad_shard": nbytes(self.grad_shard),
+                "param_shard": nbytes(self.param_shard), **self.store.nbytes()}

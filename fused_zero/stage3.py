@@ -20,20 +20,38 @@ got their gradient, and the end of backward releases the rest. The root unit
 stays gathered from the start of a training forward to the end of backward.
 
 The gathers run on their own process group (``Comm.duplicate``), so their
-order never interleaves with the gradient reduce-scatters of the reducer.
+order never interleaves with the gradient reduce-scatters of GradSync.
+
+The optimizer owns the rest of the wiring: its one gradient hook per parameter
+calls ``on_grad`` after GradSync's, and its one end-of-backward callback calls
+``end_backward`` before GradSync closes the round (so every gather this rank
+owes is issued before it may wait on a reduction). The module and tensor hooks
+here reach the gatherer by weak reference and are removed by ``close``.
 """
 from __future__ import annotations
 
+import enum
+import functools
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .buffers import Partition
-from .collectives import Comm, Handle
+from .collectives import Handle
+from .param_sync import ParamSync
+from .partition import Partition
+
+
+class TrainingState(enum.Enum):
+    """Where the model is in its cycle, as the gatherer sees it."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 class _Unit:
@@ -54,28 +72,53 @@ class _Unit:
 class ParamGatherer:
     """The hooks that gather, prefetch and release the units of one model."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], parts: list[list[Partition]], comm: Comm,
-                 max_live_units: int, reshard_after_forward: bool) -> None:
-        self.comm = comm
+    def __init__(self, modules: tuple[nn.Module, ...], parts: list[list[Partition]], sync: ParamSync,
+                 max_live_units: int, reshard_after_forward: bool, begin_backward: Callable[[], None]) -> None:
+        self.sync = sync
+        self.comm = sync.comm
         self.units = [_Unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, parts))]
         self.max_live_units = max_live_units
         self.reshard_after_forward = reshard_after_forward
         self.schedule = list(range(1, len(self.units)))  # registration order until one is recorded
         self._record: list[int] | None = []  # forward order being recorded (None: done)
-        self.phase: str | None = None  # "forward", "backward" or None
+        self.state = TrainingState.IDLE
         self._grad_forward = False
         self._order: list[int] = []
         self._cursor = 0
-        self.log: list[int] = []  # units in the order their gathers were issued since the last step
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # the most gathered bytes seen since the last step
         self._placeholders: dict = {}
-        for u in self.units:  # the hooks live as long as the model
-            u.module.register_forward_pre_hook(self._pre_forward_hook(u), prepend=True)
-            u.module.register_forward_hook(self._post_forward_hook(u), always_call=True)
-            for p in u.trainable:
-                p.register_post_accumulate_grad_hook(self._grad_hook(u))
+        self._begin_backward = begin_backward
+        # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
+        # parameters gathered on use, for as long as it lives; close() gives them back for good.
+        self._handles = []
+        for u in self.units:
+            self._handles.append(u.module.register_forward_pre_hook(self._pre_forward, prepend=True))
+            self._handles.append(u.module.register_forward_hook(self._post_forward, always_call=True))
+        self._unit_of = {id(u.module): u for u in self.units}
+        self._unit_of_param = {p: u for u in self.units for p in u.trainable}
         for u in self.units:
             self._release(u)
+
+    @torch.no_grad()
+    def close(self) -> None:
+        """Give every parameter its full value in memory of its own and remove every hook.
+
+        Collective (every rank calls it): the units are gathered one last time. The
+        model is then a plain model again, ready for another optimizer.
+        """
+        if self.state is not TrainingState.IDLE:
+            raise RuntimeError("the stage-3 optimizer cannot be closed inside the model's forward or backward")
+        for u in self.units:
+            self._issue(u)
+            self._wait(u)
+            for part in u.parts:
+                for p, view in part.views():
+                    p.data = view.clone()
+                part.release(lambda p: p.data)
+            u.gathered = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     # -- accounting -------------------------------------------------------
     def gathered_bytes(self) -> int:
@@ -94,13 +137,9 @@ class ParamGatherer:
             return
         handles = []
         for part in u.parts:
-            storage = part.flat.untyped_storage()
-            storage.resize_(part.flat.numel() * part.flat.element_size())
-            for b in part.layout.buckets:
-                handles.append(self.comm.all_gather(part.bucket(part.flat, b), part.gather_source(b),
-                                                    async_op=True))
+            part.materialize()
+            handles += self.sync.gather(part)
         u.handles = handles
-        self.log.append(u.index)
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
     def _wait(self, u: _Unit) -> None:
@@ -110,16 +149,13 @@ class ParamGatherer:
             h.wait()
         u.handles = None
         for part in u.parts:
-            for p, slot, shape in zip(part.params, part.layout.slots, part.shapes):
-                p.data = part.flat[slot.offset: slot.offset + slot.numel].view(shape)
+            part.point_params()
         u.gathered = True
 
     def _release(self, u: _Unit) -> None:
         self._wait(u)  # never free a buffer a collective still writes into
         for part in u.parts:
-            for p in part.params:
-                p.data = self._placeholder(p)
-            part.flat.untyped_storage().resize_(0)
+            part.release(self._placeholder)
         u.gathered = False
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
@@ -132,8 +168,8 @@ class ParamGatherer:
         return sum(1 for u in self.units[1:] if u.gathered or u.handles is not None)
 
     # -- schedule ---------------------------------------------------------
-    def _start(self, phase: str, order: list[int]) -> None:
-        self.phase, self._order, self._cursor = phase, order, 0
+    def _start(self, state: TrainingState, order: list[int]) -> None:
+        self.state, self._order, self._cursor = state, order, 0
 
     def _require(self, u: _Unit) -> None:
         """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
@@ -160,42 +196,42 @@ class ParamGatherer:
             self._wait(u)
 
     # -- forward ----------------------------------------------------------
-    def _pre_forward_hook(self, u: _Unit):
-        def hook(module, args):
-            if u.index == 0 and self.phase is None:
-                self._grad_forward = torch.is_grad_enabled()
-                self._start("forward", list(self.schedule))
-            elif self.phase == "forward" and self._grad_forward and self._record is not None \
-                    and u.index and u.index not in self._record:
-                self._record.append(u.index)
-            self._require(u)
-            if self.phase == "forward":
-                self._prefetch()
-        return hook
+    @torch.compiler.disable  # resizes storages and re-points p.data: never traced
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        u = self._unit_of[id(module)]
+        if u.index == 0 and self.state is TrainingState.IDLE:
+            self._grad_forward = torch.is_grad_enabled()
+            self._start(TrainingState.FORWARD, list(self.schedule))
+        elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None \
+                and u.index and u.index not in self._record:
+            self._record.append(u.index)
+        self._require(u)
+        if self.state is TrainingState.FORWARD:
+            self._prefetch()
 
-    def _post_forward_hook(self, u: _Unit):
-        def hook(module, args, output):
-            if sys.exc_info()[0] is not None:
-                if u.index == 0:
-                    self._abort()
-                return
-            if self.phase == "backward":  # recomputation (activation checkpointing): keep
-                return
-            grad = torch.is_grad_enabled()
-            if grad:
-                self._hook_outputs(u, output)
+    @torch.compiler.disable
+    def _post_forward(self, module: nn.Module, args, output):
+        u = self._unit_of[id(module)]
+        if sys.exc_info()[0] is not None:
             if u.index == 0:
-                self._end_forward()
-            elif self.phase is None or not grad or self.reshard_after_forward:
-                self._release(u)
-        return hook
+                self._abort()
+            return
+        if self.state is TrainingState.BACKWARD:  # recomputation (activation checkpointing): keep
+            return
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._hook_outputs(u, output)
+        if u.index == 0:
+            self._end_forward()
+        elif self.state is TrainingState.IDLE or not grad or self.reshard_after_forward:
+            self._release(u)
 
     def _hook_outputs(self, u: _Unit, output) -> None:
         u.backward_started = False
         u.grads_seen.clear()
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._pre_backward_hook(u))
+                t.register_hook(functools.partial(self._pre_backward, u.index))
 
     def _end_forward(self) -> None:
         self._drain()
@@ -210,7 +246,7 @@ class ParamGatherer:
                 self._release(u)
         if self._grad_forward and self._record is not None:
             self._agree_on_schedule()
-        self.phase = None
+        self.state = TrainingState.IDLE
 
     def _agree_on_schedule(self) -> None:
         record, self._record = self._record, None
@@ -225,49 +261,51 @@ class ParamGatherer:
         """An exception escaped the forward: release everything this forward gathered."""
         for u in self.units:
             self._release(u)
-        self.phase = None
+        self.state = TrainingState.IDLE
 
     # -- backward ---------------------------------------------------------
-    def _pre_backward_hook(self, u: _Unit):
-        def hook(grad):
-            if self.phase != "backward":
-                order = list(reversed(self.schedule)) if self.reshard_after_forward else []
-                self._start("backward", order)
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            if not u.backward_started:
-                u.backward_started = True
-                self._require(u)
-                self._prefetch()
-        return hook
+    def _pre_backward(self, index: int, grad) -> None:
+        u = self.units[index]
+        if self.state is not TrainingState.BACKWARD:
+            order = list(reversed(self.schedule)) if self.reshard_after_forward else []
+            self._start(TrainingState.BACKWARD, order)
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            self._begin_backward()  # the optimizer's end-of-backward callback (it calls end_backward first)
+        if not u.backward_started:
+            u.backward_started = True
+            self._require(u)
+            self._prefetch()
 
-    def _grad_hook(self, u: _Unit):
-        def hook(p):
-            if self.phase != "backward" or u.index == 0:
-                return
-            u.grads_seen.add(p)
-            if len(u.grads_seen) == len(u.trainable):
-                self._release(u)
-        return hook
+    def on_grad(self, p: nn.Parameter) -> None:
+        """``p``'s gradient was accumulated: release its unit once all of the unit's are in."""
+        u = self._unit_of_param.get(p)
+        if self.state is not TrainingState.BACKWARD or u is None or u.index == 0:
+            return
+        u.grads_seen.add(p)
+        if len(u.grads_seen) == len(u.trainable):
+            self._release(u)
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The end of a backward (the optimizer's callback): release every unit."""
+        if self.state is not TrainingState.BACKWARD:
+            return
         self._drain()
         for u in self.units:
             self._release(u)
             u.backward_started = False
             u.grads_seen.clear()
-        self.phase = None
+        self.state = TrainingState.IDLE
 
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:
         """The shards changed (a step, a load): drop every gathered copy."""
         for u in self.units:
             self._release(u)
-        self.log.clear()
         self.peak_bytes = self.gathered_bytes()
 
     @contextmanager
     def full_parameters(self):
-        if self.phase is not None:
+        if self.state is not TrainingState.IDLE:
             raise RuntimeError("full_parameters() cannot be entered inside the model's forward or backward")
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
         for u in order:
@@ -279,3 +317,4 @@ class ParamGatherer:
         finally:
             for u in self.units:
                 self._release(u)
+

@@ -237,6 +237,11 @@ def grad_shard_error(opt, model: nn.Module, ref_grads: dict, rank: int) -> float
     return rel(torch.cat(got_all), torch.cat(want_all))
 
 
+def shard_state(opt, k: int, kind: str) -> torch.Tensor:
+    """Partition ``k``'s whole ``kind`` shard (master, exp_avg, exp_avg_sq), through the public reader."""
+    return opt.read_shard(k, kind, 0, opt.shard_index()[k].shard_numel)
+
+
 def grads_of(model: nn.Module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
 

@@ -75,7 +75,7 @@ def _hyper(opt):
 
 
 def _shards(opt):
-    return [[getattr(part, k).clone() for k in KINDS] for part in opt.partitions]
+    return [[opt.read_shard(i, k, 0, part.shard_numel) for k in KINDS] for i, part in enumerate(opt.shard_index())]
 
 
 def _steps(model, opt):
@@ -565,11 +565,11 @@ def test_bf16_consolidates_fp32_masters(tmp_path):
     ckpt.save(tmp_path, model, opt)
     model_sd, optim_sd = ckpt.consolidate(tmp_path)
     names = {id(p): n for n, p in model.named_parameters()}
-    for part in opt.partitions:
+    for k, part in enumerate(opt.shard_index()):
         for piece in part.pieces:
             name = names[id(part.params[piece.param_index])]
             got = model_sd[name].reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
             assert model_sd[name].dtype == torch.float32
-            assert torch.equal(got, part.master[piece.shard_offset:piece.shard_offset + piece.numel])
+            assert torch.equal(got, opt.read_shard(k, "master", piece.shard_offset, piece.shard_offset + piece.numel))
     TinyNet().load_state_dict(model_sd, strict=True)
     torch.optim.AdamW(param_groups(TinyNet()), **HYPER).load_state_dict(optim_sd)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from _models import (HYPER, TinyNet, batch, ddp_reference, flags, flat_full, grad_shard_error, grads_of,
+from _models import (HYPER, shard_state, TinyNet, batch, ddp_reference, flags, flat_full, grad_shard_error, grads_of,
                      loss_fn, micro_steps, padding_mask, param_error, param_groups, rank_slice, rel)
 
 STEPS = 20
@@ -38,26 +38,26 @@ def _state_errors(opt, model, ref_model, ref_opt, rank):
     names = {id(p): n for n, p in model.named_parameters()}
     ref_params = dict(ref_model.named_parameters())
     out = {"master": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0, "padding": 0.0, "buckets": 0, "straddle": False}
-    for part in opt.partitions:
+    for k, part in enumerate(opt.partitions):
         layout = part.layout
         out["buckets"] = max(out["buckets"], len(layout.buckets))
         edges = {b.offset for b in layout.buckets}
         out["straddle"] |= any(any(s.offset < e < s.offset + s.numel for e in edges) for s in layout.slots)
         pad = rank_slice(part, padding_mask(part), rank)
         for key in ("master", "exp_avg", "exp_avg_sq", "grad_shard"):
-            t = getattr(part, key).detach().double()
+            t = (part.grad_shard if key == "grad_shard" else shard_state(opt, k, key)).detach().double()
             assert t.numel() == layout.shard_numel, (key, t.numel(), layout.shard_numel)
             if pad.any():
                 out["padding"] = max(out["padding"], float(t[pad].abs().max()))
         # master against the reference parameters, moments against torch's Adam state
         vals = {id(p): ref_params[names[id(p)]] for p in part.params}
         full, _ = flat_full(part, vals)
-        out["master"] = max(out["master"], rel(part.master, rank_slice(part, full, rank)))
+        out["master"] = max(out["master"], rel(shard_state(opt, k, "master"), rank_slice(part, full, rank)))
         for key in ("exp_avg", "exp_avg_sq"):
             vals = {id(p): ref_opt.state[ref_params[names[id(p)]]].get(key) for p in part.params}
             full, mask = flat_full(part, vals)
             keep = rank_slice(part, mask, rank)
-            got = getattr(part, key).detach().double()[keep]
+            got = shard_state(opt, k, key).double()[keep]
             out[key] = max(out[key], rel(got, rank_slice(part, full, rank)[keep]))
     return out
 
@@ -252,10 +252,10 @@ def _bf16_rank(rank, ws, steps=10):
             r["ulp"].append(int(ulps.max()))
             r["frac_ulp1"].append(float((ulps > 0).float().mean()))
             err = 0.0
-            for part in opt.partitions:
+            for k, part in enumerate(opt.partitions):
                 full, mask = flat_full(part, {id(p): ref32_params[names[id(p)]] for p in part.params})
                 keep = rank_slice(part, mask, rank)
-                err = max(err, rel(part.master.detach()[keep], rank_slice(part, full, rank)[keep]))
+                err = max(err, rel(shard_state(opt, k, "master")[keep], rank_slice(part, full, rank)[keep]))
             r["master"].append(err)
     return out
 

@@ -42,11 +42,24 @@ def _step(model, opt, step, rank):
     return float(loss.detach())
 
 
-def _snapshots(model, opt):
+def gather_log(opt) -> list:
+    """The units in the order their gathers are issued from now on (a recorder around the gatherer)."""
+    g = opt._stage.gatherer
+    log, issue = [], g._issue
+
+    def recording(u):
+        if not (u.gathered or u.handles is not None):
+            log.append(u.index)
+        issue(u)
+    g._issue = recording
+    return log
+
+
+def _snapshots(model, log):
     """Record the gather log as each block's forward starts (after our own pre-hook)."""
     seen = []
     for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda m, a, i=i: seen.append((i + 1, list(opt.gatherer.log))))
+        block.register_forward_pre_hook(lambda m, a, i=i: seen.append((i + 1, list(log))))
     return seen
 
 
@@ -58,9 +71,10 @@ def _mechanics(rank, world_size):
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
     opt = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=BUCKET)
-    g = opt.gatherer
+    g = opt._stage.gatherer
     out["units"] = [type(u.module).__name__ for u in g.units]
-    seen = _snapshots(model, opt)
+    log = gather_log(opt)
+    seen = _snapshots(model, log)
 
     def both(step, ranks_data=True):
         _step(model, opt, step, rank)
@@ -74,14 +88,14 @@ def _mechanics(rank, world_size):
     both(0)
     out["released_numel"] = [p.numel() for p in model.parameters()]
     seen.clear()
-    g.log.clear()
+    log.clear()
     g.peak_bytes = 0
     idx, tgt = synthetic_batch(CFG, 4, step=1, rank=rank)
     opt.zero_grad()
     loss = model(idx, tgt)[1]
-    out["log_forward"] = list(g.log)
+    out["log_forward"] = list(log)
     loss.backward()
-    out["log_step"] = list(g.log)
+    out["log_step"] = list(log)
     out["seen"] = list(seen)
     out["peak"], out["pool"] = g.peak_bytes, g.pool_bytes()
     out["unit_bytes"] = [u.nbytes for u in g.units]
@@ -98,12 +112,12 @@ def _mechanics(rank, world_size):
     out["gathered_after_step"] = g.gathered_bytes()
 
     # eval under no_grad: one forward's gathers, all released
-    g.log.clear()
+    log.clear()
     model.eval()
     with torch.no_grad():
         logits = model(idx)
     model.train()
-    out["eval_log"], out["gathered_after_eval"] = list(g.log), g.gathered_bytes()
+    out["eval_log"], out["gathered_after_eval"] = list(log), g.gathered_bytes()
     with torch.no_grad():
         out["eval_err"] = rel(logits, ref(idx))
 
@@ -116,7 +130,7 @@ def _mechanics(rank, world_size):
     except RuntimeError as e:
         out["raised"] = "boom" in str(e)
     del blk.forward
-    out["after_exception"] = (g.gathered_bytes(), g.phase)
+    out["after_exception"] = (g.gathered_bytes(), g.state.value)
     both(2)
 
     # full parameters: readable, and writeback reaches the masters
@@ -133,20 +147,21 @@ def _mechanics(rank, world_size):
     # no prefetch with one live unit
     m1 = GPT(CFG, seed=0)
     o1 = ShardedOptimizer(m1, **HYPER, stage=3, bucket_numel=BUCKET, max_live_units=1)
-    seen1 = _snapshots(m1, o1)
+    seen1 = _snapshots(m1, gather_log(o1))
     _step(m1, o1, 0, rank)
     out["seen_live1"] = list(seen1)
-    out["peak_live1"], out["pool_live1"] = o1.gatherer.peak_bytes, o1.gatherer.pool_bytes()
+    out["peak_live1"], out["pool_live1"] = o1._stage.gatherer.peak_bytes, o1._stage.gatherer.pool_bytes()
 
     # the forward order is recorded on the first step and used from then on
     m2 = ReversedGPT(CFG, seed=0)
     o2 = ShardedOptimizer(m2, **HYPER, stage=3, bucket_numel=BUCKET)
     _step(m2, o2, 0, rank)
-    out["schedule_reversed"] = list(o2.gatherer.schedule)
+    log2 = gather_log(o2)
+    out["schedule_reversed"] = list(o2._stage.gatherer.schedule)
     idx, tgt = synthetic_batch(CFG, 4, step=1, rank=rank)
     o2.zero_grad()
     m2(idx, tgt)[1].backward()
-    out["log_reversed"] = list(o2.gatherer.log)  # step() clears it
+    out["log_reversed"] = list(log2)
     o2.step()
     return out
 
@@ -226,7 +241,7 @@ def test_eval_under_no_grad(mech):
 def test_exception_in_forward_releases_everything(mech):
     for r in mech:
         assert r["raised"]
-        assert r["after_exception"] == (0, None)
+        assert r["after_exception"] == (0, "idle")
 
 
 def test_training_continues_after_exception_and_writeback(mech):
@@ -302,7 +317,7 @@ def test_full_parameters_inside_forward_raises():
     idx, tgt = synthetic_batch(CFG, 2, step=0)
     with pytest.raises(RuntimeError, match="inside the model's forward"):
         model(idx, tgt)
-    assert opt.gatherer.gathered_bytes() == 0
+    assert opt._stage.gatherer.gathered_bytes() == 0
     handle.remove()
     _step(model, opt, 0, 0)  # still usable
 
@@ -312,5 +327,5 @@ def test_user_units_classes():
     from gpt import MLP
     model = GPT(CFG)
     opt = ShardedOptimizer(model, stage=3, units=[MLP])
-    assert [type(u.module).__name__ for u in opt.gatherer.units] == ["GPT", "MLP", "MLP", "MLP"]
+    assert [type(u.module).__name__ for u in opt._stage.gatherer.units] == ["GPT", "MLP", "MLP", "MLP"]
     _step(model, opt, 0, 0)

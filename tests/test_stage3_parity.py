@@ -64,10 +64,10 @@ def _run(rank, world_size, name, options):
     opt = ShardedOptimizer(params, **HYPER, stage=3, module=model, **kwargs)
     # TinyNet's frozen unit, and units a rank's backward skips, stay gathered until the end of
     # backward (no gradient tells when their backward is over): the bound adds them.
-    extra = sum(u.nbytes for u in opt.gatherer.units if u.module in (model.frozen, model.branch, model.side)) \
+    extra = sum(u.nbytes for u in opt._stage.gatherer.units if u.module in (model.frozen, model.branch, model.side)) \
         if name == "tiny" else 0
-    out = {"loss": 0.0, "gathered_after_step": 0, "peak": 0, "pool": opt.gatherer.pool_bytes() + extra,
-           "units": len(opt.gatherer.units)}
+    out = {"loss": 0.0, "gathered_after_step": 0, "peak": 0, "pool": opt._stage.gatherer.pool_bytes() + extra,
+           "units": len(opt._stage.gatherer.units)}
     for step in range(STEPS):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -75,14 +75,14 @@ def _run(rank, world_size, name, options):
         loss.backward()
         ref_loss = _loss(name, ref, step, rank)
         ref_loss.backward()
-        out["peak"] = max(out["peak"], opt.gatherer.peak_bytes)
+        out["peak"] = max(out["peak"], opt._stage.gatherer.peak_bytes)
         opt.step()  # reads the gradient shards, leaves them as they are
         if step == STEPS - 1:
             with opt.full_parameters():  # flat_full reads the parameters' shapes
                 out["grad"] = grad_shard_error(opt, model, grads_of(ref.module), rank)
         ref_opt.step()
         out["loss"] = max(out["loss"], rel(loss.detach(), ref_loss.detach()))
-        out["gathered_after_step"] = max(out["gathered_after_step"], opt.gatherer.gathered_bytes())
+        out["gathered_after_step"] = max(out["gathered_after_step"], opt._stage.gatherer.gathered_bytes())
     with opt.full_parameters():
         refs = dict(ref.module.named_parameters())
         out["param"] = max(rel(_comparable(n, p), _comparable(n, refs[n])) for n, p in model.named_parameters())
@@ -93,7 +93,7 @@ def _run(rank, world_size, name, options):
     ref.module.eval()
     with torch.no_grad():
         out["eval"] = rel(_loss(name, model, STEPS, rank), _loss(name, ref.module, STEPS, rank))
-    out["gathered_after_eval"] = opt.gatherer.gathered_bytes()
+    out["gathered_after_eval"] = opt._stage.gatherer.gathered_bytes()
     return out
 
 

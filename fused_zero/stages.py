@@ -1,0 +1,188 @@
+"""The ZeRO stages as strategy objects: what each shards, and the verbs the optimizer calls.
+
+- ``Stage1``: optimizer states sharded; ``.grad`` kept and reduced at step;
+  updated shards all-gathered back into the full parameters after the update.
+- ``Stage2``: also gradients: each bucket reduce-scattered during backward and
+  ``.grad`` freed once packed.
+- ``Stage3``: also parameters: the model is cut into units (units.py) whose
+  parameters are gathered just in time (stage3.py) and released after use;
+  the update gathers nothing.
+
+The optimizer calls ``build`` (lay out partitions), ``on_grad`` and
+``end_backward`` (from its hooks), ``after_update`` (gather or release),
+``full_parameters`` and ``close``; it reads ``grad_policy`` (GradSync's
+schedule), ``shards_params`` (memory accounting) and ``can_add_groups``.
+Nothing outside this file and config.py branches on the stage number.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from .collectives import Comm
+from .config import ALIGN, ZeroConfig
+from .grad_sync import GradPolicy
+from .layout import build_layout
+from .param_sync import ParamSync
+from .partition import Partition
+from .stage3 import ParamGatherer
+from .units import plan_units
+
+
+class Stage1:
+    """Shard the optimizer states."""
+
+    number = 1
+    grad_policy = GradPolicy(in_backward=False, free_grads=False)
+    shards_params = False
+    can_add_groups = True
+
+    def __init__(self, comm: Comm, config: ZeroConfig) -> None:
+        self.comm = comm
+        self.config = config
+        self.sync = ParamSync(comm)
+
+    # -- construction -----------------------------------------------------
+    def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
+              begin_backward: Callable[[], None], previous: list[Partition]
+              ) -> tuple[list[Partition], list[list[int]]]:
+        """One partition per (param group, dtype), and each parameter's position (for bucket order).
+
+        Partitions in ``previous`` (a rebuild after add_param_group) are kept with their states.
+        """
+        signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
+        self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
+                             "in the same groups and order, on every rank")
+        built = {id(part.params[0]): part for part in previous}
+        partitions, positions, position = [], [], {}
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                position.setdefault(p, len(position))
+            for dtype in dict.fromkeys(p.dtype for p in group["params"]):
+                # Reverse order, as DDP's buckets: backward reaches the last parameters
+                # first, so the short remainder bucket (the layout's last) holds the first
+                # parameters and is the last to reduce, leaving step() little to wait for.
+                params = [p for p in reversed(group["params"]) if p.dtype == dtype]
+                partitions.append(built.get(id(params[0])) or self._new_partition(gi, group, params))
+                positions.append([position[p] for p in params])
+        return partitions, positions
+
+    def _new_partition(self, group_index: int, group: dict, params: list[nn.Parameter]) -> Partition:
+        """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
+        layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
+        part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
+                         amsgrad=bool(group.get("amsgrad", False)))
+        if self.comm.world_size > 1:
+            self.comm.broadcast(part.flat, src=0)
+            part.load_master_from_params()
+        return part
+
+    # -- the training loop --------------------------------------------------
+    def on_grad(self, p: nn.Parameter) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def after_update(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
+        """The updated shards back into every rank's full parameters."""
+        self.sync.gather_updated(partitions, updated)
+
+    def full_parameters(self):
+        return nullcontext()
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Stage2(Stage1):
+    """Also shard the gradients: reduce-scatter each bucket during backward."""
+
+    number = 2
+    grad_policy = GradPolicy(in_backward=True, free_grads=True)
+
+
+class Stage3(Stage2):
+    """Also shard the parameters: gather each unit just in time, release it after use."""
+
+    number = 3
+    shards_params = True
+    can_add_groups = False
+
+    def __init__(self, comm: Comm, config: ZeroConfig) -> None:
+        super().__init__(comm, config)
+        self.gatherer: ParamGatherer | None = None
+
+    def build(self, groups, names, module, units, begin_backward, previous):
+        """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""
+        plan = plan_units(module, units)
+        group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
+        in_module = {p for ps in plan.params for p in ps}
+        missing = [names[p] for p in names if p not in group_of]
+        if missing:
+            raise ValueError(f"stage 3 shards every parameter of the model, but {missing[:5]} "
+                             f"{'(and more) ' if len(missing) > 5 else ''}are in no param group; "
+                             "add them to a group (frozen ones too)")
+        extra = [tuple(p.shape) for p in group_of if p not in in_module]
+        if extra:
+            raise ValueError(f"param groups hold {len(extra)} parameters (shapes {extra[:5]}) that are not "
+                             "parameters of the model passed as module=")
+        unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
+        signature = [(group_of[p], unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for p, name in names.items()]
+        self.comm.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
+        position = {p: i for i, p in enumerate(p for ps in plan.params for p in ps)}
+        unit_parts, positions = [], []
+        for ps in plan.params:
+            parts = []
+            for gi, group in enumerate(groups):
+                mine = [p for p in reversed(ps) if group_of[p] == gi]
+                for dtype in dict.fromkeys(p.dtype for p in mine):
+                    params = [p for p in mine if p.dtype == dtype]
+                    parts.append(self._new_partition(gi, group, params))
+                    positions.append([position[p] for p in params])
+            unit_parts.append(parts)
+        # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
+        # embedding's gradient, which backward produces at the very end.
+        self.gatherer = ParamGatherer(plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
+                                      self.config.max_live_units, self.config.reshard_after_forward, begin_backward)
+        return [part for parts in unit_parts for part in parts], positions
+
+    def on_grad(self, p: nn.Parameter) -> None:
+        self.gatherer.on_grad(p)
+
+    def end_backward(self) -> None:
+        self.gatherer.end_backward()
+
+    def after_update(self, partitions, updated) -> None:
+        self.gatherer.release_all()  # the next forward gathers the new values
+
+    @contextmanager
+    def full_parameters(self):
+        with self.gatherer.full_parameters():
+            yield
+
+    def traffic(self) -> dict[str, int]:
+        comm = self.gatherer.comm
+        out = comm.traffic()
+        comm.reset_traffic()
+        return out
+
+    def close(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.close()
+
+
+STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
+
+
+def make_stage(comm: Comm, config: ZeroConfig) -> Stage1:
+    return STAGES[config.stage](comm, config)

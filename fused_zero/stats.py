@@ -1,0 +1,66 @@
+"""StepStats: the one all-reduce of scalars every step() makes.
+
+Which parameters got a gradient on any rank (torch semantics: a parameter
+whose gradient is None everywhere is not updated), the squared global gradient
+norm and a non-finite flag when clipping or a GradScaler needs them, and a
+checksum of what every rank must agree on (hyperparameters, options, whether
+this step clips), folded into the same collective so that checking costs no
+extra round trip.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import torch
+
+from . import ops
+from .collectives import Comm
+from .partition import Partition
+
+# A checksum travels as two small integers and their squares: their sums over the ranks
+# are exact in fp32 (below 2**24 up to 256 ranks), and N * sum(c**2) == sum(c)**2 holds
+# on every rank exactly when every rank sent the same c (Cauchy-Schwarz), so every
+# rank reaches the same verdict.
+_CHECK_BITS = 8
+_HEAD = 2 + 4  # sq_norm, nonfinite, (c1, c1**2, c2, c2**2)
+
+
+class StepStats(NamedTuple):
+    """What step() learns from the stats all-reduce."""
+
+    sq_norm: torch.Tensor  # squared L2 norm of the averaged gradient (0 if not asked for)
+    nonfinite: torch.Tensor  # > 0 if any rank's gradient shard holds inf or nan
+    has_grad: tuple[tuple[bool, ...], ...]  # per partition, per parameter: got a gradient on some rank
+    agreed: bool  # every rank sent the same checksum
+
+    def total_norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
+        total = self.sq_norm.sqrt()
+        return total if inv_scale is None else total * inv_scale
+
+
+def checksum(value) -> tuple[int, int]:
+    """Two small integers that summarise ``repr(value)``."""
+    h = zlib.crc32(repr(value).encode())
+    mask = (1 << _CHECK_BITS) - 1
+    return h & mask, (h >> 16) & mask
+
+
+def all_reduce_stats(comm: Comm, partitions: list[Partition], present: set, with_norm: bool,
+                     check: tuple[int, int]) -> StepStats:
+    params = [p for part in partitions for p in part.params]
+    device = partitions[0].flat.device if partitions else torch.device("cpu")
+    stats = torch.zeros(_HEAD + len(params), dtype=torch.float32, device=device)
+    if with_norm and partitions:
+        norm = ops.norm_stats_many([part.grad_shard for part in partitions])
+        stats[0], stats[1] = norm.sq_sum, norm.nonfinite
+    c1, c2 = check
+    stats[2:_HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
+    stats[_HEAD:] = torch.tensor([p in present for p in params], dtype=torch.float32)
+    comm.all_reduce(stats)
+    host = stats[2:].tolist()  # one host read: the flags decide which kernels run
+    n = comm.world_size
+    agreed = all(n * int(host[i + 1]) == int(host[i]) ** 2 for i in (0, 2))
+    flags = iter(v > 0 for v in host[_HEAD - 2:])
+    has_grad = tuple(tuple(next(flags) for _ in part.params) for part in partitions)
+    return StepStats(stats[0], stats[1], has_grad, agreed)

@@ -1,0 +1,96 @@
+"""Where a partition's optimizer state lives: the ShardStore interface.
+
+A store owns this rank's shard of the fp32 master weights and the Adam moments
+(exp_avg, exp_avg_sq, and max_exp_avg_sq for amsgrad groups) of one partition.
+The optimizer never touches those tensors directly: the update asks the store
+for chunks (``update_chunks``), checkpoints read and write ranges, and the
+parameter all-gather asks for a gather source. ``DeviceStore`` keeps everything
+in the parameters' memory and hands out views; a host or NVMe tier is one more
+class with the same verbs that stages each chunk in and out.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+#: The sharded optimizer states, in the order checkpoints and kernels take them.
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+AMSGRAD_KIND = "max_exp_avg_sq"
+
+
+class StateChunk(NamedTuple):
+    """Elements [start, end) of a shard's states, as tensors the update kernel may write."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+
+
+class ShardStore(ABC):
+    """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
+
+    def __init__(self, numel: int, amsgrad: bool) -> None:
+        self.numel = numel
+        self.kinds = STATE_KINDS + ((AMSGRAD_KIND,) if amsgrad else ())
+
+    def _check(self, kind: str, start: int, end: int) -> None:
+        if kind not in self.kinds:
+            raise ValueError(f"this shard holds {self.kinds}, not {kind!r}")
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"range [{start}, {end}) is outside the shard's {self.numel} elements")
+
+    @abstractmethod
+    def read(self, kind: str, start: int, end: int) -> torch.Tensor:
+        """A CPU copy of elements [start, end) of ``kind``."""
+
+    @abstractmethod
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) of ``kind`` <- ``values``."""
+
+    @abstractmethod
+    def update_chunks(self, ranges: list[tuple[int, int]]) -> Iterator[StateChunk]:
+        """The states over each range in turn; what the caller writes into a chunk is kept."""
+
+    @abstractmethod
+    def gather_source(self) -> torch.Tensor | None:
+        """The fp32 master on the parameters' device (fp32 parameters are gathered from it), or None."""
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per kind (where they live is the store's tier)."""
+
+
+class DeviceStore(ShardStore):
+    """The states as tensors on the parameters' device: chunks are views, nothing to stage."""
+
+    tier = "device"
+
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool = False) -> None:
+        super().__init__(numel, amsgrad)
+        self.tensors = {kind: torch.zeros(numel, dtype=torch.float32, device=device) for kind in self.kinds}
+
+    def read(self, kind: str, start: int, end: int) -> torch.Tensor:
+        self._check(kind, start, end)
+        return self.tensors[kind][start:end].detach().to("cpu", copy=True)
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        self._check(kind, start, start + values.numel())
+        self.tensors[kind][start:start + values.numel()].copy_(values.reshape(-1))
+
+    def update_chunks(self, ranges: list[tuple[int, int]]) -> Iterator[StateChunk]:
+        t = self.tensors
+        for start, end in ranges:
+            yield StateChunk(start, end, *(t[k][start:end] for k in STATE_KINDS),
+                             t[AMSGRAD_KIND][start:end] if AMSGRAD_KIND in t else None)
+
+    def gather_source(self) -> torch.Tensor:
+        return self.tensors["master"]
+
+    def nbytes(self) -> dict[str, int]:
+        return {kind: t.numel() * t.element_size() for kind, t in self.tensors.items()}
