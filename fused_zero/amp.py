@@ -36,3 +36,32 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     if state["stage"] is OptState.UNSCALED and grads_unscaled_in_place:
         return ScalerInputs(None, None, state)
     return ScalerInputs(grad_scaler._scale.double().reciprocal().float().to(device), None, state)
+
+
+def unscaling_scaler(optimizer, scaler_ref):
+    """The GradScaler that last stepped ``optimizer``, if ``scaler.unscale_(optimizer)`` ran since."""
+    scaler = scaler_ref() if scaler_ref is not None else None
+    if scaler is None or not scaler.is_enabled():
+        return None
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return scaler if state is not None and state["stage"] is OptState.UNSCALED else None
+
+
+class PendingClip(NamedTuple):
+    """clip_grad_norm_ before step(): the norm it returned and what step() needs to clip."""
+
+    max_norm: float
+    sq_norm: torch.Tensor  # of the gradient shards as they were (scaled, under a GradScaler)
+    total: torch.Tensor  # the tensor returned to the user
+    resolved: bool  # total is already the norm of unscaled gradients
+
+    def coef(self, scaler: ScalerInputs) -> torch.Tensor:
+        """The clip factor; unscales the returned norm in place if a scaler turned up at step()."""
+        from torch.amp.grad_scaler import OptState
+
+        if not self.resolved and scaler.inv_scale is not None and scaler.state is not None \
+                and scaler.state["stage"] is OptState.UNSCALED:
+            self.total.copy_(self.sq_norm.sqrt() * scaler.inv_scale)
+        return torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)

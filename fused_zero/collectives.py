@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .habits import torchrun_without_process_group
 from .spans import overlaps
 
 # torch 2.13 renamed the flat-tensor collectives and deprecates the old names
@@ -103,6 +104,8 @@ class Comm:
             self.backend = str(dist.get_backend(group))
         elif group is not None:
             raise RuntimeError("Comm was given a process group but torch.distributed is not initialised")
+        elif torchrun_without_process_group() is not None:
+            raise RuntimeError(torchrun_without_process_group())
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._local = self.world_size == 1
@@ -120,7 +123,10 @@ class Comm:
             twin.reset_traffic()
             return twin
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        group = dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=self.group is not None)
+        # new_group() without timeout= gets torch's default (30 min), not the user's: pass theirs.
+        timeout = _group_timeout(self.group)
+        group = dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=self.group is not None,
+                               **({"timeout": timeout} if timeout is not None else {}))
         return Comm(group)
 
     def __repr__(self) -> str:
@@ -302,6 +308,16 @@ class Comm:
             diff = _first_difference(values[r], values[0], r)
             if diff is not None:
                 raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
+
+
+def _group_timeout(group):
+    """The timeout of ``group`` (or of the default group), or None where torch does not say."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        opts = pg._get_backend(torch.device(_DEVICE_FOR_BACKEND.get(str(dist.get_backend(pg)), "cpu"))).options
+        return opts._timeout
+    except (AttributeError, RuntimeError, ImportError):
+        return None
 
 
 def _error_class(error: Exception, extra: tuple[type, ...]) -> type:

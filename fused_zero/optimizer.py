@@ -16,36 +16,37 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from . import ops
-from .amp import scaler_inputs
+from .amp import PendingClip, ScalerInputs, scaler_inputs, unscaling_scaler
 from .collectives import Comm
 from .config import ZeroConfig
 from .grad_sync import GradSync
 from .hooks import HookSet
+from .hyper import as_float, check_flags, check_group, check_hyperparameters
+from .habits import ddp_wrapping
+from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
+from .store import AMSGRAD_KIND
 from .stats import StepStats, all_reduce_stats, checksum
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    # torch.optim.AdamW's checks and wording.
-    if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+class _Unset:
+    """An option the caller did not pass (so config= and options never mix silently)."""
+
+    def __repr__(self) -> str:
+        return "<ZeroConfig's default>"
+
+
+_UNSET = _Unset()
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -55,24 +56,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``ShardedOptimizer(model.parameters(), ...)`` and do not wrap the model
     in DDP: gradients are averaged over ``process_group`` (the default group
     when one is initialised, else a single rank) by the optimizer itself.
+    Takes torch.optim.AdamW's whole signature (``amsgrad``, ``maximize``,
+    ``decoupled_weight_decay`` per group as in torch.optim.Adam; ``foreach``
+    and ``fused`` are accepted and change nothing: the update is always
+    fused) plus the ZeRO options of ``ZeroConfig`` as keywords, or one
+    ``config=``.
     """
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 stage: int = 2, bucket_numel: int = 1 << 24, reduce_dtype: torch.dtype | None = None,
-                 adam_w_mode: bool = True, max_grad_norm: float | None = None, overlap: bool = True,
-                 maximize: bool = False, process_group=None, config: ZeroConfig | None = None,
-                 module: nn.Module | None = None, units=None, max_live_units: int = 2,
-                 reshard_after_forward: bool = True) -> None:
-        options = dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
-                       adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
-                       max_live_units=max_live_units, reshard_after_forward=reshard_after_forward)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None,
+                 module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
+                 reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
+                 max_live_units=_UNSET, reshard_after_forward=_UNSET) -> None:
+        given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
+                                       adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
+                                       max_live_units=max_live_units,
+                                       reshard_after_forward=reshard_after_forward).items() if v is not _UNSET}
         if config is None:
-            config = ZeroConfig(**options)
-        elif options != dict(ZeroConfig().__dict__):
-            raise ValueError("pass either config= or the keyword options (stage=, bucket_numel=, ...), not both")
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+            config = ZeroConfig(**given)
+        elif not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a fused_zero.ZeroConfig, got {type(config).__name__}")
+        elif given:
+            raise ValueError(f"pass either config= or the keyword options ({', '.join(sorted(given))}=...), not "
+                             "both: use dataclasses.replace(config, ...) to change a config")
+        betas = check_hyperparameters(lr, betas, eps, weight_decay)
+        check_flags(foreach, fused, capturable, differentiable)
         if isinstance(params, nn.Module):
             if module is not None and module is not params:
                 raise ValueError("the first argument is a model and module= names another one; pass one model")
@@ -92,9 +103,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grad_sync: GradSync | None = None
         self._hooks: HookSet | None = None
         self._in_backward = False
-        self._clip_coef: torch.Tensor | None = None
+        self._closed = False
+        self._habits_checked = False
+        self._clip: PendingClip | None = None  # clip_grad_norm_ called since the last step
+        self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=config.adam_w_mode if decoupled_weight_decay is None
+                        else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
         self._build()
 
@@ -103,10 +120,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            if len(set(map(id, group["params"]))) != len(group["params"]):
+                raise ValueError("a param group holds the same parameter twice; list each parameter once "
+                                 "(torch.optim would step it twice)")
+            check_group(group)
             for p in group["params"]:
                 self._check_param(p)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):
             self.param_groups.pop()
             raise
         if self.grad_sync is not None:  # after construction: lay out the new group too
@@ -126,28 +146,95 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if p.dtype not in _DTYPES:
             raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer supports float32, "
                             "bfloat16 and float16 parameters")
-        first = self.param_groups[0]["params"][0]
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name} is on the meta device: materialize the model (model.to_empty("
+                             "device=...) and initialise it) before building the optimizer")
+        first = next(q for g in self.param_groups for q in g["params"])
         if p.device != first.device:
             raise ValueError(f"parameter {name} is on {p.device} but the first parameter is on {first.device}; "
                              "move the model to one device before building the optimizer")
 
     def _build(self) -> None:
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
-        if self.grad_sync is not None:
+        if self.grad_sync is None:  # first build: a previous optimizer over these parameters steps aside
+            params = [p for g in self.param_groups for p in g["params"]]
+            for previous in claim(self, params):
+                previous.close()
+            self.comm.check_same(self._agreed(), "optimizer options and hyperparameters",
+                                 hint="build the optimizer with the same options and param group "
+                                      "hyperparameters on every rank")
+            self._sync_module_buffers()
+        else:
             self.grad_sync.wait()
         if self._hooks is not None:
             self._hooks.remove()
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
                                                        self._begin_backward, self.partitions)
+        claim(self, [p for part in self.partitions for p in part.params])
+        self._params = {p for part in self.partitions for p in part.params}
         self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
         self._hooks = HookSet(self)
-        for part in self.partitions:
-            for p in part.params:
-                if p.requires_grad:
-                    self._hooks.grad(p, "_on_grad")
+        for p in self._params:
+            if p.requires_grad:
+                self._hooks.grad(p, "_on_grad")
+
+    def _agreed(self) -> tuple:
+        """What every rank must share: the options and every group's hyperparameters."""
+        hyper = [tuple((k, repr(v)) for k, v in sorted(g.items()) if k not in ("params", "param_names"))
+                 for g in self.param_groups]
+        return repr(self.config), tuple(hyper)
+
+    @torch.no_grad()
+    def _sync_module_buffers(self) -> None:
+        """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics)."""
+        if self.module is None or self.comm.world_size == 1:
+            return
+        for b in self.module.buffers():
+            if b.is_contiguous():
+                self.comm.broadcast(b, src=0)
+            else:
+                tmp = b.contiguous()
+                self.comm.broadcast(tmp, src=0)
+                b.copy_(tmp)
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether this (open) optimizer holds ``p`` in its flat buffers."""
+        return not self._closed and p in getattr(self, "_params", ())
+
+    def close(self) -> None:
+        """Step aside: remove the hooks and, at stage 3, give the parameters their full values back.
+
+        Collective at stage 3 (every rank calls it). A new ShardedOptimizer over the
+        same parameters calls this on the previous one; a closed optimizer refuses
+        to step.
+        """
+        if self._closed:
+            return
+        if self.grad_sync is not None:
+            self.grad_sync.wait()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._stage.close()
+        self._closed = True
+        release(self, list(getattr(self, "_params", ())))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ShardedOptimizer was closed: a newer ShardedOptimizer took over its parameters "
+                               "(or close() was called); step the new optimizer, or rebuild this one")
+
+    def __getstate__(self):
+        raise TypeError("a ShardedOptimizer cannot be copied or pickled (it owns hooks, flat buffers and process "
+                        "groups): save optimizer.state_dict() or use fused_zero.checkpoint, and build a new "
+                        "optimizer over the copied model")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
 
     # -- backward: one hook per parameter, one callback per backward ---------
     def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._habits_checked:
+            self._check_habits()
         self._begin_backward()
         self.grad_sync.on_grad(p)  # reduce first: the gatherer may then release p's unit
         self._stage.on_grad(p)
@@ -162,6 +249,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
         self.grad_sync.close_round()
 
+    def _check_habits(self) -> None:
+        """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
+        self._habits_checked = True
+        message = ddp_wrapping(list(self._params)) if self.comm.world_size > 1 else None
+        if message is not None:
+            raise RuntimeError(message)
+
     # -- the training-loop API --------------------------------------------
     @contextmanager
     def full_parameters(self, writeback: bool = False):
@@ -172,6 +266,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         changes made inside back into the master weights. Stages 1 and 2 always
         hold full parameters; there it only applies ``writeback``.
         """
+        self._check_open()
         with self._stage.full_parameters():
             yield
             if writeback:  # stage 3: before the gathered copies are released
@@ -181,12 +276,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally: backward passes inside do not reduce."""
+        self._check_open()
         with self.grad_sync.no_sync():
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_sync.zero_grad(set_to_none)
-        self._clip_coef = None
+        self._clip = None
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
@@ -194,29 +290,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm in the next step(); return the norm.
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged
-        gradients. With a GradScaler and stage 2, pass ``grad_scaler`` (or
-        use ``max_grad_norm=``) so the norm is taken of unscaled gradients.
+        gradients (every rank calls it). With a ``torch.amp.GradScaler``, the
+        usual ``scaler.unscale_(opt); opt.clip_grad_norm_(m); scaler.step(opt)``
+        clips the unscaled gradients at every stage, as DDP does: the shards
+        stay scaled, so the norm is unscaled with the scaler's scale. On the very
+        first step the scaler is not known yet; the returned tensor then holds
+        the right value from ``scaler.step(opt)`` on (read it after the step).
         """
+        self._check_open()
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
         self.grad_sync.prepare_step()
+        grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         stats = self._stats(with_norm=True)
         total = stats.total_norm(inv_scale)
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clip = PendingClip(max_norm, stats.sq_norm, total, resolved=grad_scaler is not None)
         return total
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # 1. reduce
+        if grad_scaler is not None:
+            self._scaler_ref = weakref.ref(grad_scaler)
+        # 1. reduce, and take in what user code did to the parameters since the last step
         self.grad_sync.prepare_step()
+        self._stage.before_update(self.partitions)
         # 2. update
         scaler = self._scaler(grad_scaler)
-        need_norm = self._clip_coef is None and self.config.max_grad_norm is not None
+        need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
         stats = self._stats(with_norm=need_norm or amp)
         if amp:
@@ -228,8 +334,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if found.item():
                 self._end_step()
                 return loss
-        coef = self._clip_coef
-        if need_norm:
+        coef = None
+        if self._clip is not None:
+            coef = self._clip.coef(scaler)
+        elif need_norm:
             total = stats.total_norm(scaler.inv_scale)
             coef = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
         grad_scale = scaler.inv_scale
@@ -242,21 +350,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     # -- phases -----------------------------------------------------------
-    def _scaler(self, grad_scaler):
+    def _scaler(self, grad_scaler) -> ScalerInputs:
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self._stage.grad_policy.free_grads)
 
     def _stats(self, with_norm: bool) -> StepStats:
         """The one all-reduce of step(); raises on every rank if ranks disagree on what must agree."""
-        agreed = [(g["lr"], g["betas"], g["eps"], g["weight_decay"], g.get("maximize", False))
-                  for g in self.param_groups]
         stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm,
-                                 checksum((agreed, with_norm, self.config)))
+                                 checksum((self._agreed(), with_norm)))
         if not stats.agreed:
             self.grad_sync.end_step()
             raise RuntimeError(
-                "ranks disagree on this step: a param group's lr, betas, eps, weight_decay or maximize, the "
-                "optimizer's options, or whether this step clips or uses a GradScaler differ across ranks; "
+                "ranks disagree on this step: a param group's hyperparameters (lr, betas, eps, weight_decay, ...), "
+                "the optimizer's options, or whether this step clips or uses a GradScaler differ across ranks; "
                 "set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank")
         return stats
 
@@ -271,20 +377,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         state["step"] = torch.tensor(0.0)
                     state["step"] += 1
                     steps[p] = int(state["step"])
-            beta1, beta2 = group["betas"]
+            if not steps:
+                continue
+            amsgrad = bool(group.get("amsgrad", False))
+            if amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
+                raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
+                                   "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
+                                   "the optimizer with amsgrad=True in that group")
+            extra = {"amsgrad": True} if amsgrad else {}
+            hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
+                         beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
+                         adam_w_mode=bool(group.get("decoupled_weight_decay", self.config.adam_w_mode)),
+                         maximize=bool(group.get("maximize", False)), grad_scale=grad_scale)
             runs = _runs(part, steps)
-            for run, chunk in zip(runs, part.store.update_chunks([(a, b) for a, b, _ in runs])):
-                start, end, step = run
+            for (start, end, step), chunk in zip(runs, part.store.update_chunks([(a, b) for a, b, _ in runs])):
+                if amsgrad:
+                    extra["max_exp_avg_sq"] = chunk.max_exp_avg_sq
                 ops.adamw_(chunk.master, part.grad_shard[start:end], chunk.exp_avg, chunk.exp_avg_sq, step=step,
-                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], adam_w_mode=self.config.adam_w_mode,
-                           maximize=group.get("maximize", False),
                            param_out=None if part.param_shard is None else part.param_shard[start:end],
-                           grad_scale=grad_scale)
+                           **hyper, **extra)
 
     def _end_step(self) -> None:
         self.grad_sync.end_step()
-        self._clip_coef = None
+        self._clip = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
         for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers

@@ -8,9 +8,9 @@ every bucket, concatenated into flat shard buffers.
 The partition owns that memory's whole life: it binds the parameters as views
 (``bind``), can release the full buffer to zero bytes with the parameters on
 an empty placeholder (``release``, stage 3) and materialize it again
-(``materialize``), notices parameters that no longer view it (``detached``:
-``model.to()``, ``load_state_dict`` with assign, ``p.data = t``) and binds them
-again (``rebind``), copying their values in.
+(``materialize``), and takes in what user code did to the parameters behind
+its back (``adopt_outside_changes``: ``model.to()`` that copied, ``p.data = t``,
+``model.load_state_dict``; ``adopt_assigned`` for released stage-3 parameters).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ class Partition:
         n = layout.shard_numel
         self.store = store(n, self.device, amsgrad)
         self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=self.device)
+        self._versions: list[int] = []
         # Narrow params are written back by the fused kernel into a contiguous
         # shard, then all-gathered; fp32 params are gathered from the master.
         self.param_shard = None
@@ -78,6 +79,7 @@ class Partition:
             view.copy_(p)
             p.data = view
         self.load_master_from_params()
+        self.mark_synced()
 
     def point_params(self) -> None:
         """The parameters view the (materialized) flat buffer again."""
@@ -94,21 +96,77 @@ class Partition:
         """Give the flat buffer its memory back (values undefined until gathered)."""
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
-    def detached(self) -> list[torch.nn.Parameter]:
-        """Parameters that no longer view their place in the flat buffer (something replaced .data)."""
-        return [p for p, view in self.views()
-                if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype
-                or p.device != view.device]
+    def mark_synced(self) -> None:
+        """Remember the parameters' version counters: an in-place write by user code bumps them."""
+        self._versions = [p._version for p in self.params]
 
     @torch.no_grad()
-    def rebind(self, params: list[torch.nn.Parameter]) -> None:
-        """Copy ``params``' current values into the flat buffer, view it again, reload the master."""
-        wanted = {id(p) for p in params}
-        for p, view in self.views():
-            if id(p) in wanted:
-                view.copy_(p.detach().to(device=view.device, dtype=view.dtype))
+    def adopt_outside_changes(self, names: dict) -> None:
+        """Take in what user code did to the (bound) parameters since the optimizer last wrote them.
+
+        A parameter that no longer views the flat buffer (``model.to()`` that copied,
+        ``p.data = t``) is copied back in and bound
+        again; one written in place (``model.load_state_dict``, ``p.copy_``) keeps its
+        new values. Either way its master is reloaded, as torch.optim would step from
+        the values the parameter holds. A parameter whose shape, dtype or device
+        changed cannot live in this buffer: a RuntimeError names the call.
+        """
+        changed = []
+        for i, (p, view) in enumerate(self.views()):
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype \
+                    or p.device != view.device:
+                self._check_compatible(p, view.shape, names)
+                view.copy_(p)
                 p.data = view
-        self.load_master_from_params()
+                changed.append(i)
+            elif p._version != self._versions[i]:
+                changed.append(i)
+        if changed:
+            self._reload_master(changed, lambda i: self.params[i].detach().reshape(-1))
+        self.mark_synced()
+
+    @torch.no_grad()
+    def adopt_assigned(self, names: dict, placeholder: Callable[[torch.Tensor], torch.Tensor],
+                       skip: frozenset = frozenset()) -> bool:
+        """Stage 3, released: take in full values user code assigned to the placeholders.
+
+        Parameters that hold a full tensor (``p.data = t``, a load into a materialized
+        parameter) have this rank's shard of it written into the master; they go back
+        to the placeholder. Parameters in ``skip`` are only put back. Returns whether
+        anything was taken in.
+        """
+        changed, values = [], {}
+        for i, p in enumerate(self.params):
+            if p.numel() == 0:
+                continue
+            if i not in skip:
+                self._check_compatible(p, self.shapes[i], names)
+                changed.append(i)
+                values[i] = p.detach().reshape(-1)
+            p.data = placeholder(p)
+        if changed:
+            self._reload_master(changed, values.__getitem__)
+        return bool(changed)
+
+    def _check_compatible(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
+        for what, now, then, call in (("shape", tuple(p.shape), tuple(shape), "a resize or p.data = t"),
+                                      ("dtype", p.dtype, self.dtype, "model.to(dtype), .half() or .bfloat16()"),
+                                      ("device", p.device, self.device, "model.to(device)")):
+            if now != then:
+                raise RuntimeError(
+                    f"parameter {names.get(p, tuple(shape))} changed {what} from {then} to {now} after the "
+                    f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
+                    f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
+
+    def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
+        """The master (and narrow param shard) of the parameters ``indices`` <- their given values."""
+        wanted = set(indices)
+        for piece in self.pieces:
+            if piece.param_index in wanted:
+                v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
+                self.store.write("master", piece.shard_offset, v.to(device=self.device, dtype=torch.float32))
+                if self.param_shard is not None:
+                    self.param_shard[piece.shard_offset: piece.shard_offset + piece.numel].copy_(v)
 
     # -- shards ------------------------------------------------------------
     @torch.no_grad()

@@ -72,9 +72,12 @@ class _Unit:
 class ParamGatherer:
     """The hooks that gather, prefetch and release the units of one model."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], parts: list[list[Partition]], sync: ParamSync,
-                 max_live_units: int, reshard_after_forward: bool, begin_backward: Callable[[], None]) -> None:
+    def __init__(self, root: nn.Module, modules: tuple[nn.Module, ...], parts: list[list[Partition]],
+                 sync: ParamSync, max_live_units: int, reshard_after_forward: bool,
+                 begin_backward: Callable[[], None], names: dict) -> None:
         self.sync = sync
+        self.names = names
+        self._holding = False  # inside full_parameters(): nothing is released
         self.comm = sync.comm
         self.units = [_Unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, parts))]
         self.max_live_units = max_live_units
@@ -94,6 +97,11 @@ class ParamGatherer:
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward, prepend=True))
             self._handles.append(u.module.register_forward_hook(self._post_forward, always_call=True))
+        # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
+        self._handles.append(root.register_state_dict_post_hook(functools.partial(self._check_state_dict)))
+        self._handles.append(root.register_load_state_dict_pre_hook(self._before_load))
+        self._handles.append(root.register_load_state_dict_post_hook(self._after_load))
+        self._load_prefix = ""
         self._unit_of = {id(u.module): u for u in self.units}
         self._unit_of_param = {p: u for u in self.units for p in u.trainable}
         for u in self.units:
@@ -137,6 +145,7 @@ class ParamGatherer:
             return
         handles = []
         for part in u.parts:
+            part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
             part.materialize()
             handles += self.sync.gather(part)
         u.handles = handles
@@ -150,10 +159,13 @@ class ParamGatherer:
         u.handles = None
         for part in u.parts:
             part.point_params()
+            part.mark_synced()
         u.gathered = True
 
     def _release(self, u: _Unit) -> None:
         self._wait(u)  # never free a buffer a collective still writes into
+        if self._holding:
+            return
         for part in u.parts:
             part.release(self._placeholder)
         u.gathered = False
@@ -296,6 +308,46 @@ class ParamGatherer:
             u.grads_seen.clear()
         self.state = TrainingState.IDLE
 
+    # -- user code between steps ------------------------------------------------
+    def adopt_assigned(self) -> None:
+        """Take in full values user code assigned to released parameters (``p.data = t``)."""
+        for u in self.units:
+            if not u.gathered and u.handles is None:
+                for part in u.parts:
+                    part.adopt_assigned(self.names, self._placeholder)
+
+    def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        released = [self.names.get(p, tuple(shape)) for u in self.units if not u.gathered for part in u.parts
+                    for p, shape in zip(part.params, part.shapes) if p.numel() == 0 and shape.numel() > 0]
+        if released:
+            raise RuntimeError(
+                f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
+                "model.state_dict() here would return 0-element tensors. Read it inside "
+                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
+
+    def _before_load(self, module, state_dict, prefix, *args) -> None:
+        """model.load_state_dict between steps: give released parameters full-size memory to load into."""
+        self._load_prefix = prefix
+        for u in self.units:
+            if not u.gathered:
+                self._wait(u)
+                for part in u.parts:
+                    for p, shape in zip(part.params, part.shapes):
+                        if p.numel() == 0 and shape.numel() > 0:
+                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        """Write each rank's shard of what was loaded into the masters; parameters go back to their shards."""
+        missing = set(incompatible_keys.missing_keys)
+        for u in self.units:
+            for part in u.parts:
+                if u.gathered:  # inside full_parameters(): the loaded values are kept
+                    part.adopt_outside_changes(self.names)
+                    continue
+                skip = frozenset(i for i, p in enumerate(part.params)
+                                 if self._load_prefix + self.names.get(p, "") in missing)
+                part.adopt_assigned(self.names, self._placeholder, skip)
+
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:
         """The shards changed (a step, a load): drop every gathered copy."""
@@ -312,9 +364,11 @@ class ParamGatherer:
             self._issue(u)
         for u in order:
             self._wait(u)
+        self._holding = True  # an eval forward or a state_dict() inside keeps everything gathered
         try:
             yield
         finally:
+            self._holding = False
             for u in self.units:
                 self._release(u)
 

@@ -53,6 +53,7 @@ class Stage1:
 
         Partitions in ``previous`` (a rebuild after add_param_group) are kept with their states.
         """
+        self.names = names
         signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
         self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
@@ -88,9 +89,16 @@ class Stage1:
     def end_backward(self) -> None:
         pass
 
+    def before_update(self, partitions: list[Partition]) -> None:
+        """Take in what user code did to the parameters since the last step (load_state_dict, .to(), ...)."""
+        for part in partitions:
+            part.adopt_outside_changes(self.names)
+
     def after_update(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
         """The updated shards back into every rank's full parameters."""
         self.sync.gather_updated(partitions, updated)
+        for part in partitions:
+            part.mark_synced()
 
     def full_parameters(self):
         return nullcontext()
@@ -123,6 +131,7 @@ class Stage3(Stage2):
 
     def build(self, groups, names, module, units, begin_backward, previous):
         """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""
+        self.names = names
         plan = plan_units(module, units)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         in_module = {p for ps in plan.params for p in ps}
@@ -152,8 +161,9 @@ class Stage3(Stage2):
             unit_parts.append(parts)
         # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
         # embedding's gradient, which backward produces at the very end.
-        self.gatherer = ParamGatherer(plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
-                                      self.config.max_live_units, self.config.reshard_after_forward, begin_backward)
+        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
+                                      self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
+                                      names)
         return [part for parts in unit_parts for part in parts], positions
 
     def on_grad(self, p: nn.Parameter) -> None:
@@ -161,6 +171,9 @@ class Stage3(Stage2):
 
     def end_backward(self) -> None:
         self.gatherer.end_backward()
+
+    def before_update(self, partitions) -> None:
+        self.gatherer.adopt_assigned()
 
     def after_update(self, partitions, updated) -> None:
         self.gatherer.release_all()  # the next forward gathers the new values

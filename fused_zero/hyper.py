@@ -1,0 +1,65 @@
+"""torch.optim.AdamW's hyperparameters: the checks, wording and defaults of torch itself.
+
+ShardedOptimizer takes AdamW's whole signature so that code written for
+torch.optim.AdamW (and the frameworks that build it from a config) works
+unchanged; options that cannot mean anything here are refused with the reason.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _scalar(value, what: str):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {what} must be 1-element")
+        return value
+    return value
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
+    """torch.optim.Adam's value checks; returns betas as a tuple of floats."""
+    _scalar(lr, "lr")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    try:
+        b0, b1 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+    if isinstance(b0, torch.Tensor) != isinstance(b1, torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+    _scalar(b0, "betas[0]")
+    _scalar(b1, "betas[1]")
+    if not 0.0 <= b0 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {b0}")
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {b1}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    return float(b0), float(b1)
+
+
+def check_flags(foreach, fused, capturable, differentiable) -> None:
+    """AdamW's implementation flags: fused_zero always runs its own fused update."""
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if capturable:
+        raise ValueError("capturable=True is not supported: ShardedOptimizer.step() reads on the host which "
+                         "parameters got a gradient on any rank, so it cannot be captured in a CUDA graph; "
+                         "use capturable=False")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported: the sharded update runs outside autograd; "
+                         "use differentiable=False")
+
+
+def check_group(group: dict) -> None:
+    """A param group's hyperparameters, as added or edited by the user."""
+    group["betas"] = check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
+
+
+def as_float(value) -> float:
+    """A hyperparameter as the kernels take it (a 1-element tensor lr from a scheduler included)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

@@ -1,0 +1,41 @@
+"""Which live fused_zero object owns a parameter, so that a new optimizer can take over.
+
+A sweep, a notebook or a rebuild after loading builds a second optimizer over
+the same model. The first one's hooks would still reduce (and free) the
+gradients, and at stage 3 its gatherer still holds the parameters' only full
+copy. Every optimizer (and stage-3 gatherer) claims its parameters here; a new
+claim closes the previous live owners first (collectively: every rank builds the
+new optimizer), and a closed optimizer refuses to step.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_owners: dict[int, list[weakref.ref]] = {}
+
+
+def claim(owner, params: list[torch.nn.Parameter]) -> list:
+    """Record ``owner`` for ``params``; return the other live owners of any of them (to close)."""
+    previous = []
+    for p in params:
+        refs = _owners.get(id(p), [])
+        for ref in refs:
+            other = ref()
+            if other is not None and other is not owner and other.owns(p) and other not in previous:
+                previous.append(other)
+        refs = [r for r in refs if r() is not None and r() is not owner]
+        refs.append(weakref.ref(owner))
+        _owners[id(p)] = refs
+    return previous
+
+
+def release(owner, params: list[torch.nn.Parameter]) -> None:
+    """``owner`` no longer owns ``params``."""
+    for p in params:
+        refs = [r for r in _owners.get(id(p), []) if r() is not None and r() is not owner]
+        if refs:
+            _owners[id(p)] = refs
+        else:
+            _owners.pop(id(p), None)

@@ -1,0 +1,200 @@
+"""The drop-in contract across ranks (2 gloo processes): what DDP users do by habit either
+gives DDP's result or raises the same clear error on every rank, before anything hangs.
+
+- options or hyperparameters that differ across ranks (at build, and changed mid-run);
+- clip_grad_norm_ called on one rank only;
+- the standard AMP recipe (scaler.unscale_, opt.clip_grad_norm_, scaler.step, scaler.update)
+  against DDP + torch AdamW + GradScaler at every stage;
+- a model wrapped in DDP anyway;
+- module buffers taken from rank 0 when the optimizer is given the module, as DDP does;
+- a second stage-3 optimizer over the same model, and the gather group's timeout.
+"""
+import datetime
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_ranks
+from _models import HYPER, BNNet, PlainNet, TinyNet, batch, ddp_reference, flags, loss_fn, rel
+
+TIMEOUT = 180
+
+
+def _caught(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts type and words
+        return type(e).__name__, str(e)
+    return None
+
+
+def _train(model, opt, t, rank):
+    opt.zero_grad()
+    x, y = batch(t, rank)
+    loss_fn(model(x, **flags(t, rank)), y).backward()
+
+
+def _disagreements(rank, world_size):
+    from fused_zero import ShardedOptimizer
+
+    def build(**kw):
+        return ShardedOptimizer(PlainNet().parameters(), **{**HYPER, **kw})
+
+    out = {
+        "lr_at_build": _caught(lambda: build(lr=1e-3 * (rank + 1))),
+        "bucket_numel": _caught(lambda: build(bucket_numel=1000 + 64 * rank)),
+        "stage": _caught(lambda: build(stage=1 + rank)),
+        "reduce_dtype": _caught(lambda: build(reduce_dtype=torch.float32 if rank else torch.bfloat16)),
+        "max_grad_norm": _caught(lambda: build(max_grad_norm=1.0 + rank)),
+    }
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER)
+    _train(model, opt, 0, rank)
+    opt.step()
+    if rank == 1:
+        opt.param_groups[0]["lr"] = 5e-3  # a scheduler stepped on one rank only
+    _train(model, opt, 1, rank)
+    out["lr_mid_run"] = _caught(opt.step)
+    opt.param_groups[0]["lr"] = HYPER["lr"]
+
+    def clip_on_rank0():
+        _train(model, opt, 2, rank)
+        if rank == 0:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+    out["clip_one_rank"] = _caught(clip_on_rank0)
+    _train(model, opt, 3, rank)  # and the optimizer still works after all that
+    opt.step()
+    out["after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def disagreements():
+    return run_ranks(_disagreements, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("lr_at_build", "differ across ranks"), ("bucket_numel", "differ across ranks"),
+    ("stage", "differ across ranks"), ("reduce_dtype", "differ across ranks"),
+    ("max_grad_norm", "differ across ranks"), ("lr_mid_run", "ranks disagree on this step"),
+    ("clip_one_rank", "ranks disagree on this step")])
+def test_rank_differences_raise_on_every_rank(disagreements, case, words):
+    for r in disagreements:
+        assert r[case] is not None, case
+        kind, message = r[case]
+        assert kind in ("ValueError", "RuntimeError"), (case, kind)
+        assert words in message, (case, message)
+    assert disagreements[0]["after"] == disagreements[1]["after"]
+
+
+def _amp(rank, world_size, stage):
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    ref, ref_opt = ddp_reference(model, groups=False)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) for _ in range(2))
+    norms, ref_norms = [], []
+    for t in range(6):
+        for m, o, s, out in ((model, opt, scaler, norms), (ref, ref_opt, ref_scaler, ref_norms)):
+            o.zero_grad()
+            x, y = batch(t, rank)
+            s.scale(loss_fn(m(x, **flags(t, rank)), y)).backward()
+            s.unscale_(o)
+            clip = o.clip_grad_norm_ if o is opt else (lambda v: torch.nn.utils.clip_grad_norm_(m.parameters(), v))
+            norm = clip(0.05)
+            s.step(o)
+            s.update()
+            out.append(float(norm))
+    with opt.full_parameters():
+        refs = dict(ref.module.named_parameters())
+        err = max(rel(p, refs[n]) for n, p in model.named_parameters())
+    return {"err": err, "norms": norms, "ref_norms": ref_norms, "scale": (scaler.get_scale(), ref_scaler.get_scale())}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_amp_recipe_matches_ddp(stage):
+    for r in run_ranks(_amp, 2, stage, timeout=TIMEOUT):
+        assert r["err"] < 1e-5, r["err"]
+        assert r["scale"][0] == r["scale"][1]
+        for a, b in zip(r["norms"], r["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["norms"], r["ref_norms"])
+        assert max(r["ref_norms"]) > 0.05  # the clip was active
+
+
+def _ddp_wrapped(rank, world_size, stage):
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    wrapped = DDP(model, find_unused_parameters=True)
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage)
+
+    def train():
+        x, y = batch(0, rank)
+        loss_fn(wrapped(x), y).backward()
+        opt.step()
+    return _caught(train)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_wrapped_in_ddp_is_refused(stage):
+    for r in run_ranks(_ddp_wrapped, 2, stage, timeout=TIMEOUT):
+        assert r is not None and r[0] == "RuntimeError", r
+        assert "do not wrap the model in DistributedDataParallel" in r[1]
+
+
+def _buffers(rank, world_size):
+    from fused_zero import ShardedOptimizer
+
+    model = BNNet()
+    with torch.no_grad():
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(float(rank + 1))
+    ShardedOptimizer(model, **HYPER, stage=2)
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def test_module_buffers_come_from_rank0():
+    r0, r1 = run_ranks(_buffers, 2, timeout=TIMEOUT)
+    for name in r0:
+        assert torch.equal(r0[name], r1[name]), name
+    assert any(float(b.float().mean()) != 0 for b in r0.values())
+
+
+def _takeover(rank, world_size):
+    from fused_zero import ShardedOptimizer
+    from fused_zero.collectives import _group_timeout
+
+    model = TinyNet()
+    first = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000)
+    for t in range(2):
+        _train(model, first, t, rank)
+        first.step()
+    with first.full_parameters():
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    second = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000)
+    ref_model = TinyNet()
+    ref_model.load_state_dict(state)
+    ref, ref_opt = ddp_reference(ref_model, groups=False)
+    for t in range(2, 5):
+        _train(model, second, t, rank)
+        second.step()
+        _train(ref, ref_opt, t, rank)
+        ref_opt.step()
+    with second.full_parameters():
+        refs = dict(ref.module.named_parameters())
+        err = max(rel(p, refs[n]) for n, p in model.named_parameters())
+    return {"err": err, "first_step": _caught(first.step),
+            "timeouts": (_group_timeout(second._stage.gatherer.comm.group), _group_timeout(None))}
+
+
+def test_second_stage3_optimizer_takes_over_on_two_ranks():
+    for r in run_ranks(_takeover, 2, timeout=TIMEOUT):
+        assert r["err"] < 1e-5, r["err"]
+        assert r["first_step"] is not None and "took over" in r["first_step"][1]
+        gather, default = r["timeouts"]
+        assert default is not None and gather == default, r["timeouts"]
+        assert default != datetime.timedelta(minutes=30)

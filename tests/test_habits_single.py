@@ -1,0 +1,267 @@
+"""The drop-in contract in one process: habits of torch.optim users either work as torch does or
+raise a clear error naming the fix.
+
+Each test builds what a user would (a second optimizer over the same model, weights loaded after
+the optimizer, a model moved or cast after it, stage-3 state dicts, AdamW's flags, bad
+constructor input) and checks the numbers against torch.optim.AdamW, or the exception type and
+the words that name the fix. Multi-rank habits are in test_habits_ranks.py.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn, rel
+from fused_zero import ShardedOptimizer, ZeroConfig
+
+TOL = 1e-6
+
+
+def _train(model, opt, steps, start=0):
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        opt.step()
+
+
+def _full_state(model, opt=None):
+    """A detached copy of the model's state dict (inside full_parameters at stage 3)."""
+    ctx = opt.full_parameters() if opt is not None else torch.no_grad()
+    with ctx:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _reference(state, cls=TinyNet, **kw):
+    ref = cls()
+    ref.load_state_dict(state)
+    return ref, torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False, **kw)
+
+
+def _param_error(model, opt, ref):
+    with opt.full_parameters():
+        refs = dict(ref.named_parameters())
+        return max(rel(p, refs[n]) for n, p in model.named_parameters())
+
+
+def _build(model, stage, **kw):
+    return ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage,
+                            bucket_numel=1000, **kw)
+
+
+# --- 1. a second optimizer over the same model ---------------------------------------------------
+
+@pytest.mark.parametrize("drop_first", [False, True], ids=["kept", "deleted"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_second_optimizer_takes_over(stage, drop_first):
+    model = TinyNet()
+    first = _build(model, stage)
+    _train(model, first, 2)
+    state = _full_state(model, first)
+    if drop_first:
+        del first
+    second = _build(model, stage)
+    ref, ref_opt = _reference(state)
+    _train(model, second, 3, start=2)
+    _train(ref, ref_opt, 3, start=2)
+    assert _param_error(model, second, ref) < TOL
+    if not drop_first:
+        with pytest.raises(RuntimeError, match="newer ShardedOptimizer took over"):
+            first.step()
+
+
+def test_closed_stage3_optimizer_gives_the_model_back():
+    model = TinyNet()
+    opt = _build(model, 3)
+    _train(model, opt, 1)
+    state = _full_state(model, opt)
+    opt.close()
+    assert all(p.numel() > 0 for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+# --- 2. weights changed after construction -----------------------------------------------------
+
+def _change(model, how):
+    new = TinyNet(seed=7)
+    if how == "load_state_dict":
+        model.load_state_dict(new.state_dict())
+    elif how == "data":
+        for p, q in zip(model.parameters(), new.parameters()):
+            p.data = q.detach().clone()
+    elif how == "to_copy":
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), new.parameters()):
+                p.copy_(q)
+        model.to(torch.device("cpu:0"))  # a copy on CPU: the parameters no longer view the buffers
+    return {k: v.detach().clone() for k, v in new.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "data", "to_copy"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_weights_changed_after_build_are_used(stage, how):
+    """torch.optim steps from whatever the parameters hold, keeping its moments: so must we."""
+    if stage == 3 and how == "to_copy":
+        pytest.skip("stage 3 parameters are empty placeholders between steps: nothing to copy")
+    model = TinyNet()
+    opt = _build(model, stage)
+    ref, ref_opt = _reference(TinyNet().state_dict())
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    state = _change(model, how)
+    ref.load_state_dict(state)
+    _train(model, opt, 3, start=2)
+    _train(ref, ref_opt, 3, start=2)
+    assert _param_error(model, opt, ref) < TOL
+
+
+@pytest.mark.parametrize("call", ["half", "double"])
+def test_model_cast_after_build_raises_naming_the_call(call):
+    model = PlainNet()
+    opt = _build(model, 2)
+    getattr(model, call)()
+    with pytest.raises(RuntimeError, match=r"changed dtype .*model\.to\(dtype\)"):
+        opt.step()
+
+
+# --- 8. stage 3 state dicts and full_parameters ------------------------------------------------
+
+def test_stage3_model_state_dict_outside_full_parameters_raises():
+    model = TinyNet()
+    opt = _build(model, 3)
+    _train(model, opt, 1)
+    with pytest.raises(RuntimeError, match="full_parameters"):
+        model.state_dict()
+    with opt.full_parameters():
+        sd = model.state_dict()
+    assert all(v.numel() == p.numel() for v, p in zip(sd.values(), TinyNet().state_dict().values()))
+
+
+def test_stage3_full_parameters_holds_through_an_eval_forward_and_writeback():
+    model = TinyNet()
+    opt = _build(model, 3)
+    _train(model, opt, 1)
+    x, _ = batch(5, 0)
+    with opt.full_parameters(writeback=True):
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+        sd = {k: v.clone() for k, v in model.state_dict().items()}  # full after the forward
+        with torch.no_grad():
+            model.head.weight.mul_(0.5)
+    assert all(v.numel() > 0 for v in sd.values())
+    with opt.full_parameters():
+        assert torch.allclose(model.head.weight, sd["head.weight"] * 0.5)
+
+
+def test_stage3_partial_load_keeps_the_rest():
+    model = TinyNet()
+    opt = _build(model, 3)
+    _train(model, opt, 1)
+    before = _full_state(model, opt)
+    new = TinyNet(seed=5).state_dict()
+    model.load_state_dict({"head.weight": new["head.weight"]}, strict=False)
+    after = _full_state(model, opt)
+    assert torch.equal(after["head.weight"], new["head.weight"])
+    assert all(torch.equal(after[k], before[k]) for k in before if k != "head.weight")
+
+
+# --- 3. AdamW's signature --------------------------------------------------------------------------
+
+def test_adamw_flags_accepted_or_refused_with_the_reason():
+    ps = list(PlainNet().parameters())
+    ShardedOptimizer(ps, foreach=False, fused=True)  # accepted: the update is always fused
+    with pytest.raises(ValueError, match="capturable"):
+        ShardedOptimizer(list(PlainNet().parameters()), capturable=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        ShardedOptimizer(list(PlainNet().parameters()), differentiable=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        ShardedOptimizer(list(PlainNet().parameters()), fused=True, foreach=True)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        ShardedOptimizer(list(PlainNet().parameters()), lr=torch.tensor(-1e-3))
+    with pytest.raises(ValueError, match="1-element"):
+        ShardedOptimizer(list(PlainNet().parameters()), lr=torch.tensor([1e-3, 1e-3]))
+    with pytest.raises(ValueError, match="both floats or both Tensors"):
+        ShardedOptimizer(list(PlainNet().parameters()), betas=(torch.tensor(0.9), 0.999))
+    opt = ShardedOptimizer(list(PlainNet().parameters()))
+    assert set(torch.optim.AdamW(list(PlainNet().parameters())).defaults) <= set(opt.defaults)
+
+
+def test_tensor_hyperparameters_match_torch():
+    model, ref = PlainNet(), PlainNet()
+    kw = dict(lr=torch.tensor(2e-3), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)
+    opt = ShardedOptimizer(model.parameters(), **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
+    _train(model, opt, 3)
+    _train(ref, ref_opt, 3)
+    assert max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())) < TOL
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_group_decoupled_weight_decay_false_is_adam_l2(stage):
+    model, ref = PlainNet(), PlainNet()
+    ps, rs = list(model.parameters()), list(ref.parameters())
+    groups = [{"params": ps[:4], "decoupled_weight_decay": False, "weight_decay": 0.1},
+              {"params": ps[4:], "weight_decay": 0.05}]
+    ref_groups = [{"params": rs[:4], "decoupled_weight_decay": False, "weight_decay": 0.1},
+                  {"params": rs[4:], "decoupled_weight_decay": True, "weight_decay": 0.05}]
+    opt = ShardedOptimizer(groups, lr=1e-2, stage=stage)
+    ref_opt = torch.optim.Adam(ref_groups, lr=1e-2, foreach=False)
+    _train(model, opt, 4)
+    _train(ref, ref_opt, 4)
+    assert max(rel(p, q) for p, q in zip(ps, rs)) < TOL
+
+
+# --- constructor corner cases ------------------------------------------------------------------
+
+def test_constructor_corner_cases():
+    model = PlainNet()
+    ps = list(model.parameters())
+    opt = ShardedOptimizer([{"params": []}, {"params": ps}])  # an empty first group
+    _train(model, opt, 1)
+    with pytest.raises(TypeError, match="ZeroConfig"):
+        ShardedOptimizer(list(PlainNet().parameters()), config={"stage": 2})
+    with pytest.raises(ValueError, match="not both"):
+        ShardedOptimizer(list(PlainNet().parameters()), config=ZeroConfig(stage=1), stage=2)
+    with pytest.raises(ValueError, match="not both"):  # even a keyword equal to its default
+        ShardedOptimizer(list(PlainNet().parameters()), config=ZeroConfig(stage=1), bucket_numel=1 << 24)
+    with pytest.raises(ValueError, match="meta device"):
+        with torch.device("meta"):
+            meta = PlainNet()
+        ShardedOptimizer(meta.parameters())
+    p = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="same parameter twice"):
+        ShardedOptimizer([{"params": [p, p]}])
+
+
+def test_copy_and_pickle_are_refused():
+    opt = ShardedOptimizer(PlainNet().parameters())
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+
+
+def test_torchrun_environment_without_process_group_raises(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedOptimizer(PlainNet().parameters())
+
+
+# --- torch.compile ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_compiled_model_trains_like_eager(stage):
+    torch._dynamo.reset()
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, stage)
+    ref_opt = _build(ref, stage)
+    compiled = torch.compile(model, backend="aot_eager")
+    _train(compiled, opt, 3)
+    _train(ref, ref_opt, 3)
+    with opt.full_parameters(), ref_opt.full_parameters():
+        assert max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())) < TOL
