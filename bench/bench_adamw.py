@@ -5,9 +5,9 @@
 Sizes: 1e6, 1e7, 1e8 elements on CUDA; 1e5, 1e6 on CPU.
 Variants:
   fused        fused_zero.ops.adamw_ with param_out (on CUDA the Triton kernel; on CPU
-               torch's fused CPU AdamW plus a cast, fused_zero/native.py: the Triton
+               its native backend, torch's fused CPU AdamW plus a cast: the Triton
                interpreter cannot be timed)
-  twin         fused_zero.reference.adamw_, the unfused torch twin
+  twin         fused_zero.ops.adamw_twin.adamw_, the unfused torch twin
   torch_*      torch.optim.AdamW with foreach=False / foreach=True / fused=True, each
                followed by a separate fp32 -> bf16 cast pass of the params (what torch
                needs for bf16 params with an fp32 master). torch needs grads in the param
@@ -22,14 +22,15 @@ import pytest
 import torch
 from _bandwidth import device, measure
 
-from fused_zero import ops, reference
+from fused_zero import ops
+from fused_zero.ops import adamw_twin
 
 CUDA = torch.cuda.is_available()
 SIZES = [10**6, 10**7, 10**8] if CUDA else [10**5, 10**6]
 BYTES_PER_ELEMENT = 4 + 2 + 4 + 4 + 4 + 4 + 4 + 2
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 VARIANTS = ["fused", "twin", "torch_forloop", "torch_foreach", "torch_fused"]
-_BACKEND = {"fused": "triton" if CUDA else "torch fused CPU AdamW (native.py)", "twin": "torch twin"}
+_BACKEND = {"fused": "triton" if CUDA else "native: torch fused CPU AdamW", "twin": "torch twin"}
 
 
 def _setup(n: int):
@@ -46,7 +47,7 @@ def _setup(n: int):
 def _make_step(variant: str, n: int):
     p, g, m, v, out = _setup(n)
     if variant in ("fused", "twin"):
-        fn = ops.adamw_ if variant == "fused" else reference.adamw_
+        fn = ops.adamw_ if variant == "fused" else adamw_twin.adamw_
 
         def step():
             fn(p, g, m, v, step=10, param_out=out, **HYPER)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fused_zero import ops
-from fused_zero import reference
+from fused_zero.ops import adamw_twin
 from fused_zero.kernels.adamw import BLOCK
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -334,5 +334,5 @@ def test_twin_leaves_grad_untouched():
     p, m, v = random_state(100)
     (g,) = grads(100, 1)
     g0 = g.clone()
-    reference.adamw_(p, g, m, v, step=1, grad_scale=2.0, maximize=True, adam_w_mode=False, **HYPER)
+    adamw_twin.adamw_(p, g, m, v, step=1, grad_scale=2.0, maximize=True, adam_w_mode=False, **HYPER)
     assert torch.equal(g, g0)

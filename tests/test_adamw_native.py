@@ -1,4 +1,4 @@
-"""The default CPU path of ops.adamw_ (torch's fused CPU AdamW) against torch.optim."""
+"""The default CPU backend of ops.adamw_ (torch's fused CPU AdamW) against torch.optim."""
 import pytest
 import torch
 
