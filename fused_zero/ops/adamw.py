@@ -12,14 +12,14 @@ from numbers import Real
 import torch
 
 from . import _backend
-from ._checks import (F32, FLOATS, check_flat, check_no_overlap, check_real, check_same_device,
+from ._checks import (F32, FLOATS, check_bool, check_flat, check_no_overlap, check_real, check_same_device,
                       check_same_numel, check_scalar_tensor)
 from .adamw_twin import adamw_ as _twin
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
            adam_w_mode=True, maximize=False, param_out=None, grad_scale=None,
-           found_inf=None) -> None:
+           found_inf=None, amsgrad=False, max_exp_avg_sq=None) -> None:
     """One in-place Adam (``adam_w_mode=False``, L2) / AdamW step over flat buffers.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, updated in place. ``grad``: fp32,
@@ -29,8 +29,11 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     makes the call a no-op, decided on device. ``step`` (the count after increment,
     1 on the first update) and ``lr`` may be numbers or 0-d tensors on the params'
     device (no host sync: the bias corrections are then computed on device; a
-    tensor step must hold a value >= 1, which is not checked). Numerics follow
-    ``torch.optim.AdamW`` / ``Adam`` (foreach=False). CUDA: one Triton launch;
+    tensor step must hold a value >= 1, which is not checked). ``amsgrad=True``
+    needs ``max_exp_avg_sq`` (fp32, zeros at the start, updated in place): it
+    becomes max(max_exp_avg_sq, exp_avg_sq) after exp_avg_sq's update and replaces
+    it in the denominator. Numerics follow ``torch.optim.AdamW`` / ``Adam``
+    (foreach=False), amsgrad included. CUDA: one Triton launch;
     CPU: torch's fused CPU AdamW, or the pure-torch twin
     (``fused_zero.ops.adamw_twin.adamw_``) when FUSED_ZERO_BACKEND is set.
     """
@@ -40,7 +43,9 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     check_flat("exp_avg_sq", exp_avg_sq, F32)
     if param_out is not None:
         check_flat("param_out", param_out, FLOATS)
-    buffers = dict(grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_out=param_out)
+    _check_amsgrad(amsgrad, max_exp_avg_sq)
+    buffers = dict(grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq,
+                   param_out=param_out)
     check_same_numel("param", param, **buffers)
     check_same_device("param", param, **buffers)
     check_no_overlap(param=param, **buffers)
@@ -73,7 +78,19 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     impl(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=float(beta1),
          beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
          adam_w_mode=bool(adam_w_mode), maximize=bool(maximize), param_out=param_out,
-         grad_scale=grad_scale, found_inf=found_inf)
+         grad_scale=grad_scale, found_inf=found_inf, amsgrad=amsgrad, max_exp_avg_sq=max_exp_avg_sq)
+
+
+def _check_amsgrad(amsgrad, max_exp_avg_sq) -> None:
+    check_bool("amsgrad", amsgrad)
+    if amsgrad and max_exp_avg_sq is None:
+        raise ValueError("amsgrad=True needs max_exp_avg_sq, an fp32 buffer like exp_avg_sq that starts "
+                         "at zero (torch.zeros_like(exp_avg_sq)) and is kept between steps")
+    if not amsgrad and max_exp_avg_sq is not None:
+        raise ValueError("max_exp_avg_sq is only used with amsgrad=True; pass amsgrad=True, or drop "
+                         "max_exp_avg_sq")
+    if max_exp_avg_sq is not None:
+        check_flat("max_exp_avg_sq", max_exp_avg_sq, F32)
 
 
 def _host_scalar(name: str, value, device: torch.device):
@@ -103,31 +120,33 @@ def _check_step(step, device: torch.device):
 
 def _native(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
             adam_w_mode=True, maximize=False, param_out=None, grad_scale=None,
-            found_inf=None) -> None:
+            found_inf=None, amsgrad=False, max_exp_avg_sq=None) -> None:
     """The default CPU backend: torch's own fused CPU AdamW.
 
     ``torch._fused_adamw_`` / ``torch._fused_adam_`` update fp32 buffers in one
     vectorised pass on CPU, several times faster than the op-by-op twin. They read
-    fp32 gradients and *divide* by a loss scale, so a narrow gradient is widened
-    first and ``grad_scale`` (a multiplier) is passed as its reciprocal;
-    ``param_out`` is a separate rounding pass (torch's RNE). Checked against
-    torch.optim.AdamW / Adam in tests/test_adamw_native.py.
+    fp32 gradients, so a narrow gradient is widened first; ``grad_scale`` multiplies
+    it here, as in the kernel (torch's own ``grad_scale`` argument divides, and
+    divides the caller's fp32 grad in place); ``param_out`` is a separate rounding
+    pass (torch's RNE). Where exp_avg_sq is NaN, torch's fused CPU amsgrad keeps the
+    old max_exp_avg_sq (torch.maximum, in the other backends, makes it NaN). Checked
+    against torch.optim.AdamW / Adam in tests/test_adamw_native.py and
+    tests/test_adamw_amsgrad.py.
     """
     if found_inf is not None and found_inf.item() != 0:
         return
-    if grad.dtype != torch.float32:
+    if grad_scale is not None:  # a new fp32 tensor: the caller's grad stays as it is
+        grad = grad * grad_scale if grad.dtype == torch.float32 else grad.float().mul_(grad_scale)
+    elif grad.dtype != torch.float32:
         grad = grad.float()
     if isinstance(step, torch.Tensor):
         step = step.to(device=param.device, dtype=torch.float32)
     else:
         step = torch.tensor(float(step))
-    inv_scale = None
-    if grad_scale is not None:
-        inv_scale = torch.as_tensor(grad_scale, dtype=torch.float64).reciprocal().float()
     fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1, beta2=beta2,
-          weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=maximize,
-          grad_scale=inv_scale, found_inf=None)
+    fused([param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else [], [step], lr=lr,
+          beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+          maximize=maximize, grad_scale=None, found_inf=None)
     if param_out is not None:
         param_out.copy_(param)
 

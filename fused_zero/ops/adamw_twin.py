@@ -52,7 +52,8 @@ def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-           adam_w_mode=True, maximize=False, param_out=None, grad_scale=None, found_inf=None):
+           adam_w_mode=True, maximize=False, param_out=None, grad_scale=None, found_inf=None,
+           amsgrad=False, max_exp_avg_sq=None):
     """Twin of ``fused_zero.kernels.adamw.adamw_``: one Adam/AdamW step, plain torch ops.
 
     Why not ``torch._fused_adamw_`` on CPU: it needs grads in the param dtype, has no
@@ -70,9 +71,9 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
         bc2_sqrt = torch.full((), bc2_sqrt, dtype=torch.float32, device=param.device)
     skip = found_inf is not None
     g = grad.to(torch.float32, copy=True)
-    p = param.clone() if skip else param
-    m = exp_avg.clone() if skip else exp_avg
-    v = exp_avg_sq.clone() if skip else exp_avg_sq
+    state = [param, exp_avg, exp_avg_sq] + ([max_exp_avg_sq] if amsgrad else [])
+    new = [x.clone() for x in state] if skip else state  # a skip decides on device, at the end
+    p, m, v = new[:3]
 
     # Two fp32 temporaries (g, t) reused throughout: fresh large CPU tensors cost page faults.
     if grad_scale is not None:
@@ -92,6 +93,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     else:
         torch.sub(g, t.mul_(_f32(1.0 - w1)), out=m)
     v.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=t).mul_(g))
+    if amsgrad:
+        v = torch.maximum(new[3], v, out=new[3])  # NaN propagates, as in torch
     denom = _sqrt_rn(v, out=t).div_(bc2_sqrt).add_(eps)
     p.add_(torch.mul(m, neg_step, out=g).div_(denom))
 
@@ -100,8 +103,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
         skipped = found_inf.reshape(()) != 0
         if param_out is not None:
             param_out.copy_(torch.where(skipped, param_out, p.to(param_out.dtype)))
-        param.copy_(torch.where(skipped, param, p))
-        exp_avg.copy_(torch.where(skipped, exp_avg, m))
-        exp_avg_sq.copy_(torch.where(skipped, exp_avg_sq, v))
+        for old, updated in zip(state, new):
+            old.copy_(torch.where(skipped, old, updated))
     elif param_out is not None:
         param_out.copy_(p)  # torch's fp32 -> bf16/fp16 conversion rounds to nearest even

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import _backend
-from ._checks import F32, FLOATS, check_bool, check_flat, check_no_overlap, check_same_device, check_same_numel
+from ._checks import (F32, FLOATS, check_bool, check_flat, check_no_overlap, check_same_device,
+                      check_same_numel)
 
 
 def cast_(src, dst, *, stochastic: bool = False, seed: int = 0):
