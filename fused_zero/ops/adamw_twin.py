@@ -56,11 +56,11 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
            amsgrad=False, max_exp_avg_sq=None):
     """Twin of ``fused_zero.kernels.adamw.adamw_``: one Adam/AdamW step, plain torch ops.
 
-    Why not ``torch._fused_adamw_`` on CPU: it needs grads in the param dtype, has no
-    param_out, and evaluates in another order, so it could be neither the CPU path
-    for bf16 grads nor a bitwise oracle for the kernel. Plain elementwise ops in the
-    kernel's order (no lerp/addcmul/addcdiv, which fuse multiply-adds on CPU) give
-    the kernel's fp32 results bit for bit under the Triton interpreter.
+    Why not ``torch._fused_adamw_`` (the faster ``native`` CPU backend in ``adamw.py``):
+    it evaluates in another order, so it cannot be a bitwise oracle for the kernel.
+    Plain elementwise ops in the kernel's order (no lerp/addcmul/addcdiv, which fuse
+    multiply-adds on CPU) give the kernel's fp32 results bit for bit under the Triton
+    interpreter.
     Arguments are checked by ``fused_zero.ops.adamw_``.
     """
     if param.numel() == 0:
