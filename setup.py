@@ -1,5 +1,10 @@
 from setuptools import setup
 
+# Triton ships wheels for Linux on x86_64 and aarch64 only; elsewhere (macOS, Windows)
+# fused_zero runs its CPU paths, which never import triton.
+TRITON = ('triton; platform_system == "Linux" and '
+          '(platform_machine == "x86_64" or platform_machine == "aarch64")')
+
 setup(
     name="fused_zero",
     version="0.1.0",
@@ -7,8 +12,13 @@ setup(
     python_requires=">=3.10",
     # The top-level kernels/ folder ships as fused_zero.kernels: no generic
     # top-level name lands in site-packages.
-    packages=["fused_zero", "fused_zero.kernels"],
+    packages=["fused_zero", "fused_zero.ops", "fused_zero.kernels"],
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
-    install_requires=["torch>=2.4", "triton", "numpy", "safetensors"],
-    extras_require={"test": ["pytest", "pytest-benchmark"]},
+    install_requires=["torch>=2.4", TRITON, "numpy", "safetensors"],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark"],
+        "plot": ["matplotlib"],
+        "hf": ["transformers", "accelerate"],
+        "lightning": ["lightning"],
+    },
 )

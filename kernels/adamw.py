@@ -1,8 +1,9 @@
 """Fused Adam / AdamW step over flat buffers: each element read once, written once.
 
-One launch updates ``param``, ``exp_avg`` and ``exp_avg_sq`` (fp32) from ``grad``
-(fp32, bf16 or fp16) and optionally writes the new param, rounded to nearest
-even, into ``param_out`` (bf16, fp16 or fp32). Arguments are validated by
+One launch updates ``param``, ``exp_avg`` and ``exp_avg_sq`` (and with amsgrad
+``max_exp_avg_sq``; all fp32) from ``grad`` (fp32, bf16 or fp16) and optionally
+writes the new param, rounded to nearest even, into ``param_out`` (bf16, fp16 or
+fp32). Arguments are validated by
 ``fused_zero.ops.adamw_``; the launcher here trusts them.
 
 Numerics follow torch's single-tensor Adam (non-capturable branch), in fp32:
@@ -11,7 +12,8 @@ Numerics follow torch's single-tensor Adam (non-capturable branch), in fp32:
     p = p * (1 - lr*wd)                       (AdamW)   or   g = g + wd*p   (Adam, L2)
     m = m + (1-b1)*(g - m)                    (torch.lerp, small weight; else its other form)
     v = v*b2 + (1-b2)*g*g
-    p = p + (-step_size*m) / (sqrt(v)/sqrt(bc2) + eps),   step_size = lr/bc1
+    s = max(vmax, v) (amsgrad: stored as vmax; NaN propagates as in torch.maximum)   or   s = v
+    p = p + (-step_size*m) / (sqrt(s)/sqrt(bc2) + eps),   step_size = lr/bc1
 
 with correctly rounded ``sqrt_rn`` / ``div_rn`` and no mul+add contraction
 (``enable_fp_fusion=False``): each op rounds once, so the GPU kernel, the
@@ -78,14 +80,17 @@ def _store(ptr, offs, n, value, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n,
+def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, scale_ptr, offs, n,
                 scale, decay, neg_step_size, bc2_sqrt, w1, b2, w2, wd, eps,
                 WD_MODE: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr,
-                SCALE_MODE: tl.constexpr, OUT_KIND: tl.constexpr, MASKED: tl.constexpr):
+                SCALE_MODE: tl.constexpr, OUT_KIND: tl.constexpr, AMSGRAD: tl.constexpr,
+                MASKED: tl.constexpr):
     g = _load(g_ptr, offs, n, 0.0, MASKED).to(tl.float32)
     p = _load(p_ptr, offs, n, 0.0, MASKED)
     m = _load(m_ptr, offs, n, 0.0, MASKED)
     v = _load(v_ptr, offs, n, 1.0, MASKED)  # idle lanes: no 0/0 when eps=0
+    if AMSGRAD:
+        vmax = _load(vmax_ptr, offs, n, 1.0, MASKED)
 
     if SCALE_MODE == 1:
         g = g * scale
@@ -102,12 +107,18 @@ def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n,
     else:
         m = g - (g - m) * (1.0 - w1)
     v = v * b2 + w2 * g * g
-    denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    if AMSGRAD:
+        vmax = tl.where((v > vmax) | (v != v), v, vmax)  # torch.maximum
+        denom = tl.math.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+    else:
+        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.math.div_rn(neg_step_size * m, denom)
 
     _store(p_ptr, offs, n, p, MASKED)
     _store(m_ptr, offs, n, m, MASKED)
     _store(v_ptr, offs, n, v, MASKED)
+    if AMSGRAD:
+        _store(vmax_ptr, offs, n, vmax, MASKED)
     if OUT_KIND == 1:
         _store(out_ptr, offs, n, p, MASKED)
     elif OUT_KIND == 2:
@@ -118,7 +129,7 @@ def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n,
 
 @triton.jit(do_not_specialize=["lr_bits", "wd_bits", "b1_bits", "b2_bits", "step_num"])
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, out_ptr,
+    p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr,
     scale_ptr, found_ptr, lr_ptr, step_ptr,
     n,
     scale, decay, neg_step_size, bc2_sqrt,  # fp32, used when scalars come from the host
@@ -130,6 +141,7 @@ def _adamw_kernel(
     SCALE_MODE: tl.constexpr,
     HAS_FOUND: tl.constexpr,
     OUT_KIND: tl.constexpr,
+    AMSGRAD: tl.constexpr,
     LR_ON_DEVICE: tl.constexpr,
     STEP_ON_DEVICE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -160,13 +172,13 @@ def _adamw_kernel(
     # Full tiles go without a mask: an `offs < n` mask with n not a multiple of 16
     # turns every vector load into scalar ones.
     if pid * BLOCK + BLOCK <= n:
-        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n,
+        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, scale_ptr, offs, n,
                     scale, decay, neg_step_size, bc2_sqrt, w1, b2, w2, wd, eps,
-                    WD_MODE, MAXIMIZE, LERP_SMALL, SCALE_MODE, OUT_KIND, False)
+                    WD_MODE, MAXIMIZE, LERP_SMALL, SCALE_MODE, OUT_KIND, AMSGRAD, False)
     else:
-        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n,
+        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, scale_ptr, offs, n,
                     scale, decay, neg_step_size, bc2_sqrt, w1, b2, w2, wd, eps,
-                    WD_MODE, MAXIMIZE, LERP_SMALL, SCALE_MODE, OUT_KIND, True)
+                    WD_MODE, MAXIMIZE, LERP_SMALL, SCALE_MODE, OUT_KIND, AMSGRAD, True)
 
 
 def _f32(x: float) -> float:
@@ -187,7 +199,8 @@ def host_scalars(step, lr, beta1, beta2, weight_decay):
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-           adam_w_mode=True, maximize=False, param_out=None, grad_scale=None, found_inf=None):
+           adam_w_mode=True, maximize=False, param_out=None, grad_scale=None, found_inf=None,
+           amsgrad=False, max_exp_avg_sq=None):
     """Launch one fused step; arguments already checked by ``fused_zero.ops.adamw_``."""
     n = param.numel()
     if n == 0:
@@ -214,6 +227,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     grid = (triton.cdiv(n, BLOCK),)
     _adamw_kernel[grid](
         param, grad, exp_avg, exp_avg_sq,
+        max_exp_avg_sq if amsgrad else param,
         param_out if param_out is not None else param,
         grad_scale if scale_mode == _SCALE_PTR else param,
         found_inf if found_inf is not None else param,
@@ -230,6 +244,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
         SCALE_MODE=scale_mode,
         HAS_FOUND=found_inf is not None,
         OUT_KIND=_OUT_KIND[None if param_out is None else param_out.dtype],
+        AMSGRAD=bool(amsgrad),
         LR_ON_DEVICE=lr_dev,
         STEP_ON_DEVICE=step_dev,
         BLOCK=BLOCK,

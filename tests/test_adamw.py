@@ -8,64 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _adamw import (DEVICE, HYPER, TorchAdam, assert_bitwise, assert_close_to_torch,
+                    assert_kernel_matches_twin, grads, random_state, run_op, twin_cases)
 
 from fused_zero import ops
-from fused_zero import reference
 from fused_zero.kernels.adamw import BLOCK
+from fused_zero.ops import adamw_twin
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SIZES = [1, BLOCK - 1, BLOCK + 1, 7919, 2**16 + 3]
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
 
 @pytest.fixture(params=["triton", "torch"])
 def backend(request, monkeypatch):
     monkeypatch.setenv("FUSED_ZERO_BACKEND", request.param)
     return request.param
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def random_state(n: int, seed: int = 0):
-    """param, exp_avg, exp_avg_sq of a run already under way (v >= 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randn(n, generator=gen)
-    m = torch.randn(n, generator=gen) * 1e-2
-    v = torch.rand(n, generator=gen) * 1e-4
-    return [t.to(DEVICE) for t in (p, m, v)]
-
-
-def grads(n: int, steps: int, dtype=torch.float32, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=gen).to(DEVICE, dtype) for _ in range(steps)]
-
-
-class TorchAdam:
-    """torch.optim.AdamW / Adam (foreach=False) from a given state: the outside reference."""
-
-    def __init__(self, p, m, v, step, *, lr, beta1, beta2, eps, weight_decay,
-                 adam_w_mode=True, maximize=False):
-        self.param = torch.nn.Parameter(p.clone())
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        self.opt = cls([self.param], lr=lr, betas=(beta1, beta2), eps=eps,
-                       weight_decay=weight_decay, maximize=maximize, foreach=False)
-        self.opt.state[self.param] = {"step": torch.tensor(float(step)),
-                                      "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-
-    def step(self, g):
-        self.param.grad = g.float()
-        self.opt.step()
-        st = self.opt.state[self.param]
-        return self.param.detach(), st["exp_avg"], st["exp_avg_sq"]
-
-
-def assert_close_to_torch(ours, ref, tol=1e-6):
-    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
-        err = rel_err(a, b)
-        assert err <= tol, f"{name}: relative error {err:.3e} > {tol}"
 
 
 @pytest.mark.parametrize("adam_w_mode, weight_decay, maximize",
@@ -153,24 +109,6 @@ def test_options_match_torch(backend, option):
     assert_close_to_torch((p, m, v), expected)
 
 
-def run_op(n, *, grad_dtype=torch.float32, seed=0, out_dtype=torch.bfloat16, **kw):
-    """One call on a fresh random state; returns (param, exp_avg, exp_avg_sq, param_out)."""
-    p, m, v = random_state(n, seed)
-    out = torch.zeros(n, dtype=out_dtype, device=DEVICE)
-    args = dict(HYPER, step=3)
-    args.update(kw)
-    g = args.pop("grad", None)
-    if g is None:
-        (g,) = grads(n, 1, grad_dtype, seed + 1)
-    ops.adamw_(p, g, m, v, param_out=out, **args)
-    return p, m, v, out
-
-
-def assert_bitwise(a, b):
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-
-
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_grad_scale_equals_prescaled_grad(backend, grad_dtype, as_tensor):
@@ -231,22 +169,7 @@ def test_numel_zero_is_a_no_op(backend):
 @pytest.mark.parametrize("n", [BLOCK + 1, 7919])
 @pytest.mark.parametrize("case", ["adamw", "adam_l2_maximize_fp16", "tensors_scale", "lerp_large"])
 def test_kernel_matches_twin(monkeypatch, n, case):
-    kw = dict(adamw=dict(grad_dtype=torch.bfloat16),
-              adam_l2_maximize_fp16=dict(adam_w_mode=False, maximize=True,
-                                         grad_dtype=torch.float16, out_dtype=torch.float16),
-              tensors_scale=dict(lr=torch.tensor(2e-3, device=DEVICE),
-                                 step=torch.tensor(5.0, device=DEVICE),
-                                 grad_scale=torch.tensor(0.25, device=DEVICE)),
-              lerp_large=dict(beta1=0.3, weight_decay=0.0, out_dtype=torch.float32))[case]
-    monkeypatch.setenv("FUSED_ZERO_BACKEND", "triton")
-    kernel = run_op(n, **kw)
-    monkeypatch.setenv("FUSED_ZERO_BACKEND", "torch")
-    twin = run_op(n, **kw)
-    if DEVICE.type == "cpu":
-        assert_bitwise(kernel, twin)  # interpreter: same fp32 ops, no fused multiply-adds
-    else:
-        for a, b in zip(kernel, twin):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    assert_kernel_matches_twin(monkeypatch, n, **twin_cases()[case])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
@@ -307,6 +230,16 @@ BAD = [
     (dict(grad_scale=torch.tensor(1.0, dtype=torch.float16)), TypeError, "grad_scale must have dtype float32"),
     (dict(grad_scale="2"), TypeError, "grad_scale must be None, a number or a 0-d fp32 tensor"),
     (dict(found_inf=1.0), TypeError, "found_inf must be None or a 0-d fp32 tensor"),
+    (dict(amsgrad=True), ValueError, "amsgrad=True needs max_exp_avg_sq"),
+    (dict(max_exp_avg_sq=torch.zeros(10)), ValueError, "max_exp_avg_sq is only used with amsgrad=True"),
+    (dict(amsgrad=1, max_exp_avg_sq=torch.zeros(10)), TypeError, "amsgrad must be True or False"),
+    *((dict(amsgrad=True, max_exp_avg_sq=t), exc, f"max_exp_avg_sq {msg}") for t, exc, msg in [
+        (torch.zeros(10, dtype=torch.bfloat16), TypeError, "must have dtype float32"),
+        (torch.zeros(9), ValueError, "has 9 elements but param has 10"),
+        (torch.zeros(2, 5), ValueError, "must be a flat 1-D buffer"),
+        (torch.zeros(20)[::2], ValueError, "must be contiguous"),
+        (torch.zeros(10, device="meta"), ValueError, "is on meta but param is on cpu"),
+        ([0.0] * 10, TypeError, "must be a torch.Tensor")]),
 ]
 
 
@@ -328,11 +261,15 @@ def test_overlapping_buffers_raise():
     out = args["param"].view(torch.bfloat16)[:10]
     with pytest.raises(ValueError, match="param and param_out overlap"):
         ops.adamw_(**args, param_out=out)
+    for other in ("param", "grad", "exp_avg", "exp_avg_sq"):
+        args = good_args()
+        with pytest.raises(ValueError, match=f"{other} and max_exp_avg_sq overlap in memory"):
+            ops.adamw_(**args, amsgrad=True, max_exp_avg_sq=args[other])
 
 
 def test_twin_leaves_grad_untouched():
     p, m, v = random_state(100)
     (g,) = grads(100, 1)
     g0 = g.clone()
-    reference.adamw_(p, g, m, v, step=1, grad_scale=2.0, maximize=True, adam_w_mode=False, **HYPER)
+    adamw_twin.adamw_(p, g, m, v, step=1, grad_scale=2.0, maximize=True, adam_w_mode=False, **HYPER)
     assert torch.equal(g, g0)

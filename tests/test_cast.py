@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fused_zero import ops
-from fused_zero._dispatch import interpreting
+from fused_zero.ops._backend import interpreting
 from fused_zero.kernels.cast import BLOCK
 
 _CASES = [("cpu", "torch")]

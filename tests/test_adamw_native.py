@@ -1,4 +1,4 @@
-"""The default CPU path of ops.adamw_ (torch's fused CPU AdamW) against torch.optim."""
+"""The default CPU backend of ops.adamw_ (torch's fused CPU AdamW) against torch.optim."""
 import pytest
 import torch
 
@@ -64,3 +64,23 @@ def test_found_inf_leaves_everything_unchanged():
                param_out=out, found_inf=torch.tensor(1.0))
     for a, b in zip((p, m, v, out), before):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("grad_scale", [0.25, torch.tensor(0.25)], ids=["number", "tensor"])
+def test_grad_is_read_only_and_scale_multiplies(grad_scale, amsgrad):
+    """torch's fused CPU AdamW unscales an fp32 grad in place: the op must not let it."""
+    torch.manual_seed(0)
+    g = torch.randn(1000)
+    g0 = g.clone()
+    results = []
+    for grad, scale in ((g, grad_scale), (g0 * 0.25, None)):
+        torch.manual_seed(1)
+        state = [torch.randn(1000), torch.rand(1000), torch.rand(1000)]
+        vmax = torch.rand(1000) if amsgrad else None
+        ops.adamw_(*state[:1], grad, *state[1:], step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.1, grad_scale=scale, amsgrad=amsgrad, max_exp_avg_sq=vmax)
+        results.append(state + ([vmax] if amsgrad else []))
+    assert torch.equal(g, g0)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)  # grad_scale multiplies, bitwise as a pre-scaled grad

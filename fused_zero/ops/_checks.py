@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from numbers import Real
 
 import torch
+
+F32 = (torch.float32,)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_flat(name: str, t: object, dtypes: Iterable[torch.dtype]) -> torch.Tensor:
@@ -13,14 +17,18 @@ def check_flat(name: str, t: object, dtypes: Iterable[torch.dtype]) -> torch.Ten
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
+    _check_dtype(name, t, dtypes)
     if t.dim() != 1:
         raise ValueError(f"{name} must be a flat 1-D buffer, got shape {tuple(t.shape)}; pass .view(-1)")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; pass .contiguous() or a flat buffer")
     return t
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtypes: tuple) -> None:
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
 
 
 def check_same_numel(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -52,3 +60,30 @@ def check_no_overlap(**tensors: torch.Tensor | None) -> None:
             b1 = b0 + b.numel() * b.element_size()
             if a0 < b1 and b0 < a1:
                 raise ValueError(f"{na} and {nb} overlap in memory; pass separate buffers")
+
+
+def check_real(name: str, value: object, lo: float, hi: float | None = None) -> None:
+    """``value`` must be a Python real number in [lo, hi) (or [lo, inf) without hi)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    value = float(value)
+    if hi is None and not value >= lo:  # also rejects NaN
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and not lo <= value < hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}), got {value}")
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_scalar_tensor(name: str, t: torch.Tensor, dtypes: Iterable[torch.dtype],
+                        device: torch.device) -> None:
+    """``t`` must hold one element of one of ``dtypes``, on ``device``."""
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one element (a 0-d tensor), got shape {tuple(t.shape)}")
+    _check_dtype(name, t, tuple(dtypes))
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but param is on {device}; move it to {device}")

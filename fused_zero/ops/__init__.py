@@ -1,0 +1,16 @@
+"""The fused ops of fused_zero: argument checks, then the backend for the tensors' device.
+
+One module per op (``adamw``, ``norm``, ``cast``, ``pack``), each with its
+pure-torch twin beside it (``adamw_twin``, ``pack_twin``, or in the module) and
+its registration in ``_backend``: CUDA tensors run the Triton kernels in
+``fused_zero.kernels`` (imported on first use only), CPU tensors torch's own
+fused CPU AdamW (``adamw_``) or the twins; ``FUSED_ZERO_BACKEND=triton|torch``
+forces one.
+"""
+from .adamw import adamw_
+from .cast import cast_
+from .norm import NormStats, norm_stats, norm_stats_many
+from .pack import PackPlan, pack_, pack_plan, unpack_
+
+__all__ = ["NormStats", "PackPlan", "adamw_", "cast_", "norm_stats", "norm_stats_many", "pack_",
+           "pack_plan", "unpack_"]

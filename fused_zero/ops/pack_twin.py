@@ -1,0 +1,74 @@
+"""The pure-torch twins of the packing kernels (``fused_zero.kernels.pack``).
+
+They run under ``FUSED_ZERO_BACKEND=torch`` and on CPU; the plan they get is
+checked by ``fused_zero.ops.pack`` (disjoint ranges inside the bucket, sizes
+that match the tensors).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _bucket_views(bucket: torch.Tensor, offsets, sizes) -> list:
+    """``bucket[o:o+n]`` for every (o, n), cut with one ``split`` (ranges disjoint)."""
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    num = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    live = np.flatnonzero(num > 0)
+    order = live[np.argsort(off[live], kind="stable")]
+    starts, lens = off[order], num[order]
+    ends = starts + lens
+    gaps = starts - np.concatenate(([0], ends[:-1]))
+    cuts = np.empty(2 * len(order) + 1, dtype=np.int64)
+    cuts[0:-1:2], cuts[1::2] = gaps, lens
+    cuts[-1] = bucket.numel() - (ends[-1] if len(ends) else 0)
+    pieces = bucket.split(cuts.tolist())
+    views = [bucket[:0]] * len(num)
+    for k, i in enumerate(order.tolist()):
+        views[i] = pieces[2 * k + 1]
+    return views
+
+
+def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
+              scale=None) -> torch.Tensor:
+    """Twin of kernels.pack: ``bucket[o:o+n] = round(t * scale [+ bucket[o:o+n]])``.
+
+    Values go through fp32 and are rounded once into the bucket's dtype; a
+    plain copy (no scale, no accumulate) is ``copy_`` (bitwise, torch's RNE
+    casts). A None entry zeroes its range (``plan.numels[i]`` elements), or
+    keeps it when accumulating. ``plan`` (a checked ``PackPlan``) gives the
+    offsets and sizes.
+    """
+    views = _bucket_views(bucket, plan.offsets, plan.numels)
+    dsts, srcs = [], []
+    for t, dst in zip(tensors, views):
+        if t is None:
+            if not accumulate and dst.numel():
+                dst.zero_()
+            continue
+        src = t if t.dim() == 1 else t.reshape(-1)
+        if not accumulate and scale is None:
+            dsts.append(dst)
+            srcs.append(src)
+            continue
+        val = src.float()
+        if scale is not None:
+            val = val * scale
+        if accumulate:
+            val = val + dst.float()
+        dst.copy_(val)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    return bucket
+
+
+def unpack_twin(plan, bucket: torch.Tensor, tensors) -> None:
+    """Twin of kernels.pack.unpack: ``t[...] = bucket[o:o+t.numel()]`` cast to t.dtype."""
+    views = _bucket_views(bucket, plan.offsets, plan.numels)
+    dsts, srcs = [], []
+    for t, src in zip(tensors, views):
+        if t is not None and t.numel() > 0:
+            dsts.append(t if t.dim() == 1 else t.view(-1))
+            srcs.append(src)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
