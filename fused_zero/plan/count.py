@@ -68,7 +68,8 @@ def dtype_name(value, what: str) -> str:
 
 def flat_count(numel: int, dtype: str) -> ModelCount:
     """``--params``: one trainable flat parameter of ``numel`` elements."""
-    return ModelCount((ParamSpec(numel, dtype, True, 0),), exact=False, source=f"--params {numel:.4g}")
+    shown = f"{numel:.4g}".replace("e+0", "e").replace("e+", "e")
+    return ModelCount((ParamSpec(numel, dtype, True, 0),), exact=False, source=f"--params {shown}")
 
 
 def count_module(model: nn.Module, source: str, dtype: str | None = None, units=None) -> ModelCount:

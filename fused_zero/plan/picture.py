@@ -1,0 +1,64 @@
+"""``--plot FILE.png``: stacked bars of bytes per GPU for each stage, the GPU's memory as a line.
+
+matplotlib is an optional extra (``pip install fused_zero[plot]``); it is imported only here,
+only when a picture is drawn.
+"""
+from __future__ import annotations
+
+from . import Plan
+from .report import _COMM, ROWS, _count, key
+
+_PARTS = ROWS[:-1]  # every row but the total, bottom to top
+_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "buffers": "#8172B3",
+           "gathered": "#CCB974", "activations": "#64B5CD"}
+_NAMES = {"params": "params", "grads": "grads", "optimizer": "optimizer states (fp32)", "buffers": "comm buffers",
+          "gathered": "gathered units (stage 3)", "activations": "activations"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install fused_zero[plot] "
+                           "(or pip install matplotlib)") from e
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def draw(plan: Plan, path: str) -> None:
+    """Write the picture of ``plan`` to ``path`` (format from its suffix, e.g. .png)."""
+    plt = _pyplot()
+    gib = float(1 << 30)
+    rec = plan.recommendation
+    fig, ax = plt.subplots(figsize=(10, 5.4), dpi=120)
+    xs = range(len(plan.stages))
+    bottoms = [0.0] * len(plan.stages)
+    for part in _PARTS:
+        heights = [getattr(s, part) / gib for s in plan.stages]
+        if any(heights):
+            ax.bar(xs, heights, 0.6, bottom=bottoms, color=_COLORS[part], label=_NAMES[part], edgecolor="white")
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, s in zip(xs, plan.stages):
+        best = s.stage == rec.stage and s.offload == rec.offload
+        ax.text(x, s.total / gib, f"{s.total / gib:.1f} GiB" + ("\nrecommended" if best else ""), ha="center",
+                va="bottom", fontsize=10, fontweight="bold" if best else "normal")
+    if plan.gpu_memory is not None:
+        ax.axhline(plan.gpu_memory / gib, color="#C44E52", linewidth=2, label=f"GPU memory {plan.gpu_memory / gib:.0f} GiB")
+        ax.axhline(rec.usable / gib, color="#C44E52", linewidth=1, linestyle="--",
+                   label=f"usable ({plan.headroom:.0%} headroom)")
+    ax.set_xticks(list(xs), [f"ZeRO-{key(s)}" + (" (DDP)" if s.stage == 0 else "") + f"\ncomm {_COMM[s.stage]}"
+                             for s in plan.stages])
+    ax.set_ylabel("GiB per GPU")
+    top = max(max(s.total for s in plan.stages), plan.gpu_memory or 0) / gib
+    ax.set_ylim(0, top * 1.18)
+    job = plan.job
+    ax.set_title(f"{_count(plan.model.numel())} parameters ({'/'.join(plan.model.by_dtype())}) on {job.world_size} "
+                 f"GPU{'s' * (job.world_size > 1)}: memory per GPU by ZeRO stage", fontsize=11)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.text(0.01, 0.01, f"recommendation: {rec.reason}", fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
