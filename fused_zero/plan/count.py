@@ -75,7 +75,7 @@ def flat_count(numel: int, dtype: str) -> ModelCount:
 def count_module(model: nn.Module, source: str, dtype: str | None = None, units=None) -> ModelCount:
     """Every parameter of ``model`` with its unit; ``dtype`` plans them as if cast to it (the model is not touched)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{source} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise TypeError(f"model must be a torch.nn.Module (best built on the meta device), got a {type(model).__name__}")
     plan = plan_units(model, units)
     unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
     specs = []
@@ -110,7 +110,10 @@ def load_model(spec: str, path: str | None = None) -> nn.Module:
         raise TypeError(f"--model {spec}: {attr} is a {type(fn).__name__}, not a callable returning a model")
     try:
         with torch.device("meta"):
-            return fn()
+            model = fn()
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"--model {spec}: calling {attr}() on the meta device raised {type(e).__name__}: {e}; "
                          "it must build the model with no arguments and without reading parameter data") from e
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--model {spec}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
