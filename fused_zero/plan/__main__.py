@@ -68,30 +68,31 @@ def fraction(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fused_zero.plan", description=__doc__.split("\n")[0].strip("`: "))
+    p = argparse.ArgumentParser(prog="python -m fused_zero.plan", description="Which ZeRO stage fits, in bytes per GPU: a table, JSON or a picture.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=count, help="number of parameters (7e9, 7B): one flat trainable buffer")
+    what.add_argument("--params", type=count, metavar="N", help="number of parameters (7e9, 7B): one flat trainable buffer")
     what.add_argument("--model", metavar="MODULE:CALLABLE", help="a no-argument callable returning the model; "
                       "built on the meta device (no memory) and counted exactly")
     p.add_argument("--model-path", metavar="DIR", help="a folder added to sys.path to import --model")
-    p.add_argument("--world-size", type=positive, default=1, help="data-parallel ranks in total (default 1)")
-    p.add_argument("--nodes", type=positive, default=1, help="nodes the ranks run on (default 1)")
+    p.add_argument("--world-size", type=positive, default=1, metavar="N", help="data-parallel ranks in total (default 1)")
+    p.add_argument("--nodes", type=positive, default=1, metavar="N", help="nodes the ranks run on (default 1; "
+                   "reported, and kept for host-memory offload tiers)")
     p.add_argument("--param-dtype", choices=tuple(DTYPES), help="dtype of the parameters (default: the "
                    "model's own; bf16 with --params)")
     p.add_argument("--reduce-dtype", choices=tuple(DTYPES), help="gradient reduction dtype (default: the params')")
-    p.add_argument("--bucket-numel", type=positive, default=1 << 24, help="elements per bucket (default 2**24)")
-    p.add_argument("--max-live-units", type=positive, default=2, help="stage 3 units gathered at once besides "
+    p.add_argument("--bucket-numel", type=positive, default=1 << 24, metavar="N", help="elements per bucket (default 2**24)")
+    p.add_argument("--max-live-units", type=positive, default=2, metavar="N", help="stage 3 units gathered at once besides "
                    "the root (default 2)")
-    p.add_argument("--gpu-memory", type=nbytes, help="memory per GPU, e.g. 80GiB; needed for a recommendation")
-    p.add_argument("--headroom", type=fraction, default=0.1, help="fraction of the GPU kept free (default 0.1)")
+    p.add_argument("--gpu-memory", type=nbytes, metavar="SIZE", help="memory per GPU, e.g. 80GiB; needed for a recommendation")
+    p.add_argument("--headroom", type=fraction, default=0.1, metavar="F", help="fraction of the GPU kept free (default 0.1)")
     act = p.add_argument_group("activations (per rank; default: not counted)")
-    act.add_argument("--activations", type=nbytes, metavar="GiB", help="activation memory, e.g. 12GiB")
+    act.add_argument("--activations", type=nbytes, metavar="SIZE", help="activation memory, e.g. 12GiB")
     for name, what in (("seq-len", "sequence length"), ("micro-batch", "sequences per micro-batch"),
                        ("hidden", "hidden size"), ("layers", "transformer layers (also sizes stage 3 units "
                                                              "with --params)"), ("heads", "attention heads: "
                                                                                   "counts the attention matrix "
                                                                                   "(omit for flash attention)")):
-        act.add_argument(f"--{name}", type=positive, help=what)
+        act.add_argument(f"--{name}", type=positive, metavar="N", help=what)
     act.add_argument("--activation-checkpointing", action="store_true",
                      help="count checkpointed activations (each layer's input, one layer recomputed)")
     out = p.add_argument_group("output")

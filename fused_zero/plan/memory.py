@@ -12,8 +12,9 @@ param dtype's bytes and R the reduce dtype's:
                 shard; stages 2-3: R*S (each .grad is freed once its bucket is reduced)
     optimizer   master, exp_avg, exp_avg_sq: 4*S each (frozen parameters included)
     buffers     the reducer's pool: per reduce dtype, min(2, buckets holding a trainable
-                parameter) buffers of the largest bucket; stages 1-2 add the narrow param
-                shard P*S (the all-gather source)
+                parameter) buffers of the largest bucket (stage 3 adds one while a reduction
+                is in flight, up to one per bucket: ``detail["bucket_pool_max"]``); stages
+                1-2 add the narrow param shard P*S (the all-gather source)
     gathered    stage 3 only: the root unit plus the max_live_units largest units, full size
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
@@ -140,6 +141,8 @@ def sharded(count: ModelCount, job: Job, stage: int) -> StageEstimate:
         d["all_gather"] += p * (reduced if stage < 3 else full + (full if part.unit and job.reshard_after_forward else 0))
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(POOL_BUFFERS, n) * size * BYTES[r] for r, (n, size) in pools.items())
+    # Stage 3 adds a pool buffer instead of waiting while the oldest reduction is in flight: one per bucket at most.
+    d["bucket_pool_max"] = sum(n * size * BYTES[r] for r, (n, size) in pools.items()) if stage == 3 else d["bucket_pool"]
     if job.world_size > 1:
         d["all_reduce"] = 4 * (2 + len(count.params))  # the step's scalars: norm, non-finite flag, has-grad flags
     else:
