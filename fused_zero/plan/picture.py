@@ -6,7 +6,7 @@ only when a picture is drawn.
 from __future__ import annotations
 
 from . import Plan
-from .report import _COMM, ROWS, _count, key
+from .report import ROWS, _count, key
 
 _PARTS = ROWS[:-1]  # every row but the total, bottom to top
 _COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "buffers": "#8172B3",
@@ -47,7 +47,7 @@ def draw(plan: Plan, path: str) -> None:
         ax.axhline(plan.gpu_memory / gib, color="#C44E52", linewidth=2, label=f"GPU memory {plan.gpu_memory / gib:.0f} GiB")
         ax.axhline(rec.usable / gib, color="#C44E52", linewidth=1, linestyle="--",
                    label=f"usable ({plan.headroom:.0%} headroom)")
-    ax.set_xticks(list(xs), [f"ZeRO-{key(s)}" + (" (DDP)" if s.stage == 0 else "") + f"\ncomm {_COMM[s.stage]}"
+    ax.set_xticks(list(xs), [f"ZeRO-{key(s)}" + (" (DDP)" if s.stage == 0 else "") + f"\ncomm {'3Ψ' if s.stage == 3 else '2Ψ'}: {s.comm_bytes / gib:.1f} GiB"
                              for s in plan.stages])
     ax.set_ylabel("GiB per GPU")
     top = max(max(s.total for s in plan.stages), plan.gpu_memory or 0) / gib
@@ -55,7 +55,11 @@ def draw(plan: Plan, path: str) -> None:
     job = plan.job
     ax.set_title(f"{_count(plan.model.numel())} parameters ({'/'.join(plan.model.by_dtype())}) on {job.world_size} "
                  f"GPU{'s' * (job.world_size > 1)}: memory per GPU by ZeRO stage", fontsize=11)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    handles, labels = ax.get_legend_handles_labels()  # lines first, then the bars top to bottom as stacked
+    lines = 2 if plan.gpu_memory is not None else 0
+    order = list(range(lines)) + list(range(len(handles) - 1, lines - 1, -1))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left", bbox_to_anchor=(1.01, 1),
+              fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.text(0.01, 0.01, f"recommendation: {rec.reason}", fontsize=7, wrap=True)
