@@ -66,7 +66,8 @@ def test_recommendation(params, n, gib, stage):
     rec = estimate(params, world_size=n, gpu_memory=gib * GIB).recommendation
     assert rec.stage == stage, rec
     assert rec.fits is (stage is not None)
-    assert "\n" not in rec.reason and (f"stage {stage}:" in rec.reason if stage is not None else "offload" in rec.reason)
+    assert "\n" not in rec.reason
+    assert (f"stage {stage}:" in rec.reason) if stage is not None else ("offload" in rec.reason)
 
 
 def test_headroom_and_activations_decide():

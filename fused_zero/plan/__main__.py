@@ -67,32 +67,48 @@ def fraction(text: str) -> float:
     return value
 
 
+#: The job's options: (flag, type, default, metavar, help).
+_JOB = (
+    ("--model-path", str, None, "DIR", "a folder added to sys.path to import --model"),
+    ("--world-size", "positive", 1, "N", "data-parallel ranks in total (default 1)"),
+    ("--nodes", "positive", 1, "N", "nodes the ranks run on (default 1; reported, kept for host-memory offload)"),
+    ("--param-dtype", tuple(DTYPES), None, None, "dtype of the parameters (default: the model's own; bf16 with "
+                                                 "--params)"),
+    ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
+    ("--bucket-numel", "positive", 1 << 24, "N", "elements per bucket (default 2**24)"),
+    ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
+    ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
+    ("--headroom", "fraction", 0.1, "F", "fraction of the GPU kept free (default 0.1)"),
+)
+_ACTIVATIONS = (
+    ("--activations", "nbytes", None, "SIZE", "activation memory, e.g. 12GiB"),
+    ("--seq-len", "positive", None, "N", "sequence length"),
+    ("--micro-batch", "positive", None, "N", "sequences per micro-batch"),
+    ("--hidden", "positive", None, "N", "hidden size"),
+    ("--layers", "positive", None, "N", "transformer layers (with --params, also the number of stage 3 units)"),
+    ("--heads", "positive", None, "N", "attention heads: counts the attention matrix (omit for flash attention)"),
+)
+
+
+def _add(group, options) -> None:
+    types = {"positive": positive, "nbytes": nbytes, "fraction": fraction}
+    for flag, kind, default, metavar, text in options:
+        if isinstance(kind, tuple):
+            group.add_argument(flag, choices=kind, default=default, help=text)
+        else:
+            group.add_argument(flag, type=types.get(kind, kind), default=default, metavar=metavar, help=text)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fused_zero.plan", description="Which ZeRO stage fits, in bytes per GPU: a table, JSON or a picture.")
+    p = argparse.ArgumentParser(prog="python -m fused_zero.plan",
+                                description="Which ZeRO stage fits, in bytes per GPU: a table, JSON or a picture.")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=count, metavar="N", help="number of parameters (7e9, 7B): one flat trainable buffer")
+    what.add_argument("--params", type=count, metavar="N", help="number of parameters (7e9, 7B): one flat buffer")
     what.add_argument("--model", metavar="MODULE:CALLABLE", help="a no-argument callable returning the model; "
                       "built on the meta device (no memory) and counted exactly")
-    p.add_argument("--model-path", metavar="DIR", help="a folder added to sys.path to import --model")
-    p.add_argument("--world-size", type=positive, default=1, metavar="N", help="data-parallel ranks in total (default 1)")
-    p.add_argument("--nodes", type=positive, default=1, metavar="N", help="nodes the ranks run on (default 1; "
-                   "reported, and kept for host-memory offload tiers)")
-    p.add_argument("--param-dtype", choices=tuple(DTYPES), help="dtype of the parameters (default: the "
-                   "model's own; bf16 with --params)")
-    p.add_argument("--reduce-dtype", choices=tuple(DTYPES), help="gradient reduction dtype (default: the params')")
-    p.add_argument("--bucket-numel", type=positive, default=1 << 24, metavar="N", help="elements per bucket (default 2**24)")
-    p.add_argument("--max-live-units", type=positive, default=2, metavar="N", help="stage 3 units gathered at once besides "
-                   "the root (default 2)")
-    p.add_argument("--gpu-memory", type=nbytes, metavar="SIZE", help="memory per GPU, e.g. 80GiB; needed for a recommendation")
-    p.add_argument("--headroom", type=fraction, default=0.1, metavar="F", help="fraction of the GPU kept free (default 0.1)")
+    _add(p, _JOB)
     act = p.add_argument_group("activations (per rank; default: not counted)")
-    act.add_argument("--activations", type=nbytes, metavar="SIZE", help="activation memory, e.g. 12GiB")
-    for name, what in (("seq-len", "sequence length"), ("micro-batch", "sequences per micro-batch"),
-                       ("hidden", "hidden size"), ("layers", "transformer layers (also sizes stage 3 units "
-                                                             "with --params)"), ("heads", "attention heads: "
-                                                                                  "counts the attention matrix "
-                                                                                  "(omit for flash attention)")):
-        act.add_argument(f"--{name}", type=positive, metavar="N", help=what)
+    _add(act, _ACTIVATIONS)
     act.add_argument("--activation-checkpointing", action="store_true",
                      help="count checkpointed activations (each layer's input, one layer recomputed)")
     out = p.add_argument_group("output")
@@ -105,6 +121,9 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        if args.plot:  # before any output: no table followed by an error
+            from .picture import figure_class
+            figure_class()
         model = None if args.model is None else load_model(args.model, args.model_path)
         plan = estimate(args.params, model=model, world_size=args.world_size, nodes=args.nodes,
                         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, bucket_numel=args.bucket_numel,
@@ -114,14 +133,17 @@ def main(argv=None) -> int:
                         max_live_units=args.max_live_units)
         if args.model is not None:
             plan = _named(plan, args.model)
-        from .report import table, to_dict
-        print(json.dumps(to_dict(plan), indent=2) if args.json else table(plan))
-        if args.plot:
-            from .picture import draw
-            draw(plan, args.plot)
-            print(f"wrote {args.plot}", file=sys.stderr)
-    except (ValueError, TypeError, RuntimeError, OSError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
         p.error(str(e))
+    from .report import table, to_dict
+    print(json.dumps(to_dict(plan), indent=2) if args.json else table(plan))
+    if args.plot:
+        from .picture import draw
+        try:
+            draw(plan, args.plot)
+        except OSError as e:  # a folder that does not exist, a full disk
+            p.error(f"--plot {args.plot}: {e}")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -75,7 +75,8 @@ def flat_count(numel: int, dtype: str) -> ModelCount:
 def count_module(model: nn.Module, source: str, dtype: str | None = None, units=None) -> ModelCount:
     """Every parameter of ``model`` with its unit; ``dtype`` plans them as if cast to it (the model is not touched)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (best built on the meta device), got a {type(model).__name__}")
+        raise TypeError("model must be a torch.nn.Module (best built on the meta device), "
+                        f"got a {type(model).__name__}")
     plan = plan_units(model, units)
     unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
     specs = []

@@ -138,11 +138,14 @@ def sharded(count: ModelCount, job: Job, stage: int) -> StageEstimate:
         pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
         reduced = sum(part.layout.buckets[k].numel for k in launched)
         d["reduce_scatter"] += r * reduced
-        d["all_gather"] += p * (reduced if stage < 3 else full + (full if part.unit and job.reshard_after_forward else 0))
+        # stage 3 gathers every unit in forward and, resharded, every unit but the root again in backward
+        again = full if part.unit and job.reshard_after_forward else 0
+        d["all_gather"] += p * (reduced if stage < 3 else full + again)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(POOL_BUFFERS, n) * size * BYTES[r] for r, (n, size) in pools.items())
     # Stage 3 adds a pool buffer instead of waiting while the oldest reduction is in flight: one per bucket at most.
-    d["bucket_pool_max"] = sum(n * size * BYTES[r] for r, (n, size) in pools.items()) if stage == 3 else d["bucket_pool"]
+    most = sum(n * size * BYTES[r] for r, (n, size) in pools.items())
+    d["bucket_pool_max"] = most if stage == 3 else d["bucket_pool"]
     if job.world_size > 1:
         d["all_reduce"] = 4 * (2 + len(count.params))  # the step's scalars: norm, non-finite flag, has-grad flags
     else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .memory import StageEstimate
 
-GIB = 1 << 30
+_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
 _COMM = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
 
 
@@ -25,8 +25,15 @@ class Recommendation:
     reason: str
 
 
-def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+def scale(n: int) -> tuple[int, str]:
+    """The binary unit to show ``n`` bytes in: (bytes per unit, name)."""
+    return next((size, name) for size, name in _UNITS if n >= size or size == 1)
+
+
+def human(n: int) -> str:
+    """``n`` bytes in the largest unit that keeps it >= 1 (GiB for GPU-sized figures)."""
+    size, unit = scale(n)
+    return f"{n / size:.1f} {unit}"
 
 
 def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int | None,
@@ -35,24 +42,24 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
     if gpu_memory is None:
         least = min(stages, key=lambda s: s.total)
         return Recommendation(None, "none", None, None, "no --gpu-memory given: cannot tell what fits; stage "
-                              f"{least.stage} needs the least, {gib(least.total)} per rank")
+                              f"{least.stage} needs the least, {human(least.total)} per rank")
     usable = int(gpu_memory * (1 - headroom))
-    within = f"of {gib(usable)} usable ({gib(gpu_memory)} less {headroom:.0%} headroom)"
+    within = f"of {human(usable)} usable ({human(gpu_memory)} less {headroom:.0%} headroom)"
 
     def pick(stage: int, why: str) -> Recommendation:
-        return Recommendation(stage, "none", True, usable, f"stage {stage}: {gib(by[stage].total)} per rank {within}"
+        return Recommendation(stage, "none", True, usable, f"stage {stage}: {human(by[stage].total)} per rank {within}"
                               f"; {why}")
 
     fits = {s: by[s].total <= usable for s in by}
     if fits[0]:
         if world_size > 1 and by[1].total <= by[0].total:
-            return pick(1, f"fits unsharded (stage 0: {gib(by[0].total)}), and stage 1 sends the same "
+            return pick(1, f"fits unsharded (stage 0: {human(by[0].total)}), and stage 1 sends the same "
                            f"{_COMM[1]} per step with less memory")
         return pick(0, "fits without sharding" + ("; one GPU has nothing to shard" if world_size == 1 else ""))
     for stage in (2, 3):
         if fits[stage]:
             before = 0 if stage == 2 else 2
-            return pick(stage, f"stage {before} needs {gib(by[before].total)}; {_COMM[stage]} of communication "
+            return pick(stage, f"stage {before} needs {human(by[before].total)}; {_COMM[stage]} of communication "
                                "per step" + (" (1.5x DDP's)" if stage == 3 else ", as DDP"))
-    return Recommendation(None, "none", False, usable, f"does not fit: stage 3 needs {gib(by[3].total)} per rank "
+    return Recommendation(None, "none", False, usable, f"does not fit: stage 3 needs {human(by[3].total)} per rank "
                           f"{within}; offload (not available yet) or more GPUs")

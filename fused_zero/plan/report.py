@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from . import Plan
 from .memory import StageEstimate
-from .recommend import gib
+from .recommend import human, scale
 
 ROWS = ("params", "grads", "optimizer", "buffers", "gathered", "activations", "total")
 _LABELS = {"params": "params", "grads": "grads", "optimizer": "optimizer states", "buffers": "comm buffers",
            "gathered": "gathered units", "activations": "activations", "total": "total"}
-_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
 _COMM = {0: "2Ψ all-reduce", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
 
 
@@ -46,11 +45,7 @@ def to_dict(plan: Plan) -> dict:
     }
 
 
-def _unit(n: int) -> tuple[int, str]:
-    return next((size, name) for size, name in _UNITS if n >= size)
-
-
-def _count(n: int) -> str:
+def short_count(n: int) -> str:
     for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= size:
             return f"{n / size:.3g}{suffix}"
@@ -59,14 +54,15 @@ def _count(n: int) -> str:
 
 def table(plan: Plan) -> str:
     m, job = plan.model, plan.job
-    size, unit = _unit(max(s.total for s in plan.stages))
-    dtypes = ", ".join(f"{d}: {_count(v['trainable'])} trainable" + (f" + {_count(v['frozen'])} frozen"
-                                                                     if v["frozen"] else "")
+    size, unit = scale(max(s.total for s in plan.stages))
+    dtypes = ", ".join(f"{d}: {short_count(v['trainable'])} trainable"
+                       + (f" + {short_count(v['frozen'])} frozen" if v["frozen"] else "")
                        for d, v in m.by_dtype().items())
-    lines = [f"{_count(m.numel())} parameters ({dtypes}) from {m.source}",
-             f"{job.world_size} ranks on {plan.nodes} node{'s' * (plan.nodes > 1)}, bucket {_count(job.bucket_numel)} "
-             f"elements, reduce in {job.reduce_dtype or 'the params dtype'}"
-             + (", activation checkpointing" if plan.activation_checkpointing else ""),
+    nodes = f"{plan.nodes} node{'s' * (plan.nodes > 1)}"
+    lines = [f"{short_count(m.numel())} parameters ({dtypes}) from {m.source}",
+             f"{job.world_size} ranks on {nodes}, bucket {short_count(job.bucket_numel)} elements, reduce in "
+             f"{job.reduce_dtype or 'the params dtype'}" + (", activation checkpointing"
+                                                            if plan.activation_checkpointing else ""),
              ""]
     heads = [f"stage {key(s)}" + (" (DDP)" if s.stage == 0 else "") for s in plan.stages]
     lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{h:>13}" for h in heads))
@@ -77,12 +73,13 @@ def table(plan: Plan) -> str:
         usable = plan.recommendation.usable
         label = f"fits {usable / size:.1f} {unit}"
         lines.append(f"{label:<18}" + "".join(f"{'yes' if fits(plan, s) else 'no':>13}" for s in plan.stages))
-    comm_size, comm_unit = _unit(max(max(s.comm_bytes for s in plan.stages), 1))
-    lines.append(f"{'comm/step, ' + comm_unit:<18}" + "".join(f"{s.comm_bytes / comm_size:>13.2f}" for s in plan.stages))
+    comm_size, comm_unit = scale(max(max(s.comm_bytes for s in plan.stages), 1))
+    comm = "".join(f"{s.comm_bytes / comm_size:>13.2f}" for s in plan.stages)
+    lines.append(f"{'comm/step, ' + comm_unit:<18}" + comm)
     lines.append(f"{'':<18}" + "".join(f"{_COMM[s.stage]:>13}" for s in plan.stages))
     lines += ["", f"recommendation: {plan.recommendation.reason}"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
-__all__ = ["table", "to_dict", "key", "gib"]
+__all__ = ["table", "to_dict", "key", "human", "scale", "short_count"]
