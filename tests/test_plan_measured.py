@@ -56,15 +56,19 @@ def gpt() -> nn.Module:
     return GPT(GPT_CFG)
 
 
+def gpt_bf16() -> nn.Module:
+    return GPT(GPT_CFG).to(torch.bfloat16)
+
+
 def _batch(name, rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    if name == "gpt":
+    if name.startswith("gpt"):
         idx = torch.randint(0, GPT_CFG.vocab, (2, GPT_CFG.seq_len + 1), generator=g)
         return idx[:, :-1], idx[:, 1:]
     return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
 
 
-MODELS = {"gpt": gpt, "mixed": mixed_net}
+MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net}
 # (model, stage, bucket_numel, reduce dtype)
 CONFIGS = [(m, s, b, r) for m in MODELS for s in (1, 2, 3) for b, r in ((1000, None), (1 << 24, torch.float32))]
 
