@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -136,7 +137,10 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, RuntimeError) as e:
         p.error(str(e))
     from .report import table, to_dict
-    print(json.dumps(to_dict(plan), indent=2) if args.json else table(plan))
+    try:
+        print(json.dumps(to_dict(plan), indent=2) if args.json else table(plan), flush=True)
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.plot:
         from .picture import draw
         try:
