@@ -53,8 +53,9 @@ def _count(name: str, value, minimum: int = 1, optional: bool = False) -> int | 
     return int(value)
 
 
-def _size(name: str, value, optional: bool = True) -> int | None:
-    return _count(name, value, minimum=0, optional=optional)
+def _size(name: str, value) -> int | None:
+    """Bytes: a whole number >= 0, or None."""
+    return _count(name, value, minimum=0, optional=True)
 
 
 def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, param_dtype=None,

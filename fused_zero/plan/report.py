@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import Plan
 from .memory import StageEstimate
-from .recommend import human, scale
+from .recommend import scale
 
 ROWS = ("params", "grads", "optimizer", "buffers", "gathered", "activations", "total")
 _LABELS = {"params": "params", "grads": "grads", "optimizer": "optimizer states", "buffers": "comm buffers",
@@ -82,4 +82,4 @@ def table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["table", "to_dict", "key", "human", "scale", "short_count"]
+__all__ = ["table", "to_dict", "key", "scale", "short_count"]
