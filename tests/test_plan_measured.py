@@ -12,6 +12,7 @@ and ``detail["bucket_pool_max"]`` (one per bucket).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -125,3 +126,17 @@ def test_planned_equals_measured(measured, cfg):
         d = plan.detail
         assert (comm["reduce_scatter"], comm["all_gather"]) == (d["reduce_scatter"], d["all_gather"]), (rank, comm, d)
         assert comm["all_reduce"] == d["all_reduce"], (rank, comm, d)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_train_gpt_prints_planned_next_to_measured(stage):
+    """examples/train_gpt.py prints both columns after step 1; one process, so they agree exactly."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt.py")
+    done = subprocess.run([sys.executable, script, "--steps", "1", "--n-layer", "2", "--d-model", "64",
+                           "--stage", str(stage), "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "planned   measured" in line)
+    rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 6]}
+    assert list(rows) == ["params", "grads", "optimizer", "buffers", "total"]
+    assert all(planned == measured and float(planned) > 0 for planned, measured in rows.values()), rows
