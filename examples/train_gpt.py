@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, markov_entropy, synthetic_batch  # noqa: E402
 
 from fused_zero import ShardedOptimizer  # noqa: E402
+from fused_zero.plan import estimate  # noqa: E402
 
 MB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -106,6 +107,21 @@ def fmt_memory(mem: dict) -> str:
     return f"mem/rank {sum(mem.values()) / MB:.2f} MB ({split})"
 
 
+def print_planned_vs_measured(args, cfg: GPTConfig, world: int, mem: dict) -> None:
+    """What ``python -m fused_zero.plan`` predicts for this run next to memory_bytes() after step 1."""
+    with torch.device("meta"):  # shapes only, no memory
+        meta = GPT(cfg)
+    plan = estimate(model=meta, world_size=world, param_dtype=args.dtype,
+                    bucket_numel=args.bucket_numel).stage(args.stage)
+    rows = {"params": (plan.params, mem["params"]), "grads": (plan.grads, mem["grads"]),
+            "optimizer": (plan.optimizer, mem["master"] + mem["exp_avg"] + mem["exp_avg_sq"]),
+            "buffers": (plan.buffers, mem["buffers"])}
+    rows["total"] = tuple(sum(r[i] for r in rows.values()) for i in (0, 1))
+    print(f"stage {args.stage} memory per rank, MB   planned   measured", flush=True)
+    for name, (planned, measured) in rows.items():
+        print(f"  {name:<30} {planned / MB:9.2f} {measured / MB:10.2f}", flush=True)
+
+
 def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> dict:
     """Train ``args.steps`` steps; ``variant`` is "sharded" or "ddp". Returns the history."""
     model = GPT(cfg, seed=args.seed).to(device=device, dtype=DTYPES[args.dtype])
@@ -159,6 +175,8 @@ def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> 
         hist["loss"].append(loss_val)
         hist["tok_s"].append(tokens_per_step / dt)
         hist["mem"] = mem
+        if variant == "sharded" and step == 0 and rank == 0:
+            print_planned_vs_measured(args, cfg, world, mem)
         if variant == "sharded":
             hist["comm"] = optimizer.comm_bytes()
         if rank == 0:

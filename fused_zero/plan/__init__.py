@@ -1,0 +1,133 @@
+"""The planner: bytes per GPU at stages 0-3 before launching a job, and which stage to pick.
+
+    python -m fused_zero.plan --params 7e9 --world-size 8 --gpu-memory 80GiB
+    plan = fused_zero.plan.estimate(7e9, world_size=8, gpu_memory=80 * 2**30)
+
+``estimate`` returns a frozen ``Plan``: a ``StageEstimate`` per stage (params, grads,
+optimizer, buffers, gathered units, activations, total and communication, bytes per
+rank) and a ``Recommendation``. Stages 1-3 follow what ShardedOptimizer allocates
+(see memory.py); stage 0 is DDP + torch AdamW with an fp32 master for 16-bit params.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fused_zero.config import ZeroConfig
+
+from . import activations as _act
+from .count import DTYPES, ModelCount, count_module, dtype_name, flat_count
+from .memory import Job, StageEstimate, flat_units, sharded, stage0, with_activations
+from .recommend import Recommendation, recommend
+
+__all__ = ["estimate", "Plan", "StageEstimate", "Recommendation", "ModelCount", "DTYPES"]
+
+_DEFAULTS = ZeroConfig()
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelCount
+    job: Job
+    nodes: int
+    gpu_memory: int | None
+    headroom: float
+    activations: _act.Activations | None
+    activation_checkpointing: bool
+    stages: tuple[StageEstimate, ...]  # stages 0, 1, 2, 3 (one entry per stage and offload tier)
+    recommendation: Recommendation
+    notes: tuple[str, ...]
+
+    def stage(self, n: int, offload: str = "none") -> StageEstimate:
+        return next(s for s in self.stages if s.stage == n and s.offload == offload)
+
+
+def _count(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
+    """A whole number >= minimum (7e9 is fine); ValueError/TypeError naming the option."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < minimum or value != int(value):
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _size(name: str, value) -> int | None:
+    """Bytes: a whole number >= 0, or None."""
+    return _count(name, value, minimum=0, optional=True)
+
+
+def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, param_dtype=None,
+             reduce_dtype=None, bucket_numel: int = _DEFAULTS.bucket_numel, gpu_memory=None,
+             headroom: float = 0.1, activations=None, seq_len=None, micro_batch=None, hidden=None,
+             layers=None, heads=None, activation_checkpointing: bool = False,
+             max_live_units: int = _DEFAULTS.max_live_units, reshard_after_forward: bool = True,
+             units=None) -> Plan:
+    """Plan the memory per rank of training ``params`` elements, or ``model`` (an nn.Module, best on meta).
+
+    Sizes are bytes (``gpu_memory``, ``activations``); ``param_dtype`` and ``reduce_dtype``
+    are "bf16", "fp16", "fp32" or torch dtypes (``param_dtype`` None: the model's own, bf16
+    for ``params``). Raises ValueError or TypeError saying what to change.
+    """
+    if (params is None) == (model is None):
+        raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")
+    world_size = _count("world_size", world_size)
+    nodes = _count("nodes", nodes)
+    if world_size % nodes:
+        raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}: give the total number of "
+                         "ranks, the same on every node")
+    job = Job(world_size, _count("bucket_numel", bucket_numel),
+              None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
+              _count("max_live_units", max_live_units), bool(reshard_after_forward))
+    pdt = None if param_dtype is None else dtype_name(param_dtype, "param_dtype")
+    if model is None:
+        count = flat_count(_count("params", params), pdt or "bf16")
+    else:
+        count = count_module(model, type(model).__name__, pdt, units)
+    gpu_memory = _size("gpu_memory", gpu_memory)
+    if gpu_memory == 0:
+        raise ValueError("gpu_memory must be positive (bytes), e.g. 80 * 2**30 for 80 GiB")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a fraction in [0, 1), e.g. 0.1, got {headroom!r}")
+    act = _activations(activations, seq_len, micro_batch, hidden, layers, heads, pdt or count.params[0].dtype)
+    act_bytes = act.bytes(activation_checkpointing) if act else 0
+    stages = (stage0(count, job),) + tuple(flat_units(sharded(count, job, s), count, job, layers) for s in (1, 2, 3))
+    stages = tuple(with_activations(s, act_bytes) for s in stages)
+    rec = recommend(stages, world_size, gpu_memory, headroom)
+    return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,
+                _notes(count, act, layers))
+
+
+def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):
+    shape = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
+    if given is not None:
+        if any(v is not None for v in shape.values()):
+            raise ValueError("give activations (bytes) or seq_len/micro_batch/hidden/layers, not both")
+        return _act.given(_size("activations", given))
+    if all(v is None for v in shape.values()):
+        return None
+    if any(v is None for v in shape.values()) or layers is None:
+        raise ValueError("the transformer activation estimate needs seq_len, micro_batch, hidden and layers "
+                         f"together (got {dict(shape, layers=layers)})")
+    sizes = {k: _count(k, v) for k, v in dict(shape, layers=layers).items()}
+    return _act.transformer(**sizes, heads=_count("heads", heads, optional=True),
+                            dtype_bytes=4 if dtype == "fp32" else 2)
+
+
+def _notes(count: ModelCount, act, layers) -> tuple[str, ...]:
+    notes = []
+    if not count.exact:
+        notes.append("--params: one flat trainable buffer (per-parameter 64-element alignment, param groups and "
+                     "frozen parameters unknown; pass --model for exact sizes)")
+        notes.append(f"stage 3 gathered units: {layers} equal units (embeddings unknown)" if layers else
+                     "stage 3 gathered units not counted: pass --layers (or --model) to size them")
+    if act is None:
+        notes.append("activations not counted: pass --activations GiB or --seq-len/--micro-batch/--hidden/--layers")
+    else:
+        notes.append(f"activations: {act.source}")
+    notes.append("stage 3 comm buffers: 2 reduction buffers per reduce dtype; one more per reduction still in "
+                 "flight when the next bucket is packed (detail bucket_pool_max: one per bucket)")
+    notes.append("stage 0 is DDP + torch AdamW (fp32 master for 16-bit params, gradient_as_bucket_view=True); "
+                 "stages 2-3 briefly hold some not-yet-reduced .grad tensors during backward (not counted)")
+    return tuple(notes)

@@ -1,0 +1,160 @@
+"""``python -m fused_zero.plan``: which ZeRO stage fits, per GPU, in a table, JSON or a picture.
+
+    python -m fused_zero.plan --params 7e9 --world-size 8 --gpu-memory 80GiB \\
+        --seq-len 4096 --micro-batch 1 --hidden 4096 --layers 32 --plot docs/plan_7b_8gpu.png
+    python -m fused_zero.plan --model mypkg.models:build --model-path src --world-size 4 --json
+
+Bad input ends with ``error: ...`` on stderr and exit code 2, as argparse does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from . import estimate
+from .count import DTYPES, load_model
+
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_BYTES = {"": 1 << 30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _number(text: str, units: dict, what: str) -> float:
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    try:
+        value = float(m.group(1)) * units[m.group(2)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative: give {what}")
+    return value
+
+
+def count(text: str) -> int:
+    """7e9, 7B, 350M, 70000000000."""
+    value = _number(text, _SUFFIX, "a parameter count (e.g. 7e9, 7B, 350M)")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a model needs at least one parameter")
+    return int(value)
+
+
+def nbytes(text: str) -> int:
+    """80GiB, 80GB, 141e9B; a plain number is GiB."""
+    return int(_number(text, _BYTES, "a size (e.g. 80GiB, 80GB; a plain number is GiB)"))
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(float(text)) if float(text).is_integer() else None
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1) (e.g. 0.1 for 10%)")
+    return value
+
+
+#: The job's options: (flag, type, default, metavar, help).
+_JOB = (
+    ("--model-path", str, None, "DIR", "a folder added to sys.path to import --model"),
+    ("--world-size", "positive", 1, "N", "data-parallel ranks in total (default 1)"),
+    ("--nodes", "positive", 1, "N", "nodes the ranks run on (default 1; reported, kept for host-memory offload)"),
+    ("--param-dtype", tuple(DTYPES), None, None, "dtype of the parameters (default: the model's own; bf16 with "
+                                                 "--params)"),
+    ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
+    ("--bucket-numel", "positive", 1 << 24, "N", "elements per bucket (default 2**24)"),
+    ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
+    ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
+    ("--headroom", "fraction", 0.1, "F", "fraction of the GPU kept free (default 0.1)"),
+)
+_ACTIVATIONS = (
+    ("--activations", "nbytes", None, "SIZE", "activation memory, e.g. 12GiB"),
+    ("--seq-len", "positive", None, "N", "sequence length"),
+    ("--micro-batch", "positive", None, "N", "sequences per micro-batch"),
+    ("--hidden", "positive", None, "N", "hidden size"),
+    ("--layers", "positive", None, "N", "transformer layers (with --params, also the number of stage 3 units)"),
+    ("--heads", "positive", None, "N", "attention heads: counts the attention matrix (omit for flash attention)"),
+)
+
+
+def _add(group, options) -> None:
+    types = {"positive": positive, "nbytes": nbytes, "fraction": fraction}
+    for flag, kind, default, metavar, text in options:
+        if isinstance(kind, tuple):
+            group.add_argument(flag, choices=kind, default=default, help=text)
+        else:
+            group.add_argument(flag, type=types.get(kind, kind), default=default, metavar=metavar, help=text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fused_zero.plan",
+                                description="Which ZeRO stage fits, in bytes per GPU: a table, JSON or a picture.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=count, metavar="N", help="number of parameters (7e9, 7B): one flat buffer")
+    what.add_argument("--model", metavar="MODULE:CALLABLE", help="a no-argument callable returning the model; "
+                      "built on the meta device (no memory) and counted exactly")
+    _add(p, _JOB)
+    act = p.add_argument_group("activations (per rank; default: not counted)")
+    _add(act, _ACTIVATIONS)
+    act.add_argument("--activation-checkpointing", action="store_true",
+                     help="count checkpointed activations (each layer's input, one layer recomputed)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--plot", metavar="FILE.png", help="also draw stacked bars per stage (needs matplotlib)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        if args.plot:  # before any output: no table followed by an error
+            from .picture import figure_class
+            figure_class()
+        model = None if args.model is None else load_model(args.model, args.model_path)
+        plan = estimate(args.params, model=model, world_size=args.world_size, nodes=args.nodes,
+                        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, bucket_numel=args.bucket_numel,
+                        gpu_memory=args.gpu_memory, headroom=args.headroom, activations=args.activations,
+                        seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, layers=args.layers,
+                        heads=args.heads, activation_checkpointing=args.activation_checkpointing,
+                        max_live_units=args.max_live_units)
+        if args.model is not None:
+            plan = _named(plan, args.model)
+    except (ValueError, TypeError, RuntimeError) as e:
+        p.error(str(e))
+    from .report import table, to_dict
+    try:
+        print(json.dumps(to_dict(plan), indent=2) if args.json else table(plan), flush=True)
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.plot:
+        from .picture import draw
+        try:
+            draw(plan, args.plot)
+        except OSError as e:  # a folder that does not exist, a full disk
+            p.error(f"--plot {args.plot}: {e}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _named(plan, source: str):
+    from dataclasses import replace
+    return replace(plan, model=replace(plan.model, source=source))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

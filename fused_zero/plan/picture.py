@@ -1,0 +1,75 @@
+"""``--plot FILE.png``: stacked bars of bytes per GPU for each stage, the GPU's memory as a line.
+
+matplotlib is an optional extra (``pip install fused_zero[plot]``); it is imported only here,
+only when a picture is drawn.
+"""
+from __future__ import annotations
+
+from . import Plan
+from .report import ROWS, key, scale, short_count
+
+_PARTS = ROWS[:-1]  # every row but the total, bottom to top
+_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "buffers": "#8172B3",
+           "gathered": "#CCB974", "activations": "#64B5CD"}
+_NAMES = {"params": "params", "grads": "grads", "optimizer": "optimizer states (fp32)", "buffers": "comm buffers",
+          "gathered": "gathered units (stage 3)", "activations": "activations"}
+
+
+def figure_class():
+    """matplotlib's Figure (drawn straight to a file: no pyplot, no backend switched); RuntimeError naming
+    the extra when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install fused_zero[plot] "
+                           "(or pip install matplotlib)") from e
+    return Figure
+
+
+def _label(s) -> str:
+    size, unit = scale(max(s.comm_bytes, 1))
+    comm = "3Ψ" if s.stage == 3 else "2Ψ"
+    return f"ZeRO-{key(s)}" + (" (DDP)" if s.stage == 0 else "") + f"\ncomm {comm}: {s.comm_bytes / size:.1f} {unit}"
+
+
+def draw(plan: Plan, path: str) -> None:
+    """Write the picture of ``plan`` to ``path`` (format from its suffix, e.g. .png)."""
+    figure = figure_class()
+    size, unit = scale(max([s.total for s in plan.stages] + [plan.gpu_memory or 0]))
+    rec = plan.recommendation
+    fig = figure(figsize=(10, 5.4), dpi=120)
+    ax = fig.subplots()
+    xs = range(len(plan.stages))
+    bottoms = [0.0] * len(plan.stages)
+    for part in _PARTS:
+        heights = [getattr(s, part) / size for s in plan.stages]
+        if any(heights):
+            ax.bar(xs, heights, 0.6, bottom=bottoms, color=_COLORS[part], label=_NAMES[part], edgecolor="white")
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, s in zip(xs, plan.stages):
+        best = s.stage == rec.stage and s.offload == rec.offload
+        ax.text(x, s.total / size, f"{s.total / size:.1f} {unit}" + ("\nrecommended" if best else ""), ha="center",
+                va="bottom", fontsize=10, fontweight="bold" if best else "normal")
+    if plan.gpu_memory is not None:
+        ax.axhline(plan.gpu_memory / size, color="#C44E52", linewidth=2,
+                   label=f"GPU memory {plan.gpu_memory / size:.0f} {unit}")
+        ax.axhline(rec.usable / size, color="#C44E52", linewidth=1, linestyle="--",
+                   label=f"usable ({plan.headroom:.0%} headroom)")
+    ax.set_xticks(list(xs), [_label(s) for s in plan.stages])
+    ax.set_ylabel(f"{unit} per GPU")
+    top = max([s.total for s in plan.stages] + [plan.gpu_memory or 0]) / size
+    ax.set_ylim(0, top * 1.18)
+    job = plan.job
+    dtypes = "/".join(plan.model.by_dtype())
+    ax.set_title(f"{short_count(plan.model.numel())} parameters ({dtypes}) on {job.world_size} "
+                 f"GPU{'s' * (job.world_size > 1)}: memory per GPU by ZeRO stage", fontsize=11)
+    handles, labels = ax.get_legend_handles_labels()  # lines first, then the bars top to bottom as stacked
+    lines = 2 if plan.gpu_memory is not None else 0
+    order = list(range(lines)) + list(range(len(handles) - 1, lines - 1, -1))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left", bbox_to_anchor=(1.01, 1),
+              fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.text(0.01, 0.01, f"recommendation: {rec.reason}", fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path)

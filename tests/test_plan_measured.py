@@ -1,0 +1,142 @@
+"""Planned against measured: ``estimate(model=...)`` equals ``ShardedOptimizer.memory_bytes()``.
+
+Every configuration is built for real on 1, 2 and 3 gloo ranks, trained one step, then a
+second backward runs and ``memory_bytes()`` is read (params, grads, master, exp_avg,
+exp_avg_sq, buffers); ``comm_bytes()`` after that step. The plan of the same model, built on
+the meta device, must give the same params + grads + optimizer (exactly here; the contract
+is 1%), the same buffers (the reducer's pool and the narrow param shard) and the same
+reduce-scatter and all-gather bytes. Stage 3 may allocate extra pool buffers while a
+reduction is still in flight: there ``buffers`` lies between the plan (two per reduce dtype)
+and ``detail["bucket_pool_max"]`` (one per bucket).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _dist import run_ranks
+from fused_zero import ShardedOptimizer
+from fused_zero.plan import estimate
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+GPT_CFG = GPTConfig(vocab=256, d_model=64, n_layer=3, n_head=4, seq_len=16)
+
+
+class MixedNet(nn.Module):
+    """fp32 and bf16 parameters, a frozen bf16 layer, blocks in a ModuleList (stage 3 units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64)) for _ in range(3))
+        self.blocks[1].to(torch.bfloat16)
+        self.frozen = nn.Linear(64, 64).to(torch.bfloat16).requires_grad_(False)
+        self.head = nn.Linear(64, 8, bias=False)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h.to(b[0].weight.dtype)).float()
+        h = self.frozen(h.to(torch.bfloat16)).float()
+        return None, F.mse_loss(self.head(h), y)
+
+
+def mixed_net() -> nn.Module:
+    return MixedNet()
+
+
+def gpt() -> nn.Module:
+    return GPT(GPT_CFG)
+
+
+def gpt_bf16() -> nn.Module:
+    return GPT(GPT_CFG).to(torch.bfloat16)
+
+
+def _batch(name, rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if name.startswith("gpt"):
+        idx = torch.randint(0, GPT_CFG.vocab, (2, GPT_CFG.seq_len + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+    return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+
+
+MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net}
+# (model, stage, bucket_numel, reduce dtype)
+CONFIGS = [(m, s, b, r) for m in MODELS for s in (1, 2, 3) for b, r in ((1000, None), (1 << 24, torch.float32))]
+
+
+def _id(cfg):
+    m, s, b, r = cfg
+    return f"{m}-stage{s}-bucket{b}-reduce_{str(r).replace('torch.', '')}"
+
+
+def _measure(rank, ws):
+    out = {}
+    for cfg in CONFIGS:
+        name, stage, bucket, reduce = cfg
+        model = MODELS[name]()
+        opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, bucket_numel=bucket,
+                               reduce_dtype=reduce)
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(*_batch(name, rank, step))
+            loss.backward()
+            if step == 1:
+                mem = opt.memory_bytes()
+            opt.step()
+        out[_id(cfg)] = {"mem": mem, "comm": opt.comm_bytes()}
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
+def measured(request):
+    return request.param, run_ranks(_measure, request.param, timeout=300)
+
+
+def _planned(cfg, ws):
+    name, stage, bucket, reduce = cfg
+    with torch.device("meta"):
+        model = MODELS[name]()
+    return estimate(model=model, world_size=ws, bucket_numel=bucket, reduce_dtype=reduce).stage(stage)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_planned_equals_measured(measured, cfg):
+    ws, results = measured
+    plan = _planned(cfg, ws)
+    for rank, res in enumerate(results):
+        mem, comm = res[_id(cfg)]["mem"], res[_id(cfg)]["comm"]
+        got = {"params": mem["params"], "grads": mem["grads"],
+               "optimizer": mem["master"] + mem["exp_avg"] + mem["exp_avg_sq"]}
+        want = {"params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer}
+        assert got == want, f"rank {rank}: measured {got} != planned {want}"
+        if cfg[1] == 3:
+            assert plan.buffers <= mem["buffers"] <= plan.detail["bucket_pool_max"], (rank, mem["buffers"], plan.detail)
+        else:
+            assert mem["buffers"] == plan.buffers, (rank, mem["buffers"], plan.buffers)
+        d = plan.detail
+        assert (comm["reduce_scatter"], comm["all_gather"]) == (d["reduce_scatter"], d["all_gather"]), (rank, comm, d)
+        assert comm["all_reduce"] == d["all_reduce"], (rank, comm, d)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_train_gpt_prints_planned_next_to_measured(stage):
+    """examples/train_gpt.py prints both columns after step 1; one process, so they agree exactly."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt.py")
+    done = subprocess.run([sys.executable, script, "--steps", "1", "--n-layer", "2", "--d-model", "64",
+                           "--stage", str(stage), "--dtype", "bf16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "planned   measured" in line)
+    rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 6]}
+    assert list(rows) == ["params", "grads", "optimizer", "buffers", "total"]
+    assert all(planned == measured and float(planned) > 0 for planned, measured in rows.values()), rows
