@@ -59,6 +59,7 @@ class Partition:
         self.store = store(n, self.device, amsgrad)
         self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=self.device)
         self._versions: list[int] = []
+        self._ptrs: list[int] = []
         # Narrow params are written back by the fused kernel into a contiguous
         # shard, then all-gathered; fp32 params are gathered from the master.
         self.param_shard = None
@@ -97,8 +98,9 @@ class Partition:
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
 
     def mark_synced(self) -> None:
-        """Remember the parameters' version counters: an in-place write by user code bumps them."""
+        """Remember where the parameters live and their version counters (an in-place write bumps them)."""
         self._versions = [p._version for p in self.params]
+        self._ptrs = [p.data_ptr() for p in self.params]
 
     @torch.no_grad()
     def adopt_outside_changes(self, names: dict) -> None:
@@ -112,15 +114,17 @@ class Partition:
         changed cannot live in this buffer: a RuntimeError names the call.
         """
         changed = []
-        for i, (p, view) in enumerate(self.views()):
+        for i, p in enumerate(self.params):  # the common case, nothing changed, costs two reads per parameter
+            if p.data_ptr() == self._ptrs[i] and p._version == self._versions[i]:
+                continue
+            slot = self.layout.slots[i]
+            view = self.flat[slot.offset: slot.offset + slot.numel].view(self.shapes[i])
             if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype \
                     or p.device != view.device:
                 self._check_compatible(p, view.shape, names)
                 view.copy_(p)
                 p.data = view
-                changed.append(i)
-            elif p._version != self._versions[i]:
-                changed.append(i)
+            changed.append(i)
         if changed:
             self._reload_master(changed, lambda i: self.params[i].detach().reshape(-1))
         self.mark_synced()

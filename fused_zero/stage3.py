@@ -94,9 +94,12 @@ class ParamGatherer:
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
         # parameters gathered on use, for as long as it lives; close() gives them back for good.
         self._handles = []
+        # The hooks resize storages and re-point p.data: torch.compile must never trace them. (Wrapped
+        # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for u in self.units:
-            self._handles.append(u.module.register_forward_pre_hook(self._pre_forward, prepend=True))
-            self._handles.append(u.module.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(u.module.register_forward_pre_hook(pre, prepend=True))
+            self._handles.append(u.module.register_forward_hook(post, always_call=True))
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
         self._handles.append(root.register_state_dict_post_hook(functools.partial(self._check_state_dict)))
         self._handles.append(root.register_load_state_dict_pre_hook(self._before_load))
@@ -208,7 +211,6 @@ class ParamGatherer:
             self._wait(u)
 
     # -- forward ----------------------------------------------------------
-    @torch.compiler.disable  # resizes storages and re-points p.data: never traced
     def _pre_forward(self, module: nn.Module, args) -> None:
         u = self._unit_of[id(module)]
         if u.index == 0 and self.state is TrainingState.IDLE:
@@ -221,7 +223,6 @@ class ParamGatherer:
         if self.state is TrainingState.FORWARD:
             self._prefetch()
 
-    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args, output):
         u = self._unit_of[id(module)]
         if sys.exc_info()[0] is not None:

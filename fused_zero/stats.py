@@ -23,7 +23,8 @@ from .partition import Partition
 # on every rank exactly when every rank sent the same c (Cauchy-Schwarz), so every
 # rank reaches the same verdict.
 _CHECK_BITS = 8
-_HEAD = 2 + 4  # sq_norm, nonfinite, (c1, c1**2, c2, c2**2)
+#: Scalars before the per-parameter has-grad flags: sq_norm, nonfinite, (c1, c1**2, c2, c2**2).
+HEAD = 2 + 4
 
 
 class StepStats(NamedTuple):
@@ -50,17 +51,17 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present: set, with
                      check: tuple[int, int]) -> StepStats:
     params = [p for part in partitions for p in part.params]
     device = partitions[0].flat.device if partitions else torch.device("cpu")
-    stats = torch.zeros(_HEAD + len(params), dtype=torch.float32, device=device)
+    stats = torch.zeros(HEAD + len(params), dtype=torch.float32, device=device)
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])
         stats[0], stats[1] = norm.sq_sum, norm.nonfinite
     c1, c2 = check
-    stats[2:_HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
-    stats[_HEAD:] = torch.tensor([p in present for p in params], dtype=torch.float32)
+    stats[2:HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
+    stats[HEAD:] = torch.tensor([p in present for p in params], dtype=torch.float32)
     comm.all_reduce(stats)
     host = stats[2:].tolist()  # one host read: the flags decide which kernels run
     n = comm.world_size
     agreed = all(n * int(host[i + 1]) == int(host[i]) ** 2 for i in (0, 2))
-    flags = iter(v > 0 for v in host[_HEAD - 2:])
+    flags = iter(v > 0 for v in host[HEAD - 2:])
     has_grad = tuple(tuple(next(flags) for _ in part.params) for part in partitions)
     return StepStats(stats[0], stats[1], has_grad, agreed)

@@ -126,8 +126,6 @@ def _notes(count: ModelCount, act, layers) -> tuple[str, ...]:
         notes.append("activations not counted: pass --activations GiB or --seq-len/--micro-batch/--hidden/--layers")
     else:
         notes.append(f"activations: {act.source}")
-    notes.append("stage 3 comm buffers: 2 reduction buffers per reduce dtype; one more per reduction still in "
-                 "flight when the next bucket is packed (detail bucket_pool_max: one per bucket)")
     notes.append("stage 0 is DDP + torch AdamW (fp32 master for 16-bit params, gradient_as_bucket_view=True); "
                  "stages 2-3 briefly hold some not-yet-reduced .grad tensors during backward (not counted)")
     return tuple(notes)

@@ -11,10 +11,10 @@ param dtype's bytes and R the reduce dtype's:
     grads       stage 1: P * (trainable elements) for the full .grad + R*S for the reduced
                 shard; stages 2-3: R*S (each .grad is freed once its bucket is reduced)
     optimizer   master, exp_avg, exp_avg_sq: 4*S each (frozen parameters included)
-    buffers     the reducer's pool: per reduce dtype, min(2, buckets holding a trainable
-                parameter) buffers of the largest bucket (stage 3 adds one while a reduction
-                is in flight, up to one per bucket: ``detail["bucket_pool_max"]``); stages
-                1-2 add the narrow param shard P*S (the all-gather source)
+    buffers     GradSync's pool: per reduce dtype, min(MAX_INFLIGHT = 2, buckets holding a
+                trainable parameter) buffers of the largest bucket (a gradient hook never
+                grows it: it defers a launch instead); stages 1-2 add the narrow param
+                shard P*S (the all-gather source)
     gathered    stage 3 only: the root unit plus the max_live_units largest units, full size
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fused_zero.config import ALIGN
+from fused_zero.grad_sync import MAX_INFLIGHT
 from fused_zero.layout import FlatLayout, build_layout
+from fused_zero.stats import HEAD
 
 from .count import ModelCount, ParamSpec
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-#: Reduce-scatter buffers the reducer keeps per reduce dtype (fused_zero.reducer.MAX_INFLIGHT).
-POOL_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -142,12 +142,9 @@ def sharded(count: ModelCount, job: Job, stage: int) -> StageEstimate:
         again = full if part.unit and job.reshard_after_forward else 0
         d["all_gather"] += p * (reduced if stage < 3 else full + again)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
-    d["bucket_pool"] = sum(min(POOL_BUFFERS, n) * size * BYTES[r] for r, (n, size) in pools.items())
-    # Stage 3 adds a pool buffer instead of waiting while the oldest reduction is in flight: one per bucket at most.
-    most = sum(n * size * BYTES[r] for r, (n, size) in pools.items())
-    d["bucket_pool_max"] = most if stage == 3 else d["bucket_pool"]
+    d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size) in pools.items())
     if job.world_size > 1:
-        d["all_reduce"] = 4 * (2 + len(count.params))  # the step's scalars: norm, non-finite flag, has-grad flags
+        d["all_reduce"] = 4 * (HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
     else:
         d.update(reduce_scatter=0, all_gather=0)
     if stage == 3:
