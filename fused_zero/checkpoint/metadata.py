@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .codec import encode
+from .codec import decode, encode
 from .errors import CheckpointError
 from .files import MODEL_FILE, METADATA, rank_file
 from .reshard import Chunk, aliases, check_tiling, numel_of
@@ -118,11 +118,10 @@ class _Schema:
         params = self.typed(meta, "params", dict, "metadata")
         for gi, g in enumerate(groups):
             self.need(isinstance(g, dict), f"param_groups[{gi}]", "is not a dict")
-            self.typed(g, "hyper", dict, f"param_groups[{gi}]")
+            self.need(_decodes(self.typed(g, "hyper", dict, f"param_groups[{gi}]")), f"param_groups[{gi}]['hyper']",
+                      "does not decode to a dict of hyperparameters")
             self.strs(self.typed(g, "params", list, f"param_groups[{gi}]"), f"param_groups[{gi}]['params']")
-            for n in g["params"]:
-                self.need(n in params and params[n].get("group") == gi, f"param_groups[{gi}]",
-                          f"lists {n!r}, which is not a parameter of that group in 'params'")
+            self.need(len(set(g["params"])) == len(g["params"]), f"param_groups[{gi}]['params']", "repeats a name")
         tensors = self.typed(meta, "model_tensors", dict, "metadata")
         for k, info in tensors.items():
             self.need(isinstance(info, dict), f"model_tensors[{k!r}]", "is not a dict")
@@ -150,10 +149,21 @@ class _Schema:
                 self.ints(row, f"{where}['chunks'][{i}]")
                 self.need(len(row) == 3 + len(kinds) and row[2] < len(rank_files), f"{where}['chunks'][{i}]",
                           f"must be [start, numel, rank file index < {len(rank_files)}, one crc32 per kind]")
+        for gi, g in enumerate(groups):
+            for n in g["params"]:
+                self.need(n in params and params[n]["group"] == gi, f"param_groups[{gi}]",
+                          f"lists {n!r}, which is not a parameter of that group in 'params'")
         self.strs(self.typed(meta, "state_dict_keys", list, "metadata"), "state_dict_keys")
         alias = aliases(meta)
         for k in meta["state_dict_keys"]:
             self.need(k in alias or k in tensors, f"state_dict_keys entry {k!r}", "is neither a parameter nor a buffer")
+
+
+def _decodes(hyper: dict) -> bool:
+    try:
+        return isinstance(decode(hyper), dict)
+    except Exception:  # noqa: BLE001 - any malformed tag
+        return False
 
 
 def _tuple(types) -> tuple:
