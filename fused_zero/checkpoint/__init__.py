@@ -24,8 +24,10 @@ On disk (``DIR`` on a filesystem every rank sees)::
 
 Nothing needs unpickling code to load. Every malformed or corrupted file (metadata.json edited,
 not JSON or missing fields; a truncated, missing or garbage tensor file; a corrupted blob; a
-``latest`` naming nothing) raises CheckpointError naming the file, on every rank. Crash safety: every rank writes and fsyncs its files in
-``DIR/.tmp-<tag>-<id>/``; when all have succeeded rank 0 writes metadata.json there, renames the
+``latest`` naming nothing) raises CheckpointError naming the file, on every rank. A format-1
+metadata.json (before checksums) still loads, with a warning to save it again.
+
+Crash safety: every rank writes and fsyncs its files in ``DIR/.tmp-<tag>-<id>/``; when all have succeeded rank 0 writes metadata.json there, renames the
 folder to ``DIR/<tag>`` and then atomically replaces ``DIR/latest`` (write, fsync, rename). A save
 that dies at any point leaves ``latest`` naming the previous complete checkpoint; load ignores
 ``.tmp-*`` folders and the next save removes them. Overwriting a tag first moves the old folder
@@ -38,6 +40,14 @@ Small files are checked against their sha256; consolidate checks every chunk and
 Every phase ends in one all_gather_object that carries any rank's error to all ranks, which all
 raise it, so none is left waiting; the optimizer changes only after every rank has read all it
 needs. load_torch_state is the reverse of consolidate: torch.optim.AdamW's state_dict in.
+
+ShardedOptimizer.state_dict() / load_state_dict() (optim_state.py) are torch.optim.AdamW's own
+format, gathered and sliced collectively, for frameworks that save the optimizer's state_dict.
+
+Modules, one job each: files (names, atomic writes, ``latest``, clean-up), metadata (build, seal,
+check, fit to a model), reshard (chunk and range math), shards (tensor files in and out), codec
+(JSON of hyperparameters and schedulers), view (the model and optimizer by name), save_load,
+torch_format (AdamW state_dict <-> shards, consolidate, load_torch_state), optim_state, __main__.
 """
 from .errors import CheckpointError
 from .save_load import load, read_extras, save
