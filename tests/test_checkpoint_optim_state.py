@@ -101,11 +101,14 @@ def _bad_dicts(sd):
     shaped["state"][i]["exp_avg"] = shaped["state"][i]["exp_avg"][:1]
     no_lr = copy.deepcopy(sd)
     del no_lr["param_groups"][1]["lr"]
+    step = copy.deepcopy(sd)
+    step["state"][i]["step"] = "four"
     return [("groups", fewer, "loaded state dict has a different number of parameter groups"),
             ("size", short, "loaded state dict contains a parameter group that doesn't match the size of "
                             "optimizer's group"),
             ("shape", shaped, f"state {i} exp_avg [1"),
             ("hyper", no_lr, "lacks the hyperparameters ['lr']"),
+            ("step", step, "a step count must be a number"),
             ("old", {"state": {}, "param_groups": [], "fused_zero": {}}, "per-rank shard format"),
             ("amsgrad", {**sd, "param_groups": [{**g, "amsgrad": True} for g in sd["param_groups"]]}, "amsgrad=True")]
 

@@ -27,11 +27,12 @@ not JSON or missing fields; a truncated, missing or garbage tensor file; a corru
 ``latest`` naming nothing) raises CheckpointError naming the file, on every rank. A format-1
 metadata.json (before checksums) still loads, with a warning to save it again.
 
-Crash safety: every rank writes and fsyncs its files in ``DIR/.tmp-<tag>-<id>/``; when all have succeeded rank 0 writes metadata.json there, renames the
-folder to ``DIR/<tag>`` and then atomically replaces ``DIR/latest`` (write, fsync, rename). A save
-that dies at any point leaves ``latest`` naming the previous complete checkpoint; load ignores
-``.tmp-*`` folders and the next save removes them. Overwriting a tag first moves the old folder
-to ``.old-<tag>-<id>``, which load falls back to if the save died before the new one took its place.
+Crash safety: every rank writes and fsyncs its files in ``DIR/.tmp-<tag>-<id>/``; when all have
+succeeded rank 0 writes metadata.json there, renames the folder to ``DIR/<tag>`` and then atomically
+replaces ``DIR/latest`` (write, fsync, rename). A save that dies at any point leaves ``latest``
+naming the previous complete checkpoint; load ignores ``.tmp-*`` folders and the next save removes
+them. Overwriting a tag first moves the old folder to ``.old-<tag>-<id>``, which load falls back to
+if the save died before the new one took its place.
 
 Load checks that the model has exactly the saved parameters and buffers (names, shapes) and the
 optimizer the saved param groups; each rank then reads only the chunks that overlap its shard

@@ -51,7 +51,7 @@ def gather_state_dict(opt) -> dict:
             targets = {}
             for j, p in enumerate(part.params):
                 if "step" in opt.state.get(p, {}) and (kind != "master" or _saves_master(p)):
-                    targets[j] = full.setdefault(number[id(p)], {}).setdefault(kind, torch.zeros(numel_of(shapes[id(p)])))
+                    targets[j] = full.setdefault(number[id(p)], {})[kind] = torch.zeros(numel_of(shapes[id(p)]))
             if not targets:
                 continue
             for s in range(0, n, GATHER_NUMEL):

@@ -57,9 +57,9 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     and names every state that does not fit its parameter's shape or this optimizer's options.
     """
     if isinstance(sd, Mapping) and "fused_zero" in sd:
-        raise ValueError("this state dict is the per-rank shard format of earlier fused_zero versions (a 'fused_zero' entry), "
-                         "which is no longer loaded: save with optimizer.state_dict() on every rank (torch.optim.AdamW's "
-                         "format), or use fused_zero.checkpoint.save/load")
+        raise ValueError("this state dict is the per-rank shard format of earlier fused_zero versions (a "
+                         "'fused_zero' entry), which is no longer loaded: save with optimizer.state_dict() called on "
+                         "every rank (torch.optim.AdamW's format), or use fused_zero.checkpoint.save/load")
     if not (isinstance(sd, Mapping) and isinstance(sd.get("state"), Mapping)
             and isinstance(sd.get("param_groups"), (list, tuple))):
         raise TypeError("the state dict must be a torch optimizer's state_dict(): a dict with 'state' (a dict) and "
@@ -87,23 +87,25 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     index = opt.shard_index()
     kinds = {id(p): part.kinds for part in index for p in part.params}
     shapes = shapes_of(index)
-    ids = [i for g in saved for i in g["params"]]
-    params = [p for g in groups for p in g["params"]]
     states, bad = {}, []
     for gi, g in enumerate(saved):
         if g.get("amsgrad") and not all("max_exp_avg_sq" in kinds[id(p)] for p in groups[gi]["params"]):
             check_kinds(["max_exp_avg_sq"], (), f"param group {gi} of the state dict", gi)
-    for i, p in zip(ids, params):
-        s = sd["state"].get(i, sd["state"].get(str(i), {}))
-        if not isinstance(s, Mapping):
-            raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
-        check_kinds([k for k in s if k in OPTION_OF_KIND], kinds[id(p)], f"state {i} (parameter {name_of(p)})",
-                    next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"])))
-        for k, t in s.items():
-            if k in (*BASE_KINDS, *OPTION_OF_KIND) and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[id(p)]):
-                bad.append(f"state {i} {k} {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} "
-                           f"(parameter {name_of(p)}, shape {list(shapes[id(p)])})")
-        states[p] = s
+    for gi, (g, mine) in enumerate(zip(saved, groups)):
+        for i, p in zip(g["params"], mine["params"]):
+            states[p] = s = sd["state"].get(i, sd["state"].get(str(i), {}))
+            if not isinstance(s, Mapping):
+                raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
+            what = f"state {i} (parameter {name_of(p)})"
+            check_kinds([k for k in s if k in OPTION_OF_KIND], kinds[id(p)], what, gi)
+            step = s.get("step", 0.0)
+            if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)):
+                raise TypeError(f"{what} has step {step!r}: a step count must be a number or a 1-element tensor")
+            for k, t in s.items():
+                if k in (*BASE_KINDS, *OPTION_OF_KIND) and (not isinstance(t, torch.Tensor)
+                                                            or tuple(t.shape) != shapes[id(p)]):
+                    bad.append(f"state {i} {k} {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} "
+                               f"(parameter {name_of(p)}, shape {list(shapes[id(p)])})")
     if bad:
         raise ValueError(f"the optimizer state does not fit the parameters: {', '.join(bad)}; pass the state dict "
                          "of an optimizer over this model, with the same param groups in the same order")
