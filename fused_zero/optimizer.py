@@ -426,37 +426,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return dict(self._last_traffic)
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["fused_zero"] = {
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-            "partitions": [{"group_index": part.group_index, "numel": part.layout.numel,
-                            **{kind: self.read_shard(k, kind, 0, part.layout.shard_numel)
-                               for kind in part.store.kinds}}
-                           for k, part in enumerate(self.partitions)],
-        }
-        return sd
+        """torch.optim.AdamW's state_dict of the whole optimizer. COLLECTIVE: every rank calls it.
+
+        As FSDP's optim_state_dict, it all-gathers the full fp32 state into every rank's CPU
+        memory (8 bytes per trained element, 12 for bf16/fp16 parameters, whose fp32 master
+        goes under the extra state key "master"), in bounded chunks; identical on every rank.
+        ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
+        """
+        from .checkpoint.optim_state import gather_state_dict
+
+        return gather_state_dict(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        shards = state_dict.get("fused_zero")
-        if shards is None:
-            raise ValueError("this state dict was not saved by ShardedOptimizer.state_dict() (no 'fused_zero' "
-                             "entry); it holds no master weights or sharded states to load")
-        where = (shards["world_size"], shards["rank"])
-        if where != (self.comm.world_size, self.comm.rank):
-            raise ValueError(f"this state dict is the shard of rank {where[1]} of {where[0]}; this optimizer is "
-                             f"rank {self.comm.rank} of {self.comm.world_size}: load each rank's own shard")
-        saved = [(s["group_index"], s["numel"]) for s in shards["partitions"]]
-        mine = [(part.group_index, part.layout.numel) for part in self.partitions]
-        if saved != mine:
-            raise ValueError(f"the state dict's flat buffers (group, elements) {saved} do not match this "
-                             f"optimizer's {mine}: it was saved for another model or bucket layout")
-        self.grad_sync.wait()
-        torch_sd = {k: v for k, v in state_dict.items() if k != "fused_zero"}
-        super().load_state_dict(torch_sd)
-        self.load_shards([{kind: s[kind] for kind in part.store.kinds}
-                          for part, s in zip(self.partitions, shards["partitions"])])
+        """Load a state_dict() (or a torch.optim.AdamW one) at any world size and stage; every rank calls it.
+
+        Hyperparameters and step counts come from the dict; the parameters keep their values
+        (load the model's own state dict for them), the fp32 masters come from them, or from a
+        saved "master" where it rounds to them. A bad dict raises on every rank.
+        """
+        from .checkpoint.optim_state import load_state_dict
+
+        load_state_dict(self, state_dict)
 
     # -- the shards, for checkpoints ---------------------------------------
     def shard_index(self) -> tuple[PartitionIndex, ...]:

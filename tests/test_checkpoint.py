@@ -24,6 +24,7 @@ from fused_zero import ShardedOptimizer
 # setup.py installs safetensors; the offline GPU machines may lack it
 pytest.importorskip("safetensors", reason="fused_zero.checkpoint writes safetensors: pip install safetensors")
 from fused_zero import checkpoint as ckpt  # noqa: E402
+from fused_zero.checkpoint import files as ckpt_files  # noqa: E402
 
 GLOBAL = 12  # samples per step, split evenly over 1, 2, 3 or 4 ranks
 N, M = 4, 3  # steps before the save, steps after it
@@ -172,13 +173,13 @@ def _crash_rank(rank, ws, root):
     ckpt.save(root, model, opt, sched, tag="first")
     _train(model, opt, sched, 2, 1, ws, rank)
     if rank == 1:  # dies right after writing its first file of the next save
-        write = ckpt._write_file
+        write = ckpt_files.write_file
 
         def write_and_die(path, data):
             write(path, data)
             os._exit(7)
 
-        ckpt._write_file = write_and_die
+        ckpt_files.write_file = write_and_die
     ckpt.save(root, model, opt, sched, tag="second")
 
 
@@ -430,7 +431,7 @@ def test_crash_before_latest_moves_and_while_overwriting_a_tag(tmp_path, monkeyp
     _train(model, opt, sched, 0, 2, 1, 0)
     ckpt.save(root, model, opt, sched, tag="first")
     _train(model, opt, sched, 2, 1, 1, 0)
-    monkeypatch.setattr(ckpt, "_set_latest", crash)
+    monkeypatch.setattr(ckpt_files, "set_latest", crash)
     with pytest.raises(KeyboardInterrupt):  # dies after renaming its folder, before 'latest' moves
         ckpt.save(root, model, opt, sched, tag="second")
     monkeypatch.undo()
@@ -443,7 +444,7 @@ def test_crash_before_latest_moves_and_while_overwriting_a_tag(tmp_path, monkeyp
             raise KeyboardInterrupt("simulated crash")
         os.replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "rename", rename_then_crash)
+    monkeypatch.setattr(ckpt_files.os, "rename", rename_then_crash)
     with pytest.raises(KeyboardInterrupt):  # overwrites "first": dies between its two renames
         ckpt.save(root, model, opt, sched, tag="first")
     monkeypatch.undo()

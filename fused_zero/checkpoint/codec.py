@@ -1,0 +1,89 @@
+"""A JSON codec for what optimizers and schedulers hold, and the small files ("blobs") that use it.
+
+``decode(encode(x))`` rebuilds tuples, small tensors, inf/nan and non-str dict keys exactly;
+what JSON cannot hold goes to a torch file that ``torch.load(weights_only=True)`` reads.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+from typing import Any
+
+import torch
+
+
+class NotJSON(TypeError):
+    """The value holds something the JSON codec does not represent exactly."""
+
+
+_TENSOR_JSON_MAX = 64  # larger tensors go to a weights_only torch file instead
+
+
+def encode(obj: Any) -> Any:
+    """A JSON-able form of ``obj``: tuples, small tensors, inf/nan and non-str dict keys are tagged."""
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [encode(v) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v) for k, v in obj.items()}
+        return {"__dict__": [[encode(k), encode(v)] for k, v in obj.items()]}
+    if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() <= _TENSOR_JSON_MAX
+            and obj.layout == torch.strided and not obj.is_complex() and not obj.requires_grad):
+        return {"__tensor__": encode(obj.tolist()), "dtype": str(obj.dtype).removeprefix("torch."),
+                "shape": list(obj.shape)}
+    raise NotJSON(f"{type(obj).__name__} is not represented in JSON")
+
+
+def decode(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__tuple__" in obj:
+        return tuple(decode(v) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {_hashable(decode(k)): decode(v) for k, v in obj["__dict__"]}
+    if "__tensor__" in obj:
+        return torch.tensor(decode(obj["__tensor__"]), dtype=getattr(torch, obj["dtype"])).reshape(obj["shape"])
+    return {k: decode(v) for k, v in obj.items()}
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(v) for v in k) if isinstance(k, list) else k
+
+
+def json_ok(obj: Any) -> bool:
+    """Whether ``encode`` represents ``obj`` (so that ``decode(encode(obj))`` rebuilds it)."""
+    try:
+        encode(obj)
+    except NotJSON:
+        return False
+    return True
+
+
+def to_blob(obj: Any, stem: str, what: str) -> tuple[str, bytes]:
+    """(file name, bytes): ``obj`` as JSON, or else a torch file that torch.load(weights_only=True) reads."""
+    if json_ok(obj):
+        return stem + ".json", json.dumps(encode(obj)).encode()
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise TypeError(f"{what} holds objects that neither JSON nor torch.load(weights_only=True) can restore "
+                        f"({str(e).splitlines()[0]}); keep it to tensors, numbers, strings, lists, tuples and dicts"
+                        ) from None
+    return stem + ".pt", buf.getvalue()
+
+
+def from_blob(name: str, data: bytes) -> Any:
+    return decode(json.loads(data)) if name.endswith(".json") else torch.load(io.BytesIO(data), weights_only=True)

@@ -1,0 +1,134 @@
+"""ShardedOptimizer.state_dict() and load_state_dict() in torch.optim.AdamW's own format.
+
+state_dict() is collective (every rank calls it, as FSDP's optim_state_dict): each partition's
+shards are all-gathered chunk by chunk into full-shape CPU tensors, identical on every rank.
+load_state_dict(sd) is collective too: every rank checks the same dict (one Comm.agree, so a bad
+one raises on every rank before any other collective), slices its own shard pieces out of the full
+tensors, and leaves the parameters as they are (masters come from them, or from a saved fp32
+"master" that rounds to them).
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .errors import CheckpointError
+from .reshard import numel_of
+from .torch_format import check_torch_state, piece_of, shapes_of, slice_into_shards, torch_param_groups
+from .view import group_hyper
+
+GATHER_NUMEL = 1 << 20  # shard elements per all-gather: world_size x 4 MiB of fp32 in flight
+
+
+def _saves_master(p) -> bool:
+    """The fp32 master says more than the parameter itself (bf16, fp16)."""
+    return p.dtype != torch.float32
+
+
+def _device(opt) -> torch.device:
+    """Where the collectives want their tensors: the parameters' device on NCCL, else the CPU."""
+    if opt.comm.backend == "nccl":
+        return opt.param_groups[0]["params"][0].device
+    return torch.device("cpu")
+
+
+def gather_state_dict(opt) -> dict:
+    """The full optimizer state as ``torch.optim.AdamW(same groups).state_dict()`` has it."""
+    comm, index = opt.comm, opt.shard_index()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    number = {id(p): i for i, p in enumerate(params)}
+    shapes = shapes_of(index)
+    mine = [(part.shard_numel, [tuple(pc) for pc in part.pieces]) for part in index]
+    tables = comm.all_gather_object(mine)
+    if any(len(t) != len(mine) or [n for n, _ in t] != [n for n, _ in mine] for t in tables):
+        raise RuntimeError("ranks hold different partitions: build the optimizer identically on every rank")
+    full: dict[int, dict[str, torch.Tensor]] = {}
+    device = _device(opt)
+    for k, part in enumerate(index):
+        n, pieces = part.shard_numel, [t[k][1] for t in tables]
+        for kind in part.kinds:
+            targets = {}
+            for j, p in enumerate(part.params):
+                if "step" in opt.state.get(p, {}) and (kind != "master" or _saves_master(p)):
+                    targets[j] = full.setdefault(number[id(p)], {})[kind] = torch.zeros(numel_of(shapes[id(p)]))
+            if not targets:
+                continue
+            for s in range(0, n, GATHER_NUMEL):
+                e = min(n, s + GATHER_NUMEL)
+                out = torch.empty(comm.world_size * (e - s), device=device)
+                comm.all_gather(out, opt.read_shard(k, kind, s, e).to(device))
+                out = out.cpu()
+                for r, rank_pieces in enumerate(pieces):
+                    for j, p_off, sh_off, cnt in _meeting(rank_pieces, s, e):
+                        if j in targets:
+                            a, b = max(s, sh_off), min(e, sh_off + cnt)
+                            src = out[r * (e - s) + a - s:r * (e - s) + b - s]
+                            targets[j][p_off + a - sh_off:p_off + b - sh_off] = src
+    state = {}
+    for p in params:
+        i = number[id(p)]
+        if "step" in opt.state.get(p, {}):
+            kinds = {kind: t.view(shapes[id(p)]) for kind, t in full[i].items()}
+            state[i] = {"step": opt.state[p]["step"].detach().to("cpu", torch.float32, copy=True),
+                        **{kind: kinds[kind] for kind in sorted(kinds, key=_kind_order)}}
+    members, start = [], 0
+    for g in opt.param_groups:
+        members.append(range(start, start + len(g["params"])))
+        start += len(g["params"])
+    groups = torch_param_groups([group_hyper(g) for g in opt.param_groups], members, opt.config.adam_w_mode)
+    return {"state": state, "param_groups": groups}
+
+
+def _kind_order(kind: str) -> tuple:
+    order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+    return (order.index(kind) if kind in order else len(order), kind)
+
+
+def _meeting(pieces, s: int, e: int):
+    """The pieces (param_index, param_offset, shard_offset, numel), sorted by shard_offset, meeting [s, e)."""
+    k = max(bisect.bisect_right([pc[2] for pc in pieces], s) - 1, 0)
+    while k < len(pieces) and pieces[k][2] < e:
+        if pieces[k][2] + pieces[k][3] > s:
+            yield pieces[k]
+        k += 1
+
+
+def load_state_dict(opt, sd) -> None:
+    """Load a torch.optim.AdamW state_dict (or one of state_dict()) at any world size and stage."""
+    comm = opt.comm
+
+    def prepare():
+        states, hypers = check_torch_state(opt, sd)
+        index = opt.shard_index()
+
+        def current(k, piece, p):
+            if p.numel() == numel_of(index[k].shapes[piece.param_index]):  # a full parameter, not released
+                return piece_of(p, piece)
+            return opt.read_shard(k, "master", piece.shard_offset, piece.shard_offset + piece.numel)
+
+        def source(k, piece, p, kind):
+            if kind != "master":
+                full = states[p].get(kind)
+                return None if full is None else piece_of(full, piece)
+            cur = current(k, piece, p)
+            saved = states[p].get("master")
+            if saved is None:
+                return cur
+            saved = piece_of(saved, piece)
+            return torch.where(saved.to(p.dtype) == cur.to(p.dtype), saved, cur)
+
+        staged = slice_into_shards(index, lambda part: part.kinds, source)
+        steps = {p: float(s["step"]) for p, s in states.items() if "step" in s}
+        return index, staged, steps, hypers
+
+    (index, staged, steps, hypers), _ = comm.agree(prepare, errors=(CheckpointError,))
+    for part in index:
+        for p in part.params:
+            opt.state.pop(p, None)
+            if p in steps:
+                opt.state[p]["step"] = torch.tensor(steps[p])
+    for group, hyper in zip(opt.param_groups, hypers):
+        group.update(hyper)
+    opt.load_shards(staged)
+

@@ -1,0 +1,197 @@
+"""save and load: every rank calls them; each phase ends in one Comm.agree, so an error on any rank
+is raised on every rank before the next collective, and the optimizer changes only after every
+rank has read all it needs."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from contextlib import ExitStack
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from . import files
+from .codec import decode, to_blob
+from .errors import CheckpointError
+from .files import METADATA, MODEL_FILE, OLD_PREFIX, TMP_PREFIX, check_tag, crc32, rank_file
+from .metadata import build_metadata, check_match, read_metadata
+from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
+from .shards import Reader, model_tensors, shard_tensors, unblob
+from .view import ModelView
+
+
+def comm_of(optimizer):
+    from ..optimizer import ShardedOptimizer
+
+    if not isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(f"optimizer must be a fused_zero.ShardedOptimizer, got {type(optimizer).__name__}; "
+                        "save a torch.optim optimizer with torch.save(optimizer.state_dict())")
+    return optimizer.comm
+
+
+def agree(comm, fn, share=None):
+    return comm.agree(fn, share, errors=(CheckpointError,))
+
+
+def read_extras(directory, tag: str | None = None) -> dict[str, Any]:
+    """``{"scheduler": the saved scheduler state_dict or None, "extra": the saved extra or None}``."""
+    path = files.resolve(directory, tag)
+    meta, _ = read_metadata(path)
+    return {k: unblob(path, meta, meta[k]) for k in ("scheduler", "extra")}
+
+
+def save(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | None = None,
+         extra: Any = None, chunk_numel: int = DEFAULT_CHUNK_NUMEL) -> str:
+    """Save (model, optimizer, scheduler, extra) as checkpoint ``directory/<tag>``; every rank calls it.
+
+    ``tag`` defaults to ``step<N>``, N the largest step count. ``extra`` may hold tensors, numbers,
+    strings, lists, tuples and dicts; load returns it. Returns the tag.
+    """
+    directory, comm = os.fspath(directory), comm_of(optimizer)
+
+    def prepare():
+        view = ModelView(model, optimizer)
+        if not isinstance(chunk_numel, int) or chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+        _check_scheduler(scheduler, optimizer)
+        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        name = check_tag(f"step{max(steps, default=0)}" if tag is None else tag)
+        blobs = {}
+        if comm.rank == 0:
+            if scheduler is not None:
+                blobs["scheduler"] = to_blob(scheduler.state_dict(), "scheduler", "the scheduler's state_dict()")
+            if extra is not None:
+                blobs["extra"] = to_blob(extra, "extra", "extra")
+        return view, name, blobs
+
+    (view, name, blobs), tags = agree(comm, prepare, share=lambda r: r[1])
+    if len(set(tags)) != 1:
+        raise ValueError(f"ranks passed different tags {tags}: pass the same tag (or none) on every rank")
+
+    def make_tmp():
+        if comm.rank != 0:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        final = os.path.join(directory, name)
+        if os.path.exists(final) and not os.path.isfile(os.path.join(final, METADATA)):
+            raise FileExistsError(f"{final} exists and is not a fused_zero checkpoint: choose another tag")
+        files.clean(directory)
+        tmp = f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+        os.mkdir(os.path.join(directory, tmp))
+        return tmp
+
+    _, tmps = agree(comm, make_tmp, share=lambda r: r)
+    tmp = os.path.join(directory, tmps[0])
+
+    def write():
+        if not os.path.isdir(tmp):
+            raise FileNotFoundError(f"rank {comm.rank} does not see {tmp}, which rank 0 created: pass the same "
+                                    "directory on every rank, on a filesystem that all ranks share")
+        tensors, table = shard_tensors(view, chunk_numel)
+        fname = rank_file(comm.rank, comm.world_size)
+        written = {fname: files.write_file(os.path.join(tmp, fname), safetensors.torch.save(tensors))}
+        del tensors
+        if comm.rank != 0:
+            return written, table, None
+        own = {k: b.detach().to("cpu", copy=True).contiguous() for k, b in view.buffers.items()}
+        own.update({n: p.detach().to("cpu", copy=True).contiguous() for n, p in view.unmanaged().items()})
+        written[MODEL_FILE] = files.write_file(os.path.join(tmp, MODEL_FILE), safetensors.torch.save(own))
+        for fname, data in blobs.values():
+            written[fname] = files.write_file(os.path.join(tmp, fname), data)
+        info = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "crc32": crc32(t)}
+                for k, t in own.items()}
+        return written, table, info
+
+    _, written = agree(comm, write, share=lambda r: r)
+
+    def finish():
+        if comm.rank != 0:
+            return
+        meta = build_metadata(view, name, written, {k: fname for k, (fname, _) in blobs.items()})
+        files.write_file(os.path.join(tmp, METADATA), json.dumps(meta, indent=1).encode())
+        files.fsync_dir(tmp)
+        final = os.path.join(directory, name)
+        if os.path.exists(final):
+            os.rename(final, os.path.join(directory, f"{OLD_PREFIX}{name}-{uuid.uuid4().hex[:12]}"))
+        os.rename(tmp, final)
+        files.fsync_dir(directory)
+        files.set_latest(directory, name)
+        files.clean(directory)  # the replaced folder, and one an earlier overwrite that died left
+
+    agree(comm, finish)
+    return name
+
+
+def _check_scheduler(scheduler, opt) -> None:
+    if scheduler is None:
+        return
+    if not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
+        raise TypeError(f"scheduler must be an LR scheduler (with state_dict and load_state_dict), got "
+                        f"{type(scheduler).__name__}")
+    if getattr(scheduler, "optimizer", opt) is not opt:
+        raise ValueError("the scheduler drives another optimizer: pass the scheduler built on this optimizer")
+
+
+def load(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | None = None) -> Any:
+    """Load a checkpoint saved at any world size and stage; every rank calls it. Returns ``extra``.
+
+    ``tag`` defaults to the one ``directory/latest`` names (``directory`` may also be a tag's
+    folder). The scheduler's state is restored when one is passed.
+    """
+    comm = comm_of(optimizer)
+
+    def prepare():
+        view = ModelView(model, optimizer)
+        _check_scheduler(scheduler, optimizer)
+        path = files.resolve(directory, tag)
+        meta, digest = read_metadata(path)
+        check_match(view, meta, path)
+        if scheduler is not None and meta["scheduler"] is None:
+            raise ValueError(f"{path} holds no LR scheduler state (it was saved without scheduler=): load it "
+                             "without scheduler=")
+        return view, path, meta, digest
+
+    (view, path, meta, _), digests = agree(comm, prepare, share=lambda r: r[3])
+    if len(set(digests)) != 1:
+        raise CheckpointError(f"ranks read different {METADATA} files for {directory}: every rank must load the "
+                              "same checkpoint, from a filesystem that all ranks share")
+
+    def read():
+        with ExitStack() as stack:
+            staged = reshard(view, meta, Reader(path, meta, stack).chunk)
+        alias = aliases(meta)
+        saved = model_tensors(path, meta)
+        tensors = {k: saved[alias.get(k, k)] for k in [*view.buffers, *view.unmanaged()]}
+        steps = {n: meta["params"][alias[n]]["step"] for n in view.group_of}
+        hypers = [decode(g["hyper"]) for g in meta["param_groups"]]
+        extras = {k: unblob(path, meta, meta[k]) for k in ("scheduler", "extra")}
+        return staged, steps, hypers, tensors, extras
+
+    (staged, steps, hypers, tensors, extras), _ = agree(comm, read)
+    commit(view, staged, steps, hypers, tensors, scheduler, extras["scheduler"])
+    return extras["extra"]
+
+
+@torch.no_grad()
+def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, scheduler=None,
+           sched_state=None) -> None:
+    """Write what every rank has read into the optimizer, model and scheduler (all ranks join)."""
+    opt = view.opt
+    for info in opt.shard_index():
+        for p in info.params:
+            opt.state.pop(p, None)
+            step = steps.get(view.name(p))
+            if step is not None:
+                opt.state[p]["step"] = torch.tensor(float(step))
+    for group, hyper in zip(opt.param_groups, hypers):
+        group.update(hyper)
+    for key, b in view.buffers.items():
+        b.copy_(tensors[key])
+    for name, p in view.unmanaged().items():
+        p.copy_(tensors[name])
+    if scheduler is not None:
+        scheduler.load_state_dict(sched_state)
+    opt.load_shards(staged)

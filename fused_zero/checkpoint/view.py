@@ -1,0 +1,80 @@
+"""The model and a ShardedOptimizer as a checkpoint sees them: names, shapes, groups, shard kinds."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+BASE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # every shard holds these
+# the option that gives a shard each further kind
+OPTION_OF_KIND = {"max_exp_avg_sq": "amsgrad=True"}
+
+
+def group_hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters: everything but its parameters."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+class ModelView:
+    """Names, shapes and places of the parameters and buffers of (model, ShardedOptimizer)."""
+
+    def __init__(self, model: nn.Module, opt) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be the torch.nn.Module being trained, got {type(model).__name__}")
+        self.names: dict[int, list[str]] = {}  # id(param) -> its state-dict keys; the first is its name
+        self.params: dict[int, nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}  # persistent buffers by state-dict key
+        self.keys: list[str] = []  # model.state_dict()'s keys, in its order
+        for prefix, mod in model.named_modules(remove_duplicate=False):
+            if type(mod).get_extra_state is not nn.Module.get_extra_state:
+                raise TypeError(f"module {prefix or type(mod).__name__!r} defines get_extra_state(), which "
+                                "fused_zero.checkpoint does not save: pass that state as extra=")
+            pre = prefix + "." if prefix else ""
+            for n, p in mod._parameters.items():
+                if p is not None:
+                    self.keys.append(pre + n)
+                    self.names.setdefault(id(p), []).append(pre + n)
+                    self.params[id(p)] = p
+            for n, b in mod._buffers.items():
+                if b is not None and n not in mod._non_persistent_buffers_set:
+                    self.keys.append(pre + n)
+                    self.buffers[pre + n] = b
+        self.opt = opt
+        self.index = opt.shard_index()
+        self.where = {id(p): (k, i) for k, part in enumerate(self.index) for i, p in enumerate(part.params)}
+        # Stage 3 releases parameters outside forward (0-element placeholders): take their
+        # shapes from the partitions, never from the tensors.
+        self.shapes = {k: list(part.shapes) for k, part in enumerate(self.index)}
+        self.groups: list[list[str]] = []  # names per param group, in group order
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) not in self.names:
+                    raise ValueError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not "
+                                     "in model.named_parameters(); pass the model this optimizer trains")
+            self.groups.append([self.names[id(p)][0] for p in group["params"]])
+        self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
+
+    def kinds(self, p) -> tuple[str, ...]:
+        """The state kinds the shard of trained parameter ``p`` holds."""
+        return self.index[self.where[id(p)][0]].kinds
+
+    def name(self, p) -> str:
+        return self.names[id(p)][0]
+
+    def shape(self, p) -> tuple[int, ...]:
+        if id(p) not in self.where:
+            return tuple(p.shape)
+        k, i = self.where[id(p)]
+        return tuple(self.shapes[k][i])
+
+    def expected(self) -> dict[str, tuple]:
+        """state-dict key -> shape, for every parameter (aliases too) and persistent buffer."""
+        out = {n: self.shape(p) for pid, p in self.params.items() for n in self.names[pid]}
+        out.update({k: tuple(b.shape) for k, b in self.buffers.items()})
+        return {k: out[k] for k in self.keys}
+
+    def unmanaged(self) -> dict[str, nn.Parameter]:
+        """Model parameters the optimizer does not hold, by name."""
+        return {self.name(p): p for pid, p in self.params.items() if pid not in self.where}

@@ -1,0 +1,109 @@
+"""State kinds beyond (master, exp_avg, exp_avg_sq): checkpoints and state dicts handle the
+``kinds`` of every partition generically. ShardedOptimizer gains max_exp_avg_sq with amsgrad;
+until then a subclass adds it through the public shard interface only."""
+import pytest
+import torch
+
+from _models import HYPER, TinyNet, param_groups
+from fused_zero import ShardedOptimizer
+
+pytest.importorskip("safetensors", reason="fused_zero.checkpoint writes safetensors: pip install safetensors")
+from fused_zero import checkpoint as ckpt  # noqa: E402
+from test_checkpoint import _train  # noqa: E402
+
+EXTRA = "max_exp_avg_sq"
+
+
+class _WithMax(ShardedOptimizer):
+    """A ShardedOptimizer whose partitions of param groups ``amsgrad`` also hold max_exp_avg_sq."""
+
+    def __init__(self, *args, amsgrad=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.amsgrad = set(amsgrad)
+        self.extra = {k: torch.zeros(part.shard_numel) for k, part in enumerate(super().shard_index())
+                      if part.group_index in self.amsgrad}
+
+    def fill(self, seed):
+        """Random values on the elements of stepped parameters; the rest stays zero, as steps leave it."""
+        g = torch.Generator().manual_seed(seed)
+        for k, part in enumerate(super().shard_index()):
+            if k in self.extra:
+                for pc in part.pieces:
+                    if "step" not in self.state.get(part.params[pc.param_index], {}):
+                        continue
+                    self.extra[k][pc.shard_offset:pc.shard_offset + pc.numel] = torch.rand(pc.numel, generator=g)
+
+    def shard_index(self):
+        return tuple(part._replace(kinds=part.kinds + (EXTRA,)) if k in self.extra else part
+                     for k, part in enumerate(super().shard_index()))
+
+    def read_shard(self, partition, kind, start, end):
+        if kind == EXTRA:
+            return self.extra[partition][start:end].clone()
+        return super().read_shard(partition, kind, start, end)
+
+    def load_shards(self, staged):
+        rest = []
+        for k, new in enumerate(staged):
+            new = dict(new)
+            t = new.pop(EXTRA, None)
+            assert (k in self.extra) == (EXTRA in staged[k]), "a kind the partition lacks was staged"
+            if t is not None:
+                self.extra[k].copy_(t)
+            rest.append(new)
+        super().load_shards(rest)
+
+
+def _make(amsgrad=(0, 2), seed=None):
+    model = TinyNet()
+    opt = _WithMax(param_groups(model), **HYPER, stage=2, bucket_numel=1000, amsgrad=amsgrad)
+    _train(model, opt, None, 0, 2, 1, 0)
+    if seed is not None:
+        opt.fill(seed)
+    return model, opt
+
+
+def test_saved_kind_round_trips(tmp_path):
+    model, opt = _make(seed=1)
+    ckpt.save(tmp_path, model, opt, chunk_numel=300)
+    fresh, fopt = _make()
+    ckpt.load(tmp_path, fresh, fopt)
+    assert fopt.extra.keys() == opt.extra.keys()
+    assert all(torch.equal(fopt.extra[k], t) for k, t in opt.extra.items())
+    _, optim_sd = ckpt.consolidate(tmp_path)
+    groups = optim_sd["param_groups"]
+    for gi, g in enumerate(groups):
+        for i in g["params"]:
+            if i in optim_sd["state"]:
+                assert (EXTRA in optim_sd["state"][i]) == (gi in (0, 2)), (gi, i)
+
+
+def test_kind_the_checkpoint_lacks_is_zero_filled(tmp_path):
+    model, opt = _make(amsgrad=())
+    ckpt.save(tmp_path, model, opt)
+    fresh, fopt = _make(seed=2)
+    ckpt.load(tmp_path, fresh, fopt)
+    assert all(not t.any() for t in fopt.extra.values())
+
+
+def test_saved_kind_the_optimizer_lacks_names_the_option(tmp_path):
+    model, opt = _make(seed=3)
+    ckpt.save(tmp_path, model, opt)
+    fresh, fopt = _make(amsgrad=(2,))
+    with pytest.raises(ValueError, match=r"max_exp_avg_sq.*build param group 0 with amsgrad=True"):
+        ckpt.load(tmp_path, fresh, fopt)
+
+
+def test_state_dict_carries_the_kind():
+    model, opt = _make(seed=4)
+    sd = opt.state_dict()
+    fresh, fopt = _make()
+    fopt.load_state_dict(sd)
+    assert all(torch.equal(fopt.extra[k], t) for k, t in opt.extra.items())
+    plain = ShardedOptimizer(param_groups(TinyNet()), **HYPER, stage=2, bucket_numel=1000)
+    with pytest.raises(ValueError, match=r"max_exp_avg_sq.*build param group 0 with amsgrad=True"):
+        plain.load_state_dict(sd)
+    zero = _make(amsgrad=(0, 1, 2), seed=5)[1]
+    zero.load_state_dict(sd)  # group 1 was saved without it: zero-filled
+    assert all(torch.equal(zero.extra[k], opt.extra[k]) if k in opt.extra else not t.any()
+               for k, t in zero.extra.items())

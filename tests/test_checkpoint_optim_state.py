@@ -1,0 +1,295 @@
+"""ShardedOptimizer.state_dict() / load_state_dict() (fused_zero.checkpoint.optim_state):
+torch.optim.AdamW's format and contract, at world sizes 1, 2 and 3 and stages 1, 2 and 3.
+
+Every step trains on one global batch of 12 samples split evenly over the ranks (as in
+test_checkpoint), so runs at other world sizes follow the same trajectory up to rounding.
+"""
+import copy
+import io
+import os
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _models import HYPER, TinyNet, is_initialized, param_groups, rel
+from fused_zero import ShardedOptimizer
+from fused_zero.checkpoint import optim_state
+
+pytest.importorskip("safetensors", reason="fused_zero.checkpoint imports safetensors: pip install safetensors")
+from test_checkpoint import BUCKET, GLOBAL, M, N, TOL, _global, _train  # noqa: E402
+
+assert GLOBAL % 6 == 0  # world sizes 1, 2 and 3 split it evenly
+GATHER = 300  # elements per all-gather in these tests: chunks end inside pieces and buckets
+
+
+def _build(stage, dtype=torch.float32, model_sd=None, lr=None, groups=None):
+    """TinyNet (optionally given weights) and its ShardedOptimizer: 3 param groups at stages 1-2,
+    the model itself (one group) at stage 3 unless ``groups``."""
+    model = TinyNet(dtype=dtype)
+    if model_sd is not None:
+        model.load_state_dict(model_sd)
+    groups = stage != 3 if groups is None else groups
+    params = param_groups(model) if groups else model
+    opt = ShardedOptimizer(params, **HYPER, stage=stage, bucket_numel=BUCKET, module=model if stage == 3 else None)
+    if lr is not None:  # must come back from the state dict
+        for g in opt.param_groups:
+            g["lr"] = lr
+    return model, opt
+
+
+def _params(model, opt):
+    with opt.full_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _model_sd(model, opt):
+    with opt.full_parameters():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _through_bytes(obj):
+    """torch.save then torch.load(weights_only=True), as frameworks store the dict."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _equal_state_dicts(a, b):
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(_same(a["state"][i], b["state"][i]) for i in a["state"])
+
+
+def _round_trip(rank, ws, stage, dtype=torch.float32):
+    """Train N, state_dict (through bytes), load into a fresh model + optimizer, train M on both."""
+    model, opt = _build(stage, dtype)
+    _train(model, opt, None, 0, N, ws, rank, dtype)
+    sd = _through_bytes(opt.state_dict())
+    model_sd = _model_sd(model, opt)
+    fresh, fopt = _build(stage, dtype, model_sd, lr=0.5)
+    before = _params(fresh, fopt)
+    fopt.load_state_dict(sd)
+    out = {"unchanged": _same(before, _params(fresh, fopt)),
+           "lr_back": [g["lr"] for g in fopt.param_groups] == [g["lr"] for g in opt.param_groups],
+           "same_state_dict": _equal_state_dicts(sd, fopt.state_dict()), "sd": sd,
+           "losses": _train(model, opt, None, N, M, ws, rank, dtype),
+           "fresh_losses": _train(fresh, fopt, None, N, M, ws, rank, dtype)}
+    out["params_equal"] = _same(_params(model, opt), _params(fresh, fopt))
+    return out
+
+
+def _check_round_trip(res):
+    assert res["unchanged"], "load_state_dict changed the parameters"
+    assert res["lr_back"] and res["same_state_dict"]
+    assert res["losses"] == res["fresh_losses"]
+    assert res["params_equal"]
+
+
+def _bad_dicts(sd):
+    """(name, state dict, what the error says) for dicts that do not fit a 3-group TinyNet optimizer."""
+    fewer = {"state": sd["state"], "param_groups": sd["param_groups"][:2]}
+    short = copy.deepcopy(sd)
+    short["param_groups"][0]["params"] = short["param_groups"][0]["params"][:-1]
+    shaped = copy.deepcopy(sd)
+    i = shaped["param_groups"][0]["params"][0]
+    shaped["state"][i]["exp_avg"] = shaped["state"][i]["exp_avg"][:1]
+    no_lr = copy.deepcopy(sd)
+    del no_lr["param_groups"][1]["lr"]
+    step = copy.deepcopy(sd)
+    step["state"][i]["step"] = "four"
+    return [("groups", fewer, "loaded state dict has a different number of parameter groups"),
+            ("size", short, "loaded state dict contains a parameter group that doesn't match the size of "
+                            "optimizer's group"),
+            ("shape", shaped, f"state {i} exp_avg [1"),
+            ("hyper", no_lr, "lacks the hyperparameters ['lr']"),
+            ("step", step, "a step count must be a number"),
+            ("old", {"state": {}, "param_groups": [], "fused_zero": {}}, "per-rank shard format"),
+            ("amsgrad", {**sd, "param_groups": [{**g, "amsgrad": True} for g in sd["param_groups"]]}, "amsgrad=True")]
+
+
+def _mismatch_case(opt, model, bad):
+    """Load ``bad``; (exception type, message, optimizer state and parameters untouched)."""
+    before, shards = _params(model, opt), opt.state_dict()
+    try:
+        opt.load_state_dict(bad)
+        got = (None, "")
+    except Exception as e:  # noqa: BLE001
+        got = (type(e).__name__, str(e))
+    return (*got, _same(before, _params(model, opt)) and _equal_state_dicts(shards, opt.state_dict()))
+
+
+# -- the multi-rank runs ------------------------------------------------------------------------
+
+def _rank(rank, ws, root):
+    optim_state.GATHER_NUMEL = GATHER
+    out = {f"stage{stage}": _round_trip(rank, ws, stage) for stage in (1, 2, 3)}
+    out["bf16"] = _round_trip(rank, ws, 2, torch.bfloat16)
+    for stage in (1, 2, 3):
+        out[f"stage{stage}"].pop("sd")
+    out["bf16"].pop("sd")
+    # the reference for other world sizes: stage 2, N steps, saved from rank 0 only
+    model, opt = _build(2)
+    _train(model, opt, None, 0, N, ws, rank)
+    sd = opt.state_dict()
+    out["identical"] = sd
+    if rank == 0:
+        torch.save({"optim": sd, "model": _model_sd(model, opt)}, os.path.join(root, f"ws{ws}.pt"))
+    out["cont"] = _train(model, opt, None, N, M, ws, rank)
+    out["params"] = _params(model, opt)
+    # a mismatched dict raises on every rank, and a dict that only rank 1 gets wrong too
+    cases = _bad_dicts(sd)
+    out["bad"] = {name: _mismatch_case(opt, model, bad) for name, bad, _ in cases}
+    out["bad_on_rank1"] = _mismatch_case(opt, model, cases[0][1] if rank == 1 else sd)
+    return out
+
+
+def _load_rank(rank, ws, root, stage):
+    saved = torch.load(os.path.join(root, "ws2.pt"), weights_only=True)
+    model, opt = _build(stage, model_sd=saved["model"], groups=True)
+    before = _params(model, opt)
+    opt.load_state_dict(saved["optim"])
+    return {"unchanged": _same(before, _params(model, opt)), "losses": _train(model, opt, None, N, M, ws, rank),
+            "params": _params(model, opt)}
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not is_initialized()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("optim_state"))
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    return {ws: run_ranks(_rank, ws, root, timeout=240) for ws in (2, 3)}
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "bf16"])
+@pytest.mark.parametrize("ws", [2, 3])
+def test_round_trip_continues_bitwise(runs, ws, case):
+    for res in runs[ws]:
+        _check_round_trip(res[case])
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_state_dict_identical_on_every_rank(runs, ws):
+    first = runs[ws][0]["identical"]
+    assert all(_equal_state_dicts(first, r["identical"]) for r in runs[ws][1:])
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_mismatched_dict_raises_on_every_rank(runs, ws):
+    for name, _, msg in _bad_dicts(runs[ws][0]["identical"]):
+        for rank, res in enumerate(runs[ws]):
+            kind, text, untouched = res["bad"][name]
+            assert kind in ("ValueError", "TypeError") and msg in text, (name, rank, kind, text)
+            assert untouched, (name, rank)
+    for rank, res in enumerate(runs[ws]):  # only rank 1's dict is bad: every rank raises
+        kind, text, untouched = res["bad_on_rank1"]
+        assert kind == "ValueError" and "different number of parameter groups" in text, (rank, kind, text)
+        assert ("rank 1 failed" in text) == (rank != 1) and untouched
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_saved_at_2_loads_at_1(runs, root, stage):
+    res = _load_rank(0, 1, root, stage)
+    want = _global(runs[2], "cont")
+    assert res["unchanged"]
+    assert max(abs(a - b) / b for a, b in zip(res["losses"], want)) < TOL, (res["losses"], want)
+    assert max(rel(p, runs[2][0]["params"][n]) for n, p in res["params"].items()) < TOL
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_saved_at_2_loads_at_3(runs, root, stage):
+    results = run_ranks(_load_rank, 3, root, stage, timeout=120)
+    got, want = _global(results, "losses"), _global(runs[2], "cont")
+    assert all(r["unchanged"] for r in results)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOL, (got, want)
+    assert max(rel(p, runs[2][0]["params"][n]) for n, p in results[0]["params"].items()) < TOL
+
+
+# -- world size 1 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_round_trip_world_size_1(stage, dtype, monkeypatch):
+    monkeypatch.setattr(optim_state, "GATHER_NUMEL", GATHER)
+    res = _round_trip(0, 1, stage, dtype)
+    _check_round_trip(res)
+    masters = [s for s in res["sd"]["state"].values() if "master" in s]
+    assert len(masters) == (len(res["sd"]["state"]) if dtype == torch.bfloat16 else 0)
+    assert all(s["master"].dtype == torch.float32 for s in masters)
+
+
+def _torch_run(stage):
+    """torch.optim.AdamW after N steps, with the param groups _build(stage) gives the optimizer."""
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters() if stage == 3 else param_groups(model), **HYPER, foreach=False)
+    _train(model, opt, None, 0, N, 1, 0)
+    return model, opt
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_adamw_state_loads(stage):
+    tmodel, topt = _torch_run(stage)
+    tsd = _through_bytes(topt.state_dict())
+    model, opt = _build(stage, model_sd=tmodel.state_dict(), lr=0.5)
+    before = _params(model, opt)
+    opt.load_state_dict(tsd)
+    assert _same(before, _params(model, opt))
+    sd = opt.state_dict()
+    assert sd["state"].keys() == tsd["state"].keys()
+    for i, s in tsd["state"].items():
+        assert _same(sd["state"][i], s), i
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in tsd["param_groups"]]
+    want = _train(tmodel, topt, None, N, M, 1, 0)
+    got = _train(model, opt, None, N, M, 1, 0)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOL, (got, want)
+
+
+def test_state_dict_loads_into_torch_adamw():
+    model, opt = _build(2)
+    _train(model, opt, None, 0, N, 1, 0)
+    sd = _through_bytes(opt.state_dict())
+    ref = TinyNet()
+    ref.load_state_dict(model.state_dict())
+    topt = torch.optim.AdamW(param_groups(ref), **HYPER, foreach=False)
+    blank = topt.state_dict()
+    assert {k for g in sd["param_groups"] for k in g} == {k for g in blank["param_groups"] for k in g}
+    topt.load_state_dict(sd)
+    tsd = topt.state_dict()
+    assert tsd["state"].keys() == sd["state"].keys()
+    for i, s in sd["state"].items():
+        assert _same(tsd["state"][i], s), i
+    want = _train(model, opt, None, N, M, 1, 0)
+    got = _train(ref, topt, None, N, M, 1, 0)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < TOL, (got, want)
+
+
+def test_bf16_masters_other_than_the_parameters_are_not_used():
+    """A saved master is used only where it rounds to the parameter; elsewhere the parameter wins."""
+    model, opt = _build(2, torch.bfloat16)
+    _train(model, opt, None, 0, N, 1, 0, torch.bfloat16)
+    sd = opt.state_dict()
+    fresh, fopt = _build(2, torch.bfloat16)  # the initial weights, not the trained ones
+    before = _params(fresh, fopt)
+    fopt.load_state_dict(sd)
+    assert _same(before, _params(fresh, fopt))
+    got = fopt.state_dict()["state"]
+    params = [p for g in fopt.param_groups for p in g["params"]]
+    differ = 0
+    for i, s in sd["state"].items():
+        p = params[i].detach()
+        want = torch.where(s["master"].bfloat16() == p, s["master"], p.float())
+        assert torch.equal(got[i]["master"], want), i
+        differ += int((s["master"].bfloat16() != p).sum())
+    assert differ > 0
