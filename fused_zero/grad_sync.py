@@ -118,6 +118,7 @@ class GradSync:
         self._written = False  # the shards hold reductions: the next round adds
         self._reduced = False  # reducing at step: this step's reduction is launched
         self._round_open = False
+        self._accumulated = False  # a backward ran under no_sync() since the last step
         self._seen: set[torch.nn.Parameter] = set()
         self._remaining: dict = {}
         self._next = 0
@@ -126,6 +127,8 @@ class GradSync:
     def on_grad(self, p: torch.nn.Parameter) -> None:
         """``p``'s gradient was accumulated (the optimizer's hook)."""
         _check_dense(p)
+        if not self.sync:
+            self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
         if not (self.sync and self.policy.in_backward):
             return
         if not self._round_open:
@@ -168,11 +171,16 @@ class GradSync:
         """Every reduction of this step launched and waited for (or a clear error)."""
         if self.policy.in_backward:
             stale = self.unreduced_grads()
-            if stale:
+            if stale and self._accumulated:
                 raise RuntimeError(
                     f"{len(stale)} parameters hold gradients that were never reduced (accumulated under "
                     "no_sync() without a final backward outside it); run the last micro-batch's backward "
                     "outside opt.no_sync()")
+            if stale:
+                raise RuntimeError(
+                    f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
+                    "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
+                    "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
         elif not self._reduced:
             self.present.clear()
             self._written = False
@@ -191,6 +199,7 @@ class GradSync:
         self.wait()
         self._reduced = False
         self._written = False
+        self._accumulated = False
         self._last_present = set(self.present)
         self.present.clear()
 

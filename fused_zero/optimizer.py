@@ -435,7 +435,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         from .checkpoint.optim_state import gather_state_dict
 
-        return gather_state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            pre_hook(self)
+        sd = gather_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            sd = sd if result is None else result
+        return sd
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -447,7 +453,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         from .checkpoint.optim_state import load_state_dict
 
+        self._check_open()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # -- the shards, for checkpoints ---------------------------------------
     def shard_index(self) -> tuple[PartitionIndex, ...]:

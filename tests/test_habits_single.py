@@ -265,3 +265,16 @@ def test_compiled_model_trains_like_eager(stage):
     _train(ref, ref_opt, 3)
     with opt.full_parameters(), ref_opt.full_parameters():
         assert max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())) < TOL
+
+
+def test_hand_assigned_grad_at_stage2_is_refused_with_the_reason():
+    model = PlainNet()
+    opt = _build(model, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="assigned by hand"):
+        opt.step()
+    opt1 = _build(PlainNet(), 1)  # stage 1 reduces .grad at step: a hand-assigned one works
+    for p in opt1.partitions[0].params:
+        p.grad = torch.ones_like(p)
+    opt1.step()

@@ -1,0 +1,131 @@
+"""ShardedOptimizer against torch's own optimizer tests, at world size 1.
+
+- PyTorch's AdamW configurations (``optim_inputs_func`` of torch's ``optim_db``: default, lr,
+  weight decay, maximize, amsgrad) at stages 1 and 2 against ``torch.optim.AdamW`` within 1e-6.
+- The generic torch.optim contract: state_dict round trips (also into and out of torch's own
+  AdamW), step pre/post hooks, state-dict hooks, closures, LR schedulers, param-group edits
+  mid-run, add_param_group, zero_grad(set_to_none=False).
+"""
+import copy
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LinearLR
+
+from _models import PlainNet, TinyNet, batch, flags, loss_fn, rel
+from fused_zero import ShardedOptimizer
+
+TOL = 1e-6
+
+
+def _torch_adamw_inputs():
+    pytest.importorskip("expecttest")  # torch.testing._internal needs it
+    from torch.testing._internal.common_optimizers import optim_db
+
+    info = next(o for o in optim_db if o.optim_cls is torch.optim.AdamW)
+    return info.optim_inputs_func(device="cpu")
+
+
+def _loss(model, t):
+    x, y = batch(t, 0)
+    return loss_fn(model(x, **flags(t, 0)), y)
+
+
+def _train(model, opt, steps, start=0):
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        opt.step()
+
+
+def _max_err(a, b):
+    return max(rel(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_torch_adamw_configurations(stage):
+    inputs = _torch_adamw_inputs()
+    assert {i.desc for i in inputs} >= {"default", "maximize", "amsgrad"}
+    for inp in inputs:
+        model, ref = TinyNet(), TinyNet()
+        opt = ShardedOptimizer(model.parameters(), stage=stage, bucket_numel=1000, **inp.kwargs)
+        ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **inp.kwargs)
+        _train(model, opt, 5)
+        _train(ref, ref_opt, 5)
+        assert _max_err(model, ref) < TOL, inp.desc
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_state_dict_round_trip_and_into_torch(stage):
+    model, ref = TinyNet(), TinyNet()
+    opt = ShardedOptimizer(model.parameters(), stage=stage, amsgrad=True, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, amsgrad=True, weight_decay=0.1)
+    _train(model, opt, 3)
+    _train(ref, ref_opt, 3)
+    sd = opt.state_dict()
+    # ours -> a fresh torch AdamW and torch's -> a fresh ShardedOptimizer: both continue like the reference
+    twin, twin_torch = copy.deepcopy(ref), copy.deepcopy(ref)
+    twin_opt = ShardedOptimizer(twin.parameters(), stage=stage, amsgrad=True)
+    twin_opt.load_state_dict(ref_opt.state_dict())
+    torch_opt = torch.optim.AdamW(twin_torch.parameters(), foreach=False, amsgrad=True)
+    torch_opt.load_state_dict(sd)
+    for m, o in ((model, opt), (ref, ref_opt), (twin, twin_opt), (twin_torch, torch_opt)):
+        _train(m, o, 3, start=3)
+    assert _max_err(model, ref) < TOL
+    assert _max_err(twin, ref) < TOL
+    assert _max_err(twin_torch, ref) < TOL
+
+
+def test_step_and_state_dict_hooks():
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters())
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: sd.update(extra=1) or sd)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict({k: v for k, v in sd.items() if k != "extra"})
+    assert calls == ["pre", "post", "sd_pre", "load_pre", "load_post"]
+
+
+def test_closure_scheduler_and_group_edits_match_torch():
+    model, ref = TinyNet(), TinyNet()
+    opt = ShardedOptimizer(model.parameters(), stage=2, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, lr=1e-2)
+    scheds = [LinearLR(o, start_factor=0.5, total_iters=4) for o in (opt, ref_opt)]
+    for t in range(6):
+        for m, o, s in ((model, opt, scheds[0]), (ref, ref_opt, scheds[1])):
+            def closure(m=m, o=o):
+                o.zero_grad()
+                loss = _loss(m, t)
+                loss.backward()
+                return loss
+            loss = o.step(closure)
+            assert loss is not None
+            s.step()
+            if t == 2:  # edits mid-run, as users and frameworks make them
+                o.param_groups[0]["weight_decay"] = 0.2
+                o.param_groups[0]["betas"] = (0.8, 0.99)
+    assert _max_err(model, ref) < TOL
+
+
+def test_add_param_group_and_zero_grad_to_zero_match_torch():
+    model, ref = TinyNet(), TinyNet()
+    ps, rs = list(model.parameters()), list(ref.parameters())
+    opt = ShardedOptimizer(ps[:6], stage=2, lr=1e-2)
+    ref_opt = torch.optim.AdamW(rs[:6], foreach=False, lr=1e-2)
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    opt.add_param_group({"params": ps[6:], "lr": 3e-3})
+    ref_opt.add_param_group({"params": rs[6:], "lr": 3e-3})
+    for t in range(2, 5):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=False)
+            _loss(m, t).backward()
+            o.step()
+    assert _max_err(model, ref) < TOL
