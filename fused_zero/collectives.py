@@ -259,6 +259,17 @@ class Comm:
             return
         dist.broadcast(tensor, src=self._global(src), group=self.group)
 
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Every rank takes rank ``src``'s values of ``tensors`` (set-up: module buffers)."""
+        if self._local:
+            return
+        for t in tensors:
+            flat = t if t.is_contiguous() else t.contiguous()
+            self.broadcast(flat, src=src)
+            if flat is not t:
+                t.copy_(flat)
+
     # ---- object collectives (set-up and checks) ------------------------------
     def all_gather_object(self, obj: Any) -> list:
         """``[obj of rank 0, ..., obj of rank world_size-1]``; on nccl the current CUDA device must be set."""

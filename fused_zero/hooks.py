@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 
-class _Relay:
+class Relay:
     """Calls ``getattr(owner, method)(*args)`` while the owner lives; a no-op after."""
 
     __slots__ = ("owner", "method")
@@ -43,7 +43,7 @@ class HookSet:
 
     def relay(self, method: str) -> Callable:
         """A callable that forwards to ``owner.method`` without keeping the owner alive."""
-        return _Relay(self._owner(), method)
+        return Relay(self._owner(), method)
 
     def grad(self, p: torch.nn.Parameter, method: str) -> None:
         """``owner.method(p)`` after ``p``'s gradient is accumulated."""

@@ -1,4 +1,4 @@
-"""torch.optim.AdamW's hyperparameters: the checks, wording and defaults of torch itself.
+"""torch.optim.AdamW's arguments: the checks, wording and defaults of torch itself, and what a parameter must be.
 
 ShardedOptimizer takes AdamW's whole signature so that code written for
 torch.optim.AdamW (and the frameworks that build it from a config) works
@@ -63,3 +63,24 @@ def check_group(group: dict) -> None:
 def as_float(value) -> float:
     """A hyperparameter as the kernels take it (a 1-element tensor lr from a scheduler included)."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
+    """A parameter the sharded optimizer can lay out in its flat buffers."""
+    if p.is_sparse or p.layout != torch.strided:
+        raise TypeError(f"parameter {name} is sparse ({p.layout}); ShardedOptimizer needs dense parameters")
+    if p.is_complex():
+        raise TypeError(f"parameter {name} is complex ({p.dtype}); ShardedOptimizer supports float32, "
+                        "bfloat16 and float16: pass torch.view_as_real(p) as a real parameter")
+    if p.dtype not in _DTYPES:
+        raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer supports float32, "
+                        "bfloat16 and float16 parameters")
+    if p.device.type == "meta":
+        raise ValueError(f"parameter {name} is on the meta device: materialize the model (model.to_empty("
+                         "device=...) and initialise it) before building the optimizer")
+    if p.device != first_device:
+        raise ValueError(f"parameter {name} is on {p.device} but the first parameter is on {first_device}; "
+                         "move the model to one device before building the optimizer")

@@ -27,8 +27,8 @@ from .amp import PendingClip, ScalerInputs, scaler_inputs, unscaling_scaler
 from .collectives import Comm
 from .config import ZeroConfig
 from .grad_sync import GradSync
-from .hooks import HookSet
-from .hyper import as_float, check_flags, check_group, check_hyperparameters
+from .hooks import HookSet, Relay
+from .hyper import as_float, check_flags, check_group, check_hyperparameters, check_param
 from .habits import ddp_wrapping
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
@@ -36,7 +36,6 @@ from .stages import make_stage
 from .store import AMSGRAD_KIND
 from .stats import StepStats, all_reduce_stats, checksum
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Unset:
@@ -137,22 +136,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._build()
 
     def _check_param(self, p: torch.Tensor) -> None:
-        name = self._names.get(p, f"of shape {tuple(p.shape)}")
-        if p.is_sparse or p.layout != torch.strided:
-            raise TypeError(f"parameter {name} is sparse ({p.layout}); ShardedOptimizer needs dense parameters")
-        if p.is_complex():
-            raise TypeError(f"parameter {name} is complex ({p.dtype}); ShardedOptimizer supports float32, "
-                            "bfloat16 and float16: pass torch.view_as_real(p) as a real parameter")
-        if p.dtype not in _DTYPES:
-            raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer supports float32, "
-                            "bfloat16 and float16 parameters")
-        if p.device.type == "meta":
-            raise ValueError(f"parameter {name} is on the meta device: materialize the model (model.to_empty("
-                             "device=...) and initialise it) before building the optimizer")
         first = next(q for g in self.param_groups for q in g["params"])
-        if p.device != first.device:
-            raise ValueError(f"parameter {name} is on {p.device} but the first parameter is on {first.device}; "
-                             "move the model to one device before building the optimizer")
+        check_param(p, self._names.get(p, f"of shape {tuple(p.shape)}"), first.device)
 
     def _build(self) -> None:
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
@@ -169,7 +154,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hooks is not None:
             self._hooks.remove()
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
-                                                       self._begin_backward, self.partitions)
+                                                       Relay(self, "_begin_backward"), self.partitions)
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
@@ -184,18 +169,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  for g in self.param_groups]
         return repr(self.config), tuple(hyper)
 
-    @torch.no_grad()
     def _sync_module_buffers(self) -> None:
         """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics)."""
-        if self.module is None or self.comm.world_size == 1:
-            return
-        for b in self.module.buffers():
-            if b.is_contiguous():
-                self.comm.broadcast(b, src=0)
-            else:
-                tmp = b.contiguous()
-                self.comm.broadcast(tmp, src=0)
-                b.copy_(tmp)
+        if self.module is not None:
+            self.comm.broadcast_tensors(list(self.module.buffers()))
 
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this (open) optimizer holds ``p`` in its flat buffers."""

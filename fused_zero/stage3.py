@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .collectives import Handle
+from .ownership import claim, release
 from .param_sync import ParamSync
 from .partition import Partition
 
@@ -107,8 +108,17 @@ class ParamGatherer:
         self._load_prefix = ""
         self._unit_of = {id(u.module): u for u in self.units}
         self._unit_of_param = {p: u for u in self.units for p in u.trainable}
+        self._params = [p for u in self.units for part in u.parts for p in part.params]
+        self._param_ids = {id(p) for p in self._params}
+        self._closed = False
+        # The model (through these hooks) outlives a dropped optimizer: a new optimizer over the
+        # model finds this gatherer here and closes it, giving the parameters back first.
+        claim(self, self._params)
         for u in self.units:
             self._release(u)
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return not self._closed and id(p) in self._param_ids
 
     @torch.no_grad()
     def close(self) -> None:
@@ -117,6 +127,8 @@ class ParamGatherer:
         Collective (every rank calls it): the units are gathered one last time. The
         model is then a plain model again, ready for another optimizer.
         """
+        if self._closed:
+            return
         if self.state is not TrainingState.IDLE:
             raise RuntimeError("the stage-3 optimizer cannot be closed inside the model's forward or backward")
         for u in self.units:
@@ -130,6 +142,8 @@ class ParamGatherer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._closed = True
+        release(self, self._params)
 
     # -- accounting -------------------------------------------------------
     def gathered_bytes(self) -> int:

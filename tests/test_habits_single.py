@@ -278,3 +278,21 @@ def test_hand_assigned_grad_at_stage2_is_refused_with_the_reason():
     for p in opt1.partitions[0].params:
         p.grad = torch.ones_like(p)
     opt1.step()
+
+
+def test_dropped_stage3_optimizer_is_collected_and_a_new_one_gets_full_parameters():
+    import gc
+    import weakref
+
+    model = TinyNet()
+    first = _build(model, 3)
+    _train(model, first, 1)
+    state = _full_state(model, first)
+    ref = weakref.ref(first)
+    del first
+    gc.collect()
+    assert ref() is None  # the model's hooks do not keep the optimizer (and its states) alive
+    second = _build(model, 3)  # the gatherer the model still holds gives the parameters back first
+    with second.full_parameters():
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k]), k
