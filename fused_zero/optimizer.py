@@ -37,7 +37,6 @@ from .store import AMSGRAD_KIND
 from .stats import StepStats, all_reduce_stats, checksum
 
 
-
 class _Unset:
     """An option the caller did not pass (so config= and options never mix silently)."""
 
@@ -280,7 +279,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grad_sync.prepare_step()
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
-        stats = self._stats(with_norm=True)
+        stats = self._stats(with_norm=True, site="clip_grad_norm_")
         total = stats.total_norm(inv_scale)
         self._clip = PendingClip(max_norm, stats.sq_norm, total, resolved=grad_scaler is not None)
         return total
@@ -301,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         scaler = self._scaler(grad_scaler)
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        stats = self._stats(with_norm=need_norm or amp)
+        stats = self._stats(with_norm=need_norm or amp, site="step")
         if amp:
             found = (stats.nonfinite > 0).float()
             if scaler.found_inf is not None:
@@ -331,10 +330,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self._stage.grad_policy.free_grads)
 
-    def _stats(self, with_norm: bool) -> StepStats:
-        """The one all-reduce of step(); raises on every rank if ranks disagree on what must agree."""
+    def _stats(self, with_norm: bool, site: str) -> StepStats:
+        """The one all-reduce of step() (or of clip_grad_norm_, the ``site``); raises on every rank if
+        ranks disagree on what must agree, or reached it from different calls."""
         stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm,
-                                 checksum((self._agreed(), with_norm)))
+                                 checksum((self._agreed(), with_norm, site), self.comm.world_size))
         if not stats.agreed:
             self.grad_sync.end_step()
             raise RuntimeError(

@@ -18,11 +18,10 @@ from . import ops
 from .collectives import Comm
 from .partition import Partition
 
-# A checksum travels as two small integers and their squares: their sums over the ranks
-# are exact in fp32 (below 2**24 up to 256 ranks), and N * sum(c**2) == sum(c)**2 holds
-# on every rank exactly when every rank sent the same c (Cauchy-Schwarz), so every
-# rank reaches the same verdict.
-_CHECK_BITS = 8
+# A checksum travels as two small integers and their squares, with as many bits as keep their
+# sums over the ranks exact in fp32 (N * (2**b)**2 <= 2**24), and N * sum(c**2) == sum(c)**2
+# holds on every rank exactly when every rank sent the same c (Cauchy-Schwarz), so every rank
+# reaches the same verdict.
 #: Scalars before the per-parameter has-grad flags: sq_norm, nonfinite, (c1, c1**2, c2, c2**2).
 HEAD = 2 + 4
 
@@ -40,10 +39,11 @@ class StepStats(NamedTuple):
         return total if inv_scale is None else total * inv_scale
 
 
-def checksum(value) -> tuple[int, int]:
-    """Two small integers that summarise ``repr(value)``."""
+def checksum(value, world_size: int) -> tuple[int, int]:
+    """Two small integers that summarise ``repr(value)``, small enough to sum exactly over the ranks."""
+    bits = max(1, (24 - (world_size - 1).bit_length()) // 2)
     h = zlib.crc32(repr(value).encode())
-    mask = (1 << _CHECK_BITS) - 1
+    mask = (1 << bits) - 1
     return h & mask, (h >> 16) & mask
 
 

@@ -64,6 +64,16 @@ def _disagreements(rank, world_size):
             opt.clip_grad_norm_(1.0)
         opt.step()
     out["clip_one_rank"] = _caught(clip_on_rank0)
+    # with max_grad_norm set, step() also computes a norm: only the call site tells the two apart
+    clipped = PlainNet()
+    copt = ShardedOptimizer(clipped.parameters(), **HYPER, max_grad_norm=1.0)
+
+    def clip_on_rank0_with_max_norm():
+        _train(clipped, copt, 2, rank)
+        if rank == 0:
+            copt.clip_grad_norm_(1.0)
+        copt.step()
+    out["clip_one_rank_max_norm"] = _caught(clip_on_rank0_with_max_norm)
     _train(model, opt, 3, rank)  # and the optimizer still works after all that
     opt.step()
     out["after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
@@ -79,7 +89,8 @@ def disagreements():
     ("lr_at_build", "differ across ranks"), ("bucket_numel", "differ across ranks"),
     ("stage", "differ across ranks"), ("reduce_dtype", "differ across ranks"),
     ("max_grad_norm", "differ across ranks"), ("lr_mid_run", "ranks disagree on this step"),
-    ("clip_one_rank", "ranks disagree on this step")])
+    ("clip_one_rank", "ranks disagree on this step"),
+    ("clip_one_rank_max_norm", "ranks disagree on this step")])
 def test_rank_differences_raise_on_every_rank(disagreements, case, words):
     for r in disagreements:
         assert r[case] is not None, case
