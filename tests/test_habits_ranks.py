@@ -58,22 +58,16 @@ def _disagreements(rank, world_size):
     out["lr_mid_run"] = _caught(opt.step)
     opt.param_groups[0]["lr"] = HYPER["lr"]
 
-    def clip_on_rank0():
-        _train(model, opt, 2, rank)
+    def clip_on_rank0(m, o):
+        _train(m, o, 2, rank)
         if rank == 0:
-            opt.clip_grad_norm_(1.0)
-        opt.step()
-    out["clip_one_rank"] = _caught(clip_on_rank0)
+            o.clip_grad_norm_(1.0)
+        o.step()
+    out["clip_one_rank"] = _caught(lambda: clip_on_rank0(model, opt))
     # with max_grad_norm set, step() also computes a norm: only the call site tells the two apart
     clipped = PlainNet()
     copt = ShardedOptimizer(clipped.parameters(), **HYPER, max_grad_norm=1.0)
-
-    def clip_on_rank0_with_max_norm():
-        _train(clipped, copt, 2, rank)
-        if rank == 0:
-            copt.clip_grad_norm_(1.0)
-        copt.step()
-    out["clip_one_rank_max_norm"] = _caught(clip_on_rank0_with_max_norm)
+    out["clip_one_rank_max_norm"] = _caught(lambda: clip_on_rank0(clipped, copt))
     _train(model, opt, 3, rank)  # and the optimizer still works after all that
     opt.step()
     out["after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
