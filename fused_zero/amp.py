@@ -38,6 +38,15 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     return ScalerInputs(grad_scaler._scale.double().reciprocal().float().to(device), None, state)
 
 
+def scaler_unscaled(scaler: ScalerInputs) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran this step (it divides a kept .grad in place)."""
+    if scaler.state is None:
+        return False
+    from torch.amp.grad_scaler import OptState
+
+    return scaler.state["stage"] is OptState.UNSCALED
+
+
 def unscaling_scaler(optimizer, scaler_ref):
     """The GradScaler that last stepped ``optimizer``, if ``scaler.unscale_(optimizer)`` ran since."""
     scaler = scaler_ref() if scaler_ref is not None else None

@@ -119,6 +119,7 @@ class GradSync:
         self._reduced = False  # reducing at step: this step's reduction is launched
         self._round_open = False
         self._accumulated = False  # a backward ran under no_sync() since the last step
+        self._grad_versions: dict = {}  # reducing at step: .grad's version counter when backward left it
         self._seen: set[torch.nn.Parameter] = set()
         self._remaining: dict = {}
         self._next = 0
@@ -129,7 +130,10 @@ class GradSync:
         _check_dense(p)
         if not self.sync:
             self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
-        if not (self.sync and self.policy.in_backward):
+        if not self.policy.in_backward:
+            self._grad_versions[p] = p.grad._version  # .grad is kept: see grads_edited()
+            return
+        if not self.sync:
             return
         if not self._round_open:
             self._open_round()
@@ -189,6 +193,14 @@ class GradSync:
             self._reduced = True
         self.wait()
 
+    def grads_edited(self) -> bool:
+        """Whether user code wrote a kept ``.grad`` in place after backward produced it (reducing at step).
+
+        The local, not yet averaged gradient: a norm clipped from it (torch.nn.utils.clip_grad_norm_)
+        is each rank's own, not the global one.
+        """
+        return any(p.grad is not None and p.grad._version != v for p, v in self._grad_versions.items())
+
     def wait(self) -> None:
         """Wait for every launched reduction and apply accumulation."""
         while self._pending:
@@ -200,6 +212,7 @@ class GradSync:
         self._reduced = False
         self._written = False
         self._accumulated = False
+        self._grad_versions.clear()
         self._last_present = set(self.present)
         self.present.clear()
 

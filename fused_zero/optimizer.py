@@ -16,6 +16,7 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .amp import PendingClip, ScalerInputs, scaler_inputs, unscaling_scaler
+from .amp import PendingClip, ScalerInputs, scaler_inputs, scaler_unscaled, unscaling_scaler
 from .collectives import Comm
 from .config import ZeroConfig
 from .grad_sync import GradSync
@@ -298,6 +299,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._stage.before_update(self.partitions)
         # 2. update
         scaler = self._scaler(grad_scaler)
+        if self.grad_sync.grads_edited() and not scaler_unscaled(scaler):
+            warnings.warn("ShardedOptimizer stage 1: .grad was changed in place between backward and step(), "
+                          "but at stage 1 .grad holds each rank's local gradient (averaged at step): a norm "
+                          "clipped from it (torch.nn.utils.clip_grad_norm_) is this rank's, not the global one. "
+                          "Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=", stacklevel=2)
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
         stats = self._stats(with_norm=need_norm or amp, site="step")

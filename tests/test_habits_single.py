@@ -7,6 +7,7 @@ constructor input) and checks the numbers against torch.optim.AdamW, or the exce
 the words that name the fix. Multi-rank habits are in test_habits_ranks.py.
 """
 import copy
+import warnings
 import pickle
 
 import pytest
@@ -296,3 +297,18 @@ def test_dropped_stage3_optimizer_is_collected_and_a_new_one_gets_full_parameter
     with second.full_parameters():
         for k, v in model.state_dict().items():
             assert torch.equal(v, state[k]), k
+
+
+def test_stage1_torch_clip_on_local_grads_warns():
+    model = PlainNet()
+    opt = _build(model, 1)
+    x, y = batch(0, 0)
+    loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.warns(UserWarning, match="optimizer.clip_grad_norm_"):
+        opt.step()
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing edited: no warning
+        opt.step()
