@@ -32,6 +32,14 @@ class ZeroConfig:
         forward and gather them again for its backward (False keeps them
         from forward until the unit's backward is done: less traffic, more
         memory).
+    offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq of this
+        rank's shard live and the update runs: None (beside the parameters),
+        "cpu" (host memory) or "nvme" (files under ``nvme_path``).
+    offload_params: stage-3 parameter offload: not available yet (only None).
+    nvme_path: the folder for ``offload_optimizer="nvme"`` (checked writable
+        when the optimizer is built).
+    offload_chunk_numel: elements per staged chunk of the offloaded states
+        (host staging memory is a few chunks per state kind).
     """
 
     stage: int = 2
@@ -42,6 +50,10 @@ class ZeroConfig:
     overlap: bool = True
     max_live_units: int = 2
     reshard_after_forward: bool = True
+    offload_optimizer: str | None = None
+    offload_params: str | None = None
+    nvme_path: str | None = None
+    offload_chunk_numel: int = 1 << 20
 
     @property
     def needs_module(self) -> bool:
@@ -62,6 +74,15 @@ class ZeroConfig:
             )
         if not isinstance(self.max_live_units, int) or self.max_live_units < 1:
             raise ValueError(f"max_live_units must be an int >= 1, got {self.max_live_units!r}")
+        if self.offload_optimizer not in (None, "cpu", "nvme"):
+            raise ValueError(f'offload_optimizer must be None, "cpu" or "nvme", got {self.offload_optimizer!r}')
+        if self.offload_params is not None:
+            raise ValueError("offload_params (stage-3 parameter shards on the host or NVMe) is not available yet; "
+                             'offload_optimizer="cpu" or "nvme" moves the optimizer states and the update')
+        if self.offload_optimizer == "nvme" and self.nvme_path is None:
+            raise ValueError('offload_optimizer="nvme" needs nvme_path=, a folder on a fast local disk')
+        if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel < 1:
+            raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(
                 f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"

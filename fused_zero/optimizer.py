@@ -23,19 +23,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from . import ops
 from .amp import PendingClip, ScalerInputs, scaler_inputs, scaler_unscaled, unscaling_scaler
 from .collectives import Comm
 from .config import ZeroConfig
 from .grad_sync import GradSync
 from .hooks import HookSet, Relay
-from .hyper import as_float, check_flags, check_group, check_hyperparameters, check_param
+from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import ddp_wrapping
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
-from .store import AMSGRAD_KIND
 from .stats import StepStats, all_reduce_stats, checksum
+from .update import update_all
 
 
 class _Unset:
@@ -69,11 +68,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None,
                  module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
-                 max_live_units=_UNSET, reshard_after_forward=_UNSET) -> None:
+                 max_live_units=_UNSET, reshard_after_forward=_UNSET, offload_optimizer=_UNSET,
+                 offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
-                                       max_live_units=max_live_units,
-                                       reshard_after_forward=reshard_after_forward).items() if v is not _UNSET}
+                                       max_live_units=max_live_units, reshard_after_forward=reshard_after_forward,
+                                       offload_optimizer=offload_optimizer, offload_params=offload_params,
+                                       nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
+                                       ).items() if v is not _UNSET}
         if config is None:
             config = ZeroConfig(**given)
         elif not isinstance(config, ZeroConfig):
@@ -167,7 +169,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """What every rank must share: the options and every group's hyperparameters."""
         hyper = [tuple((k, repr(v)) for k, v in sorted(g.items()) if k not in ("params", "param_names"))
                  for g in self.param_groups]
-        return repr(self.config), tuple(hyper)
+        # nvme_path is each rank's own folder (a local disk per node): the one option that may differ
+        return repr({**self.config.__dict__, "nvme_path": None}), tuple(hyper)
 
     def _sync_module_buffers(self) -> None:
         """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics)."""
@@ -192,6 +195,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hooks is not None:
             self._hooks.remove()
         self._stage.close()
+        for part in self.partitions:
+            part.store.close()
         self._closed = True
         release(self, list(getattr(self, "_params", ())))
 
@@ -350,35 +355,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return stats
 
     def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None) -> None:
-        for part, flags in zip(self.partitions, has_grad):
-            group = self.param_groups[part.group_index]
-            steps = {}
-            for p, flag in zip(part.params, flags):
-                if flag:
-                    state = self.state[p]
-                    if "step" not in state:
-                        state["step"] = torch.tensor(0.0)
-                    state["step"] += 1
-                    steps[p] = int(state["step"])
-            if not steps:
-                continue
-            amsgrad = bool(group.get("amsgrad", False))
-            if amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
-                raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
-                                   "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
-                                   "the optimizer with amsgrad=True in that group")
-            extra = {"amsgrad": True} if amsgrad else {}
-            hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
-                         beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
-                         adam_w_mode=bool(group.get("decoupled_weight_decay", self.config.adam_w_mode)),
-                         maximize=bool(group.get("maximize", False)), grad_scale=grad_scale)
-            runs = _runs(part, steps)
-            for (start, end, step), chunk in zip(runs, part.store.update_chunks([(a, b) for a, b, _ in runs])):
-                if amsgrad:
-                    extra["max_exp_avg_sq"] = chunk.max_exp_avg_sq
-                ops.adamw_(chunk.master, part.grad_shard[start:end], chunk.exp_avg, chunk.exp_avg_sq, step=step,
-                           param_out=None if part.param_shard is None else part.param_shard[start:end],
-                           **hyper, **extra)
+        update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, self.config.adam_w_mode)
 
     def _end_step(self) -> None:
         self.grad_sync.end_step()
@@ -390,15 +367,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- accounting and state ---------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model state, by kind."""
+        """Bytes this rank holds for the model state, by kind; offloaded states under "host" or "nvme"."""
         totals = dict.fromkeys(["params", "grads", "master", "exp_avg", "exp_avg_sq", "buffers"], 0)
         for part in self.partitions:
             b = part.shard_bytes()
             totals["params"] += b["params"]
             totals["grads"] += b["grad_shard"] + sum(p.grad.numel() * p.grad.element_size()
                                                      for p in part.params if p.grad is not None)
-            for kind in part.store.kinds:
-                totals[kind] = totals.get(kind, 0) + b[kind]
+            for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
+                where = kind if part.store.tier == "device" else part.store.tier
+                totals[where] = totals.get(where, 0) + b[kind]
             # stage 3: the narrow param shard is the resident copy of the params
             totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
         totals["buffers"] += self.grad_sync.buffer_bytes()
@@ -472,23 +450,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part.param_shard_from_master()
         self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
         self.comm.reset_traffic()
-
-
-def _runs(part: Partition, steps: dict) -> list[tuple[int, int, int]]:
-    """Maximal [start, end) shard ranges of active params sharing a step count.
-
-    Padding between two pieces of one run is updated too (it stays zero).
-    """
-    runs: list[list[int]] = []
-    current = None
-    for piece in part.pieces:
-        step = steps.get(part.params[piece.param_index])
-        if step is None:
-            current = None
-            continue
-        if current is not None and current[2] == step:
-            current[1] = piece.shard_offset + piece.numel
-        else:
-            current = [piece.shard_offset, piece.shard_offset + piece.numel, step]
-            runs.append(current)
-    return [tuple(r) for r in runs]

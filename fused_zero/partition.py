@@ -190,8 +190,7 @@ class Partition:
     def param_shard_from_master(self) -> None:
         """The narrow param shard <- the master (rounded): after the master was written directly."""
         if self.param_shard is not None:
-            for chunk in self.store.update_chunks([(0, self.layout.shard_numel)]):
-                self.param_shard.copy_(chunk.master)
+            self.param_shard.copy_(self.store.read("master", 0, self.layout.shard_numel))
 
     def bucket(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """The view of a full-size flat buffer that bucket ``b`` covers."""

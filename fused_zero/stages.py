@@ -16,6 +16,7 @@ Nothing outside this file and config.py branches on the stage number.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -29,6 +30,9 @@ from .layout import build_layout
 from .param_sync import ParamSync
 from .partition import Partition
 from .stage3 import ParamGatherer
+from .store import DeviceStore
+from .store_host import HostStore
+from .store_nvme import NvmeStore, check_nvme_path
 from .units import plan_units
 
 
@@ -54,6 +58,7 @@ class Stage1:
         Partitions in ``previous`` (a rebuild after add_param_group) are kept with their states.
         """
         self.names = names
+        self.check_offload()
         signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
         self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
@@ -76,11 +81,16 @@ class Stage1:
         """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)))
+                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config))
         if self.comm.world_size > 1:
             self.comm.broadcast(part.flat, src=0)
             part.load_master_from_params()
         return part
+
+    def check_offload(self) -> None:
+        """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
+        if self.config.offload_optimizer == "nvme":
+            self.comm.agree(lambda: check_nvme_path(self.config.nvme_path))
 
     # -- the training loop --------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -132,6 +142,7 @@ class Stage3(Stage2):
     def build(self, groups, names, module, units, begin_backward, previous):
         """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""
         self.names = names
+        self.check_offload()
         plan = plan_units(module, units)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         in_module = {p for ps in plan.params for p in ps}
@@ -195,6 +206,15 @@ class Stage3(Stage2):
 
 
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
+
+
+def store_factory(config: ZeroConfig):
+    """The ShardStore class (or a factory) for ``config.offload_optimizer``."""
+    if config.offload_optimizer == "cpu":
+        return functools.partial(HostStore, chunk_numel=config.offload_chunk_numel)
+    if config.offload_optimizer == "nvme":
+        return functools.partial(NvmeStore, path=config.nvme_path, chunk_numel=config.offload_chunk_numel)
+    return DeviceStore
 
 
 def make_stage(comm: Comm, config: ZeroConfig) -> Stage1:

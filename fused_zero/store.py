@@ -22,7 +22,11 @@ AMSGRAD_KIND = "max_exp_avg_sq"
 
 
 class StateChunk(NamedTuple):
-    """Elements [start, end) of a shard's states, as tensors the update kernel may write."""
+    """Elements [start, end) of a shard's states, as tensors the update kernel may write.
+
+    ``grad`` and ``param_out`` are the gradient shard and the narrow param shard over the same
+    range, where the states live (the store stages them when they live elsewhere).
+    """
 
     start: int
     end: int
@@ -30,10 +34,14 @@ class StateChunk(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     max_exp_avg_sq: torch.Tensor | None
+    grad: torch.Tensor
+    param_out: torch.Tensor | None
 
 
 class ShardStore(ABC):
     """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
+
+    tier = "device"
 
     def __init__(self, numel: int, amsgrad: bool) -> None:
         self.numel = numel
@@ -54,8 +62,19 @@ class ShardStore(ABC):
         """Elements [start, start + len(values)) of ``kind`` <- ``values``."""
 
     @abstractmethod
-    def update_chunks(self, ranges: list[tuple[int, int]]) -> Iterator[StateChunk]:
-        """The states over each range in turn; what the caller writes into a chunk is kept."""
+    def update_chunks(self, ranges: list[tuple[int, int]], grad: torch.Tensor,
+                      param_out: torch.Tensor | None) -> Iterator[StateChunk]:
+        """The states over each range in turn, with ``grad`` and ``param_out`` over the same range.
+
+        What the caller writes into a chunk is kept once the generator resumes (into
+        ``param_out`` as well); a store that stages may make it final only at ``commit()``.
+        """
+
+    def commit(self) -> None:
+        """The step's updates all succeeded: make them the states."""
+
+    def rollback(self) -> None:
+        """A step failed midway: the states stay as they were before it."""
 
     @abstractmethod
     def gather_source(self) -> torch.Tensor | None:
@@ -63,13 +82,14 @@ class ShardStore(ABC):
 
     @abstractmethod
     def nbytes(self) -> dict[str, int]:
-        """Bytes held per kind (where they live is the store's tier)."""
+        """Bytes held per kind (where they live is the store's ``tier``)."""
+
+    def close(self) -> None:
+        """Give back what the store holds outside the process's tensors (files)."""
 
 
 class DeviceStore(ShardStore):
     """The states as tensors on the parameters' device: chunks are views, nothing to stage."""
-
-    tier = "device"
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False) -> None:
         super().__init__(numel, amsgrad)
@@ -83,14 +103,21 @@ class DeviceStore(ShardStore):
         self._check(kind, start, start + values.numel())
         self.tensors[kind][start:start + values.numel()].copy_(values.reshape(-1))
 
-    def update_chunks(self, ranges: list[tuple[int, int]]) -> Iterator[StateChunk]:
-        t = self.tensors
-        for start, end in ranges:
-            yield StateChunk(start, end, *(t[k][start:end] for k in STATE_KINDS),
-                             t[AMSGRAD_KIND][start:end] if AMSGRAD_KIND in t else None)
+    def update_chunks(self, ranges, grad, param_out):
+        yield from _chunks_of(self.tensors, ranges, grad, param_out)
 
     def gather_source(self) -> torch.Tensor:
         return self.tensors["master"]
 
     def nbytes(self) -> dict[str, int]:
         return {kind: t.numel() * t.element_size() for kind, t in self.tensors.items()}
+
+
+def _chunks_of(tensors: dict, ranges, grad: torch.Tensor, param_out: torch.Tensor | None,
+               offset: int = 0) -> Iterator[StateChunk]:
+    """Views of ``tensors`` (which start at shard element ``offset``), ``grad`` and ``param_out``."""
+    for start, end in ranges:
+        a, b = start - offset, end - offset
+        yield StateChunk(start, end, *(tensors[k][a:b] for k in STATE_KINDS),
+                         tensors[AMSGRAD_KIND][a:b] if AMSGRAD_KIND in tensors else None,
+                         grad[a:b], None if param_out is None else param_out[a:b])

@@ -1,0 +1,199 @@
+"""NvmeStore: the optimizer states of a partition in a scratch file (``offload_optimizer="nvme"``).
+
+One file per partition under ``nvme_path`` (named by process id and a random id, so two
+optimizers never share one), holding two slots of every state kind. The shard is cut into
+blocks of ``chunk_numel`` elements; for each block one slot is live. A step reads a block from
+its live slot into a host staging buffer (the next block is read ahead on a thread), the update
+runs on it, and the block is written to its *other* slot behind (on a thread). Only ``commit()``
+-- once every partition of the step succeeded -- makes the written slots live: a full disk or an
+I/O error midway leaves every state as it was before the step. Host memory stays at three
+staging blocks per kind whatever the model size; written pages are dropped from the page cache.
+The file is removed on ``close()``, when the store is collected, and at exit.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .config import ALIGN
+from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
+
+_F32 = 4
+
+
+def check_nvme_path(path) -> None:
+    """``path`` is a folder this process can create files in (raises naming it otherwise)."""
+    if path is None:
+        raise ValueError('offload_optimizer="nvme" needs nvme_path=, a folder on a fast local disk')
+    if not os.path.isdir(path):
+        raise ValueError(f"nvme_path {path!r} is not a folder: create it, or pass another one")
+    probe = os.path.join(path, f".fused_zero-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"nvme_path {path!r} is not writable ({e.strerror}): pass a folder you can write") from None
+
+
+def _remove(path: str, fd_box: list) -> None:
+    if fd_box:
+        os.close(fd_box.pop())
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class NvmeStore(ShardStore):
+    """The states in a file, streamed block by block through a few host staging buffers."""
+
+    tier = "nvme"
+
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, *, path: str,
+                 chunk_numel: int = 1 << 20) -> None:
+        super().__init__(numel, amsgrad)
+        self.device = device
+        # Blocks are whole multiples of ALIGN: every run of the update starts at one, so a run cut at a block
+        # edge keeps each element in the same vector lane of torch's fused CPU AdamW (its scalar tail
+        # rounds differently): the results stay bitwise those of the uncut update.
+        self.block = -(-max(1, chunk_numel) // ALIGN) * ALIGN
+        self.path = os.path.join(path, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.states")
+        self._fd_box = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._fd_box)
+        n_blocks = -(-numel // self.block)
+        self._live = np.zeros(n_blocks, dtype=np.int8)  # which slot of each block holds the states
+        self._pending: set[int] = set()  # blocks written to their other slot this step
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
+        self._buffers = [self._new_buffer() for _ in range(3)]
+        try:
+            os.ftruncate(self._fd, 2 * len(self.kinds) * numel * _F32)  # sparse: reads as zeros
+        except OSError as e:
+            self.close()
+            raise self._error("sizing", e) from None
+
+    @property
+    def _fd(self) -> int:
+        if not self._fd_box:
+            raise RuntimeError(f"the NVMe store {self.path} is closed")
+        return self._fd_box[0]
+
+    def _new_buffer(self) -> dict[str, torch.Tensor]:
+        return {kind: torch.zeros(self.block, dtype=torch.float32) for kind in self.kinds}
+
+    def _error(self, what: str, e: OSError) -> OSError:
+        return OSError(e.errno, f"fused_zero NVMe offload: {what} {self.path} failed ({e.strerror}); free space "
+                                "there, or pass another nvme_path (the states are as before this step)")
+
+    # -- file I/O ---------------------------------------------------------
+    def _offset(self, slot: int, kind: str, element: int) -> int:
+        return ((slot * len(self.kinds) + self.kinds.index(kind)) * self.numel + element) * _F32
+
+    def _io(self, write: bool, slot: int, kind: str, element: int, t: torch.Tensor) -> None:
+        view = memoryview(t.numpy()).cast("B")
+        offset = self._offset(slot, kind, element)
+        try:
+            done = (os.pwritev if write else os.preadv)(self._fd, [view], offset)
+        except OSError as e:
+            raise self._error("writing" if write else "reading", e) from None
+        if done != len(view):
+            raise self._error("writing" if write else "reading", OSError(28 if write else 5, "short transfer"))
+        if write:
+            os.posix_fadvise(self._fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+
+    def _span(self, b: int) -> tuple[int, int]:
+        return b * self.block, min(self.numel, (b + 1) * self.block)
+
+    def _read_block(self, b: int, buf: dict) -> dict:
+        lo, hi = self._span(b)
+        for kind in self.kinds:
+            self._io(False, int(self._live[b]), kind, lo, buf[kind][:hi - lo])
+        return buf
+
+    def _write_block(self, b: int, buf: dict) -> None:
+        lo, hi = self._span(b)
+        for kind in self.kinds:
+            self._io(True, 1 - int(self._live[b]), kind, lo, buf[kind][:hi - lo])
+
+    # -- the store's verbs ----------------------------------------------------
+    def read(self, kind: str, start: int, end: int) -> torch.Tensor:
+        self._check(kind, start, end)
+        out = torch.empty(end - start, dtype=torch.float32)
+        for b in range(start // self.block, -(-end // self.block)):
+            lo, hi = self._span(b)
+            a, z = max(lo, start), min(hi, end)
+            self._io(False, int(self._live[b]), kind, a, out[a - start:z - start])
+        return out
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        end = start + values.numel()
+        self._check(kind, start, end)
+        # a copy of our own: .numpy() on a view of the caller's tensor would pin its storage's size
+        values = values.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        for b in range(start // self.block, -(-end // self.block)):
+            lo, hi = self._span(b)
+            a, z = max(lo, start), min(hi, end)
+            self._io(True, int(self._live[b]), kind, a, values[a - start:z - start])
+
+    def update_chunks(self, ranges, grad: torch.Tensor, param_out: torch.Tensor | None) -> Iterator[StateChunk]:
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        for start, end in ranges:
+            for b in range(start // self.block, -(-end // self.block)):
+                lo, hi = self._span(b)
+                pieces.setdefault(b, []).append((max(lo, start), min(hi, end)))
+        blocks = sorted(pieces)
+        writes = []
+        reading = self._pool.submit(self._read_block, blocks[0], self._buffers[0]) if blocks else None
+        try:
+            for i, b in enumerate(blocks):
+                buf = reading.result()
+                if i + 1 < len(blocks):  # read ahead into the buffer no write still needs
+                    nxt = self._buffers[(i + 1) % 3]
+                    if len(writes) >= 2:
+                        writes[-2].result()
+                    reading = self._pool.submit(self._read_block, blocks[i + 1], nxt)
+                lo, _ = self._span(b)
+                for a, z in pieces[b]:
+                    g = grad[a:z] if grad.device.type == "cpu" else grad[a:z].to("cpu")
+                    out = None
+                    if param_out is not None:
+                        out = param_out[a:z] if param_out.device.type == "cpu" else torch.empty(
+                            z - a, dtype=param_out.dtype)
+                    yield StateChunk(a, z, *(buf[k][a - lo:z - lo] for k in STATE_KINDS),
+                                     buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in buf else None, g, out)
+                    if out is not None and param_out.device.type != "cpu":
+                        param_out[a:z].copy_(out)
+                writes.append(self._pool.submit(self._write_block, b, buf))
+                self._pending.add(b)
+        finally:
+            for f in writes + ([reading] if reading is not None else []):
+                try:
+                    f.result()
+                except OSError:
+                    pass
+        for f in writes:
+            f.result()  # raises the first I/O error, naming the file
+
+    def commit(self) -> None:
+        for b in self._pending:
+            self._live[b] ^= 1
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        self._pending.clear()
+
+    def gather_source(self) -> None:
+        return None
+
+    def nbytes(self) -> dict[str, int]:
+        return {kind: self.numel * _F32 for kind in self.kinds}  # on disk, one slot each
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._finalizer()

@@ -1,0 +1,168 @@
+"""Optimizer-state offload (offload_optimizer="cpu" | "nvme"): bitwise the run without offload.
+
+- 2 gloo ranks, stages 1, 2 and 3, 10 steps with each tier in lockstep with the same run
+  without offload: every parameter bitwise equal after every step (chunks cut at 704-element
+  blocks, so runs of the update are split as they never are in memory).
+- a checkpoint saved with NVMe offload resumes without it, and the reverse, bitwise.
+- a full disk midway through a step raises an OSError naming the file and leaves the states,
+  step counts and parameters as before the step; training then goes on as if nothing happened.
+- scratch files: one per partition, never shared by two optimizers, removed on close and when
+  the optimizer is collected; bad options refused when built.
+"""
+import errno
+import gc
+import os
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
+from fused_zero import ShardedOptimizer
+from fused_zero import checkpoint as ckpt
+
+TIERS = [dict(), dict(offload_optimizer="cpu", offload_chunk_numel=700),
+         dict(offload_optimizer="nvme", offload_chunk_numel=700)]
+
+
+def _build(model, stage, folder=None, **kw):
+    if kw.get("offload_optimizer") == "nvme":
+        kw["nvme_path"] = folder
+    return ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000,
+                            **kw)
+
+
+def _step(model, opt, t, rank):
+    opt.zero_grad()
+    x, y = batch(t, rank)
+    loss_fn(model(x, **flags(t, rank)), y).backward()
+    opt.step()
+
+
+def _params(model, opt):
+    with opt.full_parameters():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _lockstep(rank, world_size, stage, folder):
+    folder = os.path.join(folder, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    models = [TinyNet() for _ in TIERS]
+    opts = [_build(m, stage, folder, **kw) for m, kw in zip(models, TIERS)]
+    unequal = []
+    for t in range(10):
+        for m, o in zip(models, opts):
+            _step(m, o, t, rank)
+        ref = _params(models[0], opts[0])
+        for i in (1, 2):
+            if not all(torch.equal(a, b) for a, b in zip(ref, _params(models[i], opts[i]))):
+                unequal.append((t, i))
+    mem = [o.memory_bytes() for o in opts]
+    files = sorted(os.listdir(folder))
+    for o in opts:
+        o.close()
+    return {"unequal": unequal, "mem": mem, "files": files, "files_after_close": os.listdir(folder),
+            "partitions": len(opts[2].partitions)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_is_bitwise_the_run_without(stage, tmp_path):
+    for r in run_ranks(_lockstep, 2, stage, str(tmp_path), timeout=240):
+        assert r["unequal"] == []
+        device, host, nvme = r["mem"]
+        states = device["master"] + device["exp_avg"] + device["exp_avg_sq"]
+        assert host["master"] == host["exp_avg"] == 0 and host["host"] == states
+        assert nvme["master"] == nvme["exp_avg"] == 0 and nvme["nvme"] == states
+        assert len(r["files"]) == r["partitions"] and all(f.endswith(".states") for f in r["files"])
+        assert r["files_after_close"] == []
+
+
+def _resume(rank, world_size, folder):
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own, exist_ok=True)
+    out = {}
+    for name, first, second in (("nvme->none", TIERS[2], TIERS[0]), ("none->nvme", TIERS[0], TIERS[2])):
+        ref = TinyNet()
+        ref_opt = _build(ref, 2, own)
+        for t in range(6):
+            _step(ref, ref_opt, t, rank)
+        model = TinyNet()
+        opt = _build(model, 2, own, **first)
+        for t in range(3):
+            _step(model, opt, t, rank)
+        path = os.path.join(folder, name)
+        ckpt.save(path, model, opt)
+        resumed = TinyNet(seed=9)
+        ropt = _build(resumed, 2, own, **second)
+        ckpt.load(path, resumed, ropt)
+        for t in range(3, 6):
+            _step(resumed, ropt, t, rank)
+        out[name] = all(torch.equal(a, b) for a, b in zip(ref.parameters(), resumed.parameters()))
+        for o in (ref_opt, opt, ropt):
+            o.close()
+    return out
+
+
+def test_checkpoint_resumes_across_offload(tmp_path):
+    for r in run_ranks(_resume, 2, str(tmp_path), timeout=240):
+        assert r == {"nvme->none": True, "none->nvme": True}
+
+
+def test_full_disk_midway_leaves_the_step_undone(tmp_path, monkeypatch):
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, 2, str(tmp_path), **TIERS[2])
+    ref_opt = _build(ref, 2)
+    for t in range(2):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    states = [opt.read_shard(k, kind, 0, part.layout.shard_numel)
+              for k, part in enumerate(opt.partitions) for kind in ("master", "exp_avg", "exp_avg_sq")]
+    steps = {id(p): float(s["step"]) for p, s in opt.state.items()}
+    real, calls = os.pwritev, [0]
+
+    def full_disk(fd, buffers, offset):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    opt.zero_grad()
+    x, y = batch(2, 0)
+    loss_fn(model(x, **flags(2, 0)), y).backward()
+    with pytest.raises(OSError, match=r"fused_zero-.*\.states.*No space left"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    after = [opt.read_shard(k, kind, 0, part.layout.shard_numel)
+             for k, part in enumerate(opt.partitions) for kind in ("master", "exp_avg", "exp_avg_sq")]
+    assert all(torch.equal(a, b) for a, b in zip(states, after))
+    assert {id(p): float(s["step"]) for p, s in opt.state.items()} == steps
+    monkeypatch.setattr(os, "pwritev", real)  # the disk has room again: training goes on, exactly
+    for t in range(2, 5):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_scratch_files_are_private_and_removed(tmp_path):
+    a = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])
+    b = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])  # the same folder: files of its own
+    files = os.listdir(tmp_path)
+    assert len(files) == len(a.partitions) + len(b.partitions) == len(set(files))
+    a.close()
+    assert len(os.listdir(tmp_path)) == len(b.partitions)
+    del b
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_offload_options_are_refused(tmp_path):
+    ps = list(PlainNet().parameters())
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        ShardedOptimizer(ps, offload_optimizer="nvme")
+    with pytest.raises(ValueError, match="not a folder"):
+        ShardedOptimizer(ps, offload_optimizer="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="offload_optimizer must be"):
+        ShardedOptimizer(ps, offload_optimizer="gpu")
+    with pytest.raises(ValueError, match="offload_params .* not available yet"):
+        ShardedOptimizer(PlainNet(), stage=3, offload_params="cpu")
