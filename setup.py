@@ -16,7 +16,7 @@ setup(
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
     install_requires=["torch>=2.4", TRITON, "numpy", "safetensors"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "expecttest"],  # expecttest: torch's own optimizer test inputs
+        "test": ["pytest", "pytest-benchmark", "expecttest", "matplotlib"],  # torch's optimizer test inputs; the plan picture
         "plot": ["matplotlib"],
         "hf": ["transformers", "accelerate"],
         "lightning": ["lightning"],
