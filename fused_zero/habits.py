@@ -24,9 +24,12 @@ def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
         if isinstance(obj, ddp_type) and any(id(p) in mine for p in getattr(obj, "_module_parameters", ())):
             return ("the model is wrapped in DistributedDataParallel: do not wrap the model in "
                     "DistributedDataParallel, ShardedOptimizer averages gradients itself (DDP would reduce "
-                    "them a second time and fight over .grad). Pass the bare model (HF Trainer, Lightning "
-                    "and Accelerate wrap it in DDP themselves: fused_zero has no integration for them yet, "
-                    "see the README)")
+                    "them a second time and fight over .grad). Pass the bare model. HF Trainer, Lightning "
+                    "and Accelerate wrap it in DDP themselves: use their fused_zero integration instead, "
+                    "fused_zero.integrations.transformers.ZeroTrainer, "
+                    "L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)), or the "
+                    "Accelerate recipe (fused_zero.integrations.accelerate; do not pass the model to "
+                    "accelerator.prepare)")
     return None
 
 
