@@ -1,0 +1,256 @@
+"""Accelerate with fused_zero: ``ZeroAccelerator`` in place of ``Accelerator``, the loop unchanged.
+
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    accelerator = ZeroAccelerator(zero=fused_zero.ZeroConfig(stage=2), gradient_accumulation_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)         # as usual
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model(batch)))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")  /  accelerator.load_state("ckpt")
+
+What it changes, against a plain Accelerator (which wraps the model in DDP: fused_zero refuses
+that at the first backward, since the optimizer averages gradients itself):
+- ``prepare(model)`` places the model (skipped when it is already on the device, so parameters
+  are never copied) and applies mixed precision and compilation, but never wraps it in DDP.
+- ``prepare(optimizer)`` turns a torch.optim.AdamW or Adam into a fused_zero.ShardedOptimizer
+  over the same param groups and hyperparameters (stage 3 gets the model prepared with it),
+  and re-points the schedulers prepared with it; other optimizer classes are refused.
+- ``accumulate(model)`` / ``no_sync(model)`` keep gradients local through the optimizer's
+  ``no_sync()`` until the last micro-batch; ``clip_grad_norm_`` clips the global norm of the
+  averaged gradients through the optimizer (``clip_grad_value_`` is refused).
+- ``save_state`` / ``load_state`` write and read the models and optimizers as a
+  fused_zero.checkpoint (``<dir>/fused_zero``: sharded, loadable at any world size and stage);
+  schedulers, samplers, RNG states, the scaler and registered objects are Accelerate's as usual.
+  Hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
+  run as in Accelerate, over the models Accelerate itself saves (not the sharded ones).
+
+DeepSpeed, FSDP, Megatron-LM and XLA plugins are refused: fused_zero takes their place.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from ..optimizer import ShardedOptimizer
+from . import require
+from ._torch_optim import check_convertible, repoint_scheduler, sharded_from_torch, unwrap_optimizer
+
+_accelerate = require("accelerate", "hf")
+Accelerator = _accelerate.Accelerator
+DistributedType = _accelerate.utils.DistributedType
+
+#: where save_state puts the fused_zero checkpoint of model i (i > 0 gets a suffix)
+CHECKPOINT_DIR = "fused_zero"
+
+_REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def _same_device(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter already lives on ``device`` (cpu and cpu:0 are the same memory)."""
+    def norm(d: torch.device):
+        return (d.type, d.index if d.index is not None else (0 if d.type == "cpu" else None))
+
+    want = norm(torch.device(device))
+    devices = {norm(t.device) for t in list(model.parameters()) + list(model.buffers())}
+    if want[0] != "cpu" and want[1] is None and torch.cuda.is_available():
+        want = (want[0], torch.cuda.current_device())
+    return not devices or devices == {want}
+
+
+def checkpoint_dir(output_dir: str, index: int) -> str:
+    return os.path.join(output_dir, CHECKPOINT_DIR if index == 0 else f"{CHECKPOINT_DIR}_{index}")
+
+
+class ZeroAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` whose optimizer is a fused_zero.ShardedOptimizer (no DDP).
+
+    Takes Accelerator's arguments plus ``zero=fused_zero.ZeroConfig(...)`` (stage, bucket size,
+    offload, ...; ``max_grad_norm`` is left to ``clip_grad_norm_``).
+    """
+
+    def __init__(self, *args, zero: ZeroConfig | None = None, **kwargs) -> None:
+        if zero is None:
+            zero = ZeroConfig()
+        if not isinstance(zero, ZeroConfig):
+            raise TypeError(f"zero= must be a fused_zero.ZeroConfig, got {type(zero).__name__}")
+        super().__init__(*args, **kwargs)
+        kind = str(self.distributed_type).split(".")[-1]
+        if kind in _REFUSED:
+            raise ValueError(f"ZeroAccelerator runs fused_zero's ZeRO instead of Accelerate's {kind} plugin: remove "
+                             f"the {kind.lower()} settings from the accelerate config (or use a plain Accelerator)")
+        if getattr(self, "parallelism_config", None) is not None and getattr(self.parallelism_config,
+                                                                             "tp_enabled", False):
+            raise ValueError("ZeroAccelerator shards over the data-parallel ranks only: tensor parallelism "
+                             "(parallelism_config with tp_size > 1) is not supported")
+        self.zero = zero
+        self._zero_pairs: list[tuple[nn.Module, ShardedOptimizer]] = []
+        self._replaced: dict[int, ShardedOptimizer] = {}  # id(torch optimizer) -> the ShardedOptimizer
+        self._replaced_refs: dict[int, torch.optim.Optimizer] = {}
+        self._preparing: list[nn.Module] = []
+
+    # -- prepare ------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        # models first: a stage-3 optimizer shards the model where it will live
+        self._preparing = [a for a in args if isinstance(a, nn.Module)]
+        for a in args:
+            if isinstance(a, torch.optim.Optimizer):
+                check_convertible(unwrap_optimizer(a), "ZeroAccelerator.prepare")
+        try:
+            return super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._preparing = []
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("ZeroAccelerator got a model wrapped in DistributedDataParallel: pass the bare model "
+                             "(fused_zero's optimizer averages the gradients itself)")
+        if getattr(model, "_is_accelerate_prepared", False):
+            return super().prepare_model(model, device_placement, evaluation_mode=True)
+        if device_placement is None:
+            device_placement = self.device_placement and not _same_device(model, self.device)
+        if device_placement and any(self._owner(p) is not None for p in model.parameters()):
+            raise RuntimeError("this model's parameters already belong to a ShardedOptimizer, so moving them to "
+                               f"{self.device} would detach them: move the model to accelerator.device before "
+                               "building the optimizer, or pass it to prepare() together with a torch optimizer")
+        # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def _owner(self, p) -> ShardedOptimizer | None:
+        return next((opt for _, opt in self._zero_pairs if opt.owns(p)), None)
+
+    def _module_for(self, optimizer) -> nn.Module | None:
+        """The model (prepared, or being prepared with it) that holds ``optimizer``'s parameters."""
+        params = {p for g in optimizer.param_groups for p in g["params"]}
+        for m in list(self._models) + self._preparing:
+            inner = self.unwrap_model(m, keep_torch_compile=False)
+            if params <= set(inner.parameters()):
+                if m in self._preparing and not getattr(m, "_is_accelerate_prepared", False):
+                    self.prepare_model(m)  # placed before its parameters are laid out
+                return inner
+        return None
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement)
+        inner = unwrap_optimizer(optimizer)
+        check_convertible(inner, "ZeroAccelerator.prepare")
+        module = self._module_for(inner)
+        if isinstance(inner, ShardedOptimizer):
+            sharded = inner
+        else:
+            if module is None and self.zero.needs_module:
+                raise ValueError("stage 3 shards the model's parameters: pass the model to the same "
+                                 "accelerator.prepare() call as its optimizer, or prepare the model first")
+            sharded = sharded_from_torch(inner, self.zero, module)
+            self._replaced[id(inner)] = sharded
+            self._replaced_refs[id(inner)] = inner
+        self._zero_pairs.append((module if module is not None else sharded.module, sharded))
+        # device_placement=False: the state is already where the parameters are (and is empty)
+        return super().prepare_optimizer(sharded, device_placement=False)
+
+    def prepare_scheduler(self, scheduler):
+        for key, new in self._replaced.items():
+            repoint_scheduler(scheduler, self._replaced_refs[key], new)
+        return super().prepare_scheduler(scheduler)
+
+    # -- the training loop ------------------------------------------------------
+    def _sharded(self, model=None) -> list[ShardedOptimizer]:
+        if model is None:
+            return [opt for _, opt in self._zero_pairs]
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        return [opt for m, opt in self._zero_pairs if m is inner or m is None]
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        with contextlib.ExitStack() as stack:
+            for opt in self._sharded(model):
+                stack.enter_context(opt.no_sync())
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The global norm of the averaged gradients, clipped in the next step (every rank calls it)."""
+        params = [p for p in parameters] if not isinstance(parameters, torch.Tensor) else [parameters]
+        owners = {id(o): o for o in (self._owner(p) for p in params) if o is not None}
+        if not owners:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        if len(owners) > 1:
+            raise ValueError("clip_grad_norm_ got the parameters of several ShardedOptimizers; clip each "
+                             "model's parameters on their own")
+        opt = next(iter(owners.values()))
+        self.unscale_gradients()
+        return opt.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        if any(self._owner(p) is not None for p in parameters):
+            raise ValueError("clip_grad_value_ is not supported with fused_zero: the averaged gradients exist only "
+                             "as shards inside the optimizer; clip the norm with clip_grad_norm_")
+        return super().clip_grad_value_(parameters, clip_value)
+
+    # -- checkpoints ------------------------------------------------------------
+    def _without_sharded(self):
+        """Accelerate's own save/load, minus the models and optimizers fused_zero checkpoints."""
+        sharded_models = {id(m) for m, _ in self._zero_pairs if m is not None}
+        sharded_opts = {id(o) for _, o in self._zero_pairs}
+        models, opts = self._models, self._optimizers
+
+        @contextlib.contextmanager
+        def swap():
+            self._models = [m for m in models
+                            if id(self.unwrap_model(m, keep_torch_compile=False)) not in sharded_models]
+            self._optimizers = [o for o in opts if id(unwrap_optimizer(o)) not in sharded_opts]
+            try:
+                yield
+            finally:
+                self._models, self._optimizers = models, opts
+
+        return swap()
+
+    def _checkpoint_pairs(self):
+        pairs = []
+        for model, opt in self._zero_pairs:
+            if model is None:
+                raise RuntimeError("save_state/load_state need the model of each ShardedOptimizer: pass the model "
+                                   "to accelerator.prepare() together with its optimizer")
+            pairs.append((model, opt))
+        return pairs
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        from .. import checkpoint
+
+        pairs = self._checkpoint_pairs()
+        with self._without_sharded():
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        for i, (model, opt) in enumerate(pairs):
+            checkpoint.save(checkpoint_dir(location, i), model, opt, tag="state")
+        self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir: str | None = None, **kwargs):
+        from .. import checkpoint
+
+        pairs = self._checkpoint_pairs()
+        with self._without_sharded():
+            super().load_state(input_dir, **kwargs)
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            input_dir = self._latest_checkpoint_dir()
+        for i, (model, opt) in enumerate(pairs):
+            folder = checkpoint_dir(input_dir, i)
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(f"{folder} holds no fused_zero checkpoint: was {input_dir} saved by "
+                                        "ZeroAccelerator.save_state with the same models?")
+            checkpoint.load(folder, model, opt, tag="state")
+
+    def _latest_checkpoint_dir(self) -> str:
+        folder = os.path.join(self.project_dir, "checkpoints")
+        names = sorted((n for n in os.listdir(folder) if n.startswith("checkpoint_")),
+                       key=lambda n: int(n.split("_")[-1]))
+        return os.path.join(folder, names[-1])
