@@ -1,0 +1,154 @@
+"""HF Trainer with fused_zero: ``ZeroTrainer(..., zero=fused_zero.ZeroConfig(stage=...))``.
+
+    from fused_zero.integrations.transformers import ZeroTrainer
+
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                          zero=fused_zero.ZeroConfig(stage=2))
+    trainer.train()                                   # torchrun --nproc_per_node=N script.py
+    trainer.train(resume_from_checkpoint=True)        # at any world size and stage
+
+A ``transformers.Trainer`` whose optimizer is a fused_zero.ShardedOptimizer, built from the
+TrainingArguments (learning_rate; weight_decay with Trainer's own no-decay groups for biases
+and norms; adam_beta1/2, adam_epsilon) and scheduled by Trainer's scheduler as usual:
+- the model is never wrapped in DDP (the optimizer averages the gradients itself);
+- ``max_grad_norm`` clips the global norm of the averaged gradients through the optimizer,
+  and the logged ``grad_norm`` is that norm;
+- ``gradient_accumulation_steps`` keeps gradients local (``optimizer.no_sync()``) until the
+  last micro-batch, so gradients are reduced once per optimizer step;
+- ``checkpoint-N`` folders hold the usual model weights (full, also at stage 3), scheduler,
+  RNG and trainer state, plus ``fused_zero/``: a fused_zero.checkpoint of the fp32 masters and
+  Adam moments written by every rank, from which ``train(resume_from_checkpoint=...)`` resumes
+  at any world size and stage (a plain Trainer's ``optimizer.pt`` loads too);
+- ``save_model()`` (every rank calls it, as in any distributed script) writes the full model at
+  stage 3.
+Refused with a clear error: ``optimizers=`` / ``optimizer_cls_and_kwargs=`` other than a
+ShardedOptimizer, an ``optim`` other than AdamW, DeepSpeed or FSDP settings, several GPUs in
+one process (DataParallel), and ``zero.max_grad_norm`` (use ``max_grad_norm``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import ZeroConfig
+from ..optimizer import ShardedOptimizer
+from . import require
+from ._torch_optim import unwrap_optimizer
+
+_transformers = require("transformers", "hf")
+from .accelerate import ZeroAccelerator  # noqa: E402  (needs accelerate, which the hf extra installs)
+
+Trainer = _transformers.Trainer
+
+#: the checkpoint-N subfolder that holds the fused_zero checkpoint
+CHECKPOINT_DIR = "fused_zero"
+_TAG = "trainer"
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` with a fused_zero.ShardedOptimizer; ``zero=`` picks the stage and options."""
+
+    def __init__(self, *args, zero: ZeroConfig | None = None, **kwargs) -> None:
+        if zero is None:
+            zero = ZeroConfig()
+        if not isinstance(zero, ZeroConfig):
+            raise TypeError(f"zero= must be a fused_zero.ZeroConfig, got {type(zero).__name__}")
+        if zero.max_grad_norm is not None:
+            raise ValueError("ZeroTrainer clips with TrainingArguments(max_grad_norm=...): leave "
+                             "ZeroConfig.max_grad_norm unset")
+        optimizer = (kwargs.get("optimizers") or (None, None))[0]
+        if optimizer is not None and not isinstance(unwrap_optimizer(optimizer), ShardedOptimizer):
+            raise ValueError(f"ZeroTrainer builds its fused_zero.ShardedOptimizer from TrainingArguments; got "
+                             f"optimizers=({type(optimizer).__name__}, ...): drop it and set learning_rate, "
+                             "weight_decay, adam_beta1/2 and adam_epsilon instead (or pass a ShardedOptimizer)")
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("ZeroTrainer builds a fused_zero.ShardedOptimizer (AdamW): drop "
+                             "optimizer_cls_and_kwargs and set the AdamW hyperparameters in TrainingArguments")
+        self.zero = zero
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ZeroTrainer runs fused_zero's ZeRO in place of DeepSpeed or FSDP: remove the "
+                             "deepspeed / fsdp settings from TrainingArguments (or the accelerate config)")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"this process sees {self.args.n_gpu} GPUs and Trainer would use DataParallel: launch "
+                             "one process per GPU with torchrun (or set CUDA_VISIBLE_DEVICES)")
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if self.optimizer is None and optim not in _ADAMW:
+            raise ValueError(f"ZeroTrainer trains with AdamW; TrainingArguments(optim={optim!r}) asks for another "
+                             f"optimizer: use one of {', '.join(_ADAMW)} (the default)")
+
+    # -- what Trainer builds ---------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's own set-up, with a ZeroAccelerator (no DDP; accumulation and clipping through the optimizer)."""
+        import transformers.trainer as trainer_module
+
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = _ZeroAcceleratorFactory(self.zero)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = original
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            self.optimizer = ShardedOptimizer(groups, lr=self.args.learning_rate,
+                                              betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                              eps=self.args.adam_epsilon, config=self.zero, module=opt_model)
+        return self.optimizer
+
+    @property
+    def sharded_optimizer(self) -> ShardedOptimizer | None:
+        """The fused_zero.ShardedOptimizer inside Accelerate's wrapper (None before training set it up)."""
+        opt = unwrap_optimizer(self.optimizer) if self.optimizer is not None else None
+        return opt if isinstance(opt, ShardedOptimizer) else None
+
+    # -- checkpoints -------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        from .. import checkpoint
+
+        opt = self.sharded_optimizer
+        checkpoint.save(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt, tag=_TAG)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        from .. import checkpoint
+
+        if checkpoint_dir is None:
+            return
+        folder = os.path.join(checkpoint_dir, CHECKPOINT_DIR)
+        if os.path.isdir(folder):
+            checkpoint.load(folder, self.model, self.sharded_optimizer, tag=_TAG)
+        elif os.path.isfile(os.path.join(checkpoint_dir, "optimizer.pt")):  # a plain Trainer's checkpoint
+            state = torch.load(os.path.join(checkpoint_dir, "optimizer.pt"), map_location="cpu", weights_only=True)
+            self.sharded_optimizer.load_state_dict(state)
+        else:
+            return
+        scheduler = os.path.join(checkpoint_dir, "scheduler.pt")
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save_model; at stage 3 inside ``full_parameters()``, so every rank must call it."""
+        opt = self.sharded_optimizer
+        if opt is None or not opt.config.needs_module:
+            return super().save_model(output_dir, _internal_call)
+        with opt.full_parameters():
+            super().save_model(output_dir, _internal_call)
+
+
+class _ZeroAcceleratorFactory:
+    """Stands in for ``accelerate.Accelerator`` while Trainer builds its accelerator."""
+
+    def __init__(self, zero: ZeroConfig) -> None:
+        self.zero = zero
+
+    def __call__(self, *args, **kwargs) -> ZeroAccelerator:
+        return ZeroAccelerator(*args, zero=self.zero, **kwargs)
