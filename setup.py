@@ -17,9 +17,13 @@ setup(
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
     install_requires=["torch>=2.4", TRITON, "numpy", "safetensors"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "expecttest", "matplotlib"],  # torch's optimizer test inputs; the plan picture
+        # torch's optimizer test inputs (expecttest), the plan picture, and the frameworks the
+        # integration tests train with
+        "test": ["pytest", "pytest-benchmark", "expecttest", "matplotlib",
+                 "transformers>=5", "accelerate>=1.10", "lightning>=2.5"],
         "plot": ["matplotlib"],
-        "hf": ["transformers", "accelerate"],
-        "lightning": ["lightning"],
+        "hf": ["transformers>=5", "accelerate>=1.10"],   # ZeroTrainer, ZeroAccelerator
+        "lightning": ["lightning>=2.5"],                  # ZeroStrategy
     },
+
 )
