@@ -74,7 +74,7 @@ def _train(rank, world_size, stage, out, save_steps=None, resume=None, save_mode
         trainer.save_model(save_model)
     wrapped = type(trainer.model_wrapped).__name__
     probe = _probe(trainer.model)
-    if stage is not None:  # gradients were reduced once per optimizer step, not once per micro-batch
+    if stage is not None and world_size > 1:  # gradients reduced once per optimizer step, not per micro-batch
         opt = trainer.sharded_optimizer
         accumulated = opt.comm_bytes()["reduce_scatter"]
         x = tokens(BATCH, seed=3)
