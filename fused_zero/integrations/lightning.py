@@ -279,7 +279,7 @@ class ZeroStrategy(DDPStrategy):
         """The full state dict on every rank (at stage 3 gathered: a collective, as dump_checkpoint runs on all)."""
         opt = self.zero_optimizer
         module = self.lightning_module
-        if opt is None or opt.config.stage != 3:
+        if opt is None or opt.config.stage != 3 or opt._closed:  # closed after fit: full parameters again
             return module.state_dict()
         with opt.full_parameters():
             return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
@@ -288,7 +288,10 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer) -> dict:
         """``optimizer.state_dict()``: torch AdamW's format, whole, on every rank (collective)."""
         opt = _unwrap(optimizer)
-        return opt.state_dict()
+        if opt._closed and opt.config.offload_optimizer == "nvme":
+            raise RuntimeError("the fit ended and the ShardedOptimizer removed its NVMe scratch files: save "
+                               "checkpoints during fit (ModelCheckpoint, or trainer.save_checkpoint in a callback)")
+        return opt.state_dict()  # after fit too: the closed optimizer still holds its shards
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Every rank loads the whole dict (any world size or stage wrote it; plain AdamW's too)."""
@@ -301,7 +304,9 @@ class ZeroStrategy(DDPStrategy):
 
     # -- the end ------------------------------------------------------------
     def teardown(self) -> None:
-        """Close the optimizer: at stage 3 every parameter gets its full value back (collective).
+        """Close the optimizer: at stage 3 every parameter gets its full value back (collective), so
+        after fit the LightningModule is a plain model (test, predict, state_dict, a new fit) and
+        ``trainer.save_checkpoint`` still saves the optimizer's state.
 
         After an exception the stage-3 model keeps its shards (a collective could hang on a rank
         that failed): load a checkpoint instead.
