@@ -32,6 +32,7 @@ fused_zero never does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -136,6 +137,7 @@ def _track_step_called(opt) -> None:
     opt_ref = ref(opt)
     func = opt.step.__func__
 
+    @functools.wraps(func)  # GradScaler reads step()'s signature (its grad_scaler= argument) through it
     def wrapper(*args, **kwargs):
         o = opt_ref()
         o._opt_called = True
