@@ -36,7 +36,7 @@ import functools
 import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 from weakref import ref
 
 import torch
