@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import torch
 
@@ -44,4 +45,36 @@ def torchrun_without_process_group() -> str | None:
         return (f"WORLD_SIZE={world} (torchrun or another launcher started {world} ranks) but torch.distributed "
                 "is not initialised, so every rank would train alone on its own data: call "
                 "torch.distributed.init_process_group() before building the optimizer (or pass process_group=)")
+    return None
+
+
+def lightning_without_strategy(params: list[torch.nn.Parameter], module=None) -> str | None:
+    """A message if ``params`` belong to a LightningModule that a Lightning Trainer runs with a
+    strategy other than ``fused_zero.integrations.lightning.ZeroStrategy``.
+
+    Lightning's own strategies clip ``.grad`` (None at stages 2-3), accumulate with DDP's
+    ``no_sync``, never call the module's forward (stage 3 gathers around it) and save
+    ``optimizer.state_dict()`` on one rank (it is collective): each would train silently wrong
+    or hang. Costs nothing unless lightning is imported; then one scan of the garbage
+    collector's objects, once, when the optimizer is built.
+    """
+    classes = tuple(getattr(sys.modules[name], "LightningModule", None) for name in ("lightning.pytorch",
+                    "pytorch_lightning") if name in sys.modules)
+    classes = tuple(c for c in classes if isinstance(c, type))
+    if not classes:
+        return None
+    mine = {id(p) for p in params}
+    found = [module] if isinstance(module, classes) else \
+        [obj for obj in gc.get_objects() if isinstance(obj, classes)
+         and any(id(p) in mine for p in obj.parameters())]
+    for lm in found:
+        trainer = lm.__dict__.get("_trainer")
+        strategy = getattr(trainer, "strategy", None)
+        if trainer is not None and not getattr(strategy, "_fused_zero_strategy", False):
+            return (f"a Lightning Trainer with {type(strategy).__name__} fits this LightningModule: Lightning's own "
+                    "strategies clip and accumulate through .grad and DDP, never call forward (stage 3 gathers "
+                    "there) and save the optimizer's (collective) state_dict on one rank, so a ShardedOptimizer "
+                    "would train wrong. Use L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy("
+                    "stage=...)) and return torch.optim.AdamW (or Adam) from configure_optimizers: the strategy "
+                    "builds the ShardedOptimizer")
     return None

@@ -29,7 +29,7 @@ from .config import ZeroConfig
 from .grad_sync import GradSync
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
-from .habits import ddp_wrapping
+from .habits import ddp_wrapping, lightning_without_strategy
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
@@ -145,6 +145,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
         if self.grad_sync is None:  # first build: a previous optimizer over these parameters steps aside
             params = [p for g in self.param_groups for p in g["params"]]
+            message = lightning_without_strategy(params, self.module)  # on every rank, before any collective
+            if message is not None:
+                raise RuntimeError(message)
             for previous in claim(self, params):
                 previous.close()
             self.comm.check_same(self._agreed(), "optimizer options and hyperparameters",
