@@ -79,22 +79,33 @@ def sharded_from_torch(optimizer: torch.optim.Optimizer, config: ZeroConfig, mod
     return new
 
 
-def _track_steps(optimizer) -> None:
-    """What torch's LRScheduler does to the optimizer it is given: mark ``optimizer.step`` as called."""
+def track_step_called(optimizer) -> None:
+    """What torch's LRScheduler does to the optimizer it is built with: mark ``optimizer.step`` as called.
+
+    The wrapper keeps step()'s signature visible (GradScaler looks for its ``grad_scaler=``).
+    """
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return
-    step = optimizer.step
     ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__
 
-    @functools.wraps(step)
+    @functools.wraps(func)
     def wrapper(*args, **kwargs):
         opt = ref()
-        if opt is not None:
-            opt._opt_called = True
-        return step(*args, **kwargs)
+        opt._opt_called = True
+        return func.__get__(opt, type(opt))(*args, **kwargs)
 
     wrapper._wrapped_by_lr_sched = True
     optimizer.step = wrapper
+
+
+def _point(scheduler, old, new) -> bool:
+    found = getattr(scheduler, "optimizer", None) is old
+    if found:
+        scheduler.optimizer = new
+    for inner in getattr(scheduler, "_schedulers", ()) or ():  # SequentialLR, ChainedScheduler
+        found = _point(inner, old, new) or found
+    return found
 
 
 def repoint_scheduler(scheduler, old, new) -> bool:
@@ -102,11 +113,7 @@ def repoint_scheduler(scheduler, old, new) -> bool:
 
     Returns whether anything pointed at ``old``.
     """
-    found = False
-    for sched in [scheduler, *getattr(scheduler, "_schedulers", ())]:
-        if getattr(sched, "optimizer", None) is old:
-            sched.optimizer = new
-            found = True
+    found = _point(scheduler, old, new)
     if found:
-        _track_steps(new)
+        track_step_called(new)
     return found

@@ -32,12 +32,10 @@ fused_zero never does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional
-from weakref import ref
 
 import torch
 from torch import nn
@@ -52,6 +50,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 from ..config import ZeroConfig  # noqa: E402
+from ._torch_optim import repoint_scheduler  # noqa: E402
 from ..optimizer import ShardedOptimizer  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
@@ -128,31 +127,6 @@ def _with_zero_clipping(plugin):
         _PLUGIN_CLASSES[cls] = sub
     plugin.__class__ = _PLUGIN_CLASSES[cls]
     return plugin
-
-
-def _track_step_called(opt) -> None:
-    """What torch's LRScheduler does to the optimizer it is built with, for the one it is moved to."""
-    if hasattr(opt.step, "_wrapped_by_lr_sched"):
-        return
-    opt_ref = ref(opt)
-    func = opt.step.__func__
-
-    @functools.wraps(func)  # GradScaler reads step()'s signature (its grad_scaler= argument) through it
-    def wrapper(*args, **kwargs):
-        o = opt_ref()
-        o._opt_called = True
-        return func.__get__(o, o.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True
-    opt.step = wrapper
-
-
-def _repoint(scheduler, old, new) -> None:
-    """Point a scheduler (and those it chains) from ``old`` to ``new``."""
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-    for inner in getattr(scheduler, "_schedulers", ()) or ():
-        _repoint(inner, old, new)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -239,9 +213,7 @@ class ZeroStrategy(DDPStrategy):
                              "return a fresh optimizer; to resume, use trainer.fit(model, ckpt_path=...)")
         new = self._build_optimizer(old)
         for config in self.lr_scheduler_configs:
-            _repoint(config.scheduler, old, new)
-        if self.lr_scheduler_configs:
-            _track_step_called(new)
+            repoint_scheduler(config.scheduler, old, new)
         self.optimizers = [new]
 
     def _build_optimizer(self, old: torch.optim.Optimizer) -> ShardedOptimizer:

@@ -53,7 +53,7 @@ def _train(rank, world_size, stage, out, save_steps=None, resume=None, save_mode
     from fused_zero import ZeroConfig
     from fused_zero.integrations.transformers import ZeroTrainer
 
-    logs, probes = [], []
+    probes = []
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
