@@ -59,14 +59,17 @@ def _run(tier: str, folder: str) -> dict:
 def offload_results():
     folder = os.environ.get("FUSED_ZERO_OFFLOAD_DIR") or tempfile.mkdtemp()
     runs = {c: [] for c in CONFIGS}
+    load_before = os.getloadavg()[0]  # a shared machine: the figures are only as steady as its load
     for _ in range(ROUNDS):
         for c in CONFIGS:
             runs[c].append(_run(c, folder))
+    load_after = os.getloadavg()[0]
     res = {c: {"step_s": statistics.median(r["step_s"] for r in rs), "peak_rss": min(r["peak_rss"] for r in rs),
                "params": rs[0]["params"], "mem": rs[0]["mem"]} for c, rs in runs.items()}
     state = 12 * res["none"]["params"]
     print(f"\noffload, CPU, world 1, {res['none']['params'] / 1e6:.1f}M fp32 params, optimizer state "
-          f"{state / 2**20:.0f} MiB; {ROUNDS} alternating rounds of {STEPS} steps")
+          f"{state / 2**20:.0f} MiB; {ROUNDS} alternating rounds of {STEPS} steps; 1-minute load average "
+          f"{load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} CPUs")
     for c in CONFIGS:
         r = res[c]
         saved = res["none"]["peak_rss"] - r["peak_rss"]

@@ -35,9 +35,11 @@ class ZeroConfig:
     offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq of this
         rank's shard live and the update runs: None (beside the parameters),
         "cpu" (host memory) or "nvme" (files under ``nvme_path``).
-    offload_params: stage-3 parameter offload: not available yet (only None).
-    nvme_path: the folder for ``offload_optimizer="nvme"`` (checked writable
-        when the optimizer is built).
+    offload_params: stage 3: where the narrow param shard each rank keeps between
+        gathers lives: None (beside the parameters), "cpu" (host memory) or
+        "nvme" (a file under ``nvme_path``); brought back for each gather.
+    nvme_path: the folder for ``offload_optimizer="nvme"`` and
+        ``offload_params="nvme"`` (checked writable when the optimizer is built).
     offload_chunk_numel: elements per staged chunk of the offloaded states
         (host staging memory is a few chunks per state kind).
     """
@@ -76,11 +78,15 @@ class ZeroConfig:
             raise ValueError(f"max_live_units must be an int >= 1, got {self.max_live_units!r}")
         if self.offload_optimizer not in (None, "cpu", "nvme"):
             raise ValueError(f'offload_optimizer must be None, "cpu" or "nvme", got {self.offload_optimizer!r}')
-        if self.offload_params is not None:
-            raise ValueError("offload_params (stage-3 parameter shards on the host or NVMe) is not available yet; "
-                             'offload_optimizer="cpu" or "nvme" moves the optimizer states and the update')
-        if self.offload_optimizer == "nvme" and self.nvme_path is None:
-            raise ValueError('offload_optimizer="nvme" needs nvme_path=, a folder on a fast local disk')
+        if self.offload_params not in (None, "cpu", "nvme"):
+            raise ValueError(f'offload_params must be None, "cpu" or "nvme", got {self.offload_params!r}')
+        if self.offload_params is not None and self.stage != 3:
+            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1-2 keep every "
+                             f"parameter whole on every rank; got stage={self.stage}): pass stage=3 and the model, "
+                             'or offload_optimizer="cpu"/"nvme" to move the optimizer states at this stage')
+        for option in ("offload_optimizer", "offload_params"):
+            if getattr(self, option) == "nvme" and self.nvme_path is None:
+                raise ValueError(f'{option}="nvme" needs nvme_path=, a folder on a fast local disk')
         if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel < 1:
             raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

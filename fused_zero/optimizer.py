@@ -199,7 +199,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._hooks.remove()
         self._stage.close()
         for part in self.partitions:
-            part.store.close()
+            part.close()
         self._closed = True
         release(self, list(getattr(self, "_params", ())))
 
@@ -370,7 +370,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- accounting and state ---------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model state, by kind; offloaded states under "host" or "nvme"."""
+        """Bytes this rank holds for the model state, by kind; offloaded states and stage-3 parameter shards
+        under their tier, "host" or "nvme" (on disk)."""
         totals = dict.fromkeys(["params", "grads", "master", "exp_avg", "exp_avg_sq", "buffers"], 0)
         for part in self.partitions:
             b = part.shard_bytes()
@@ -380,8 +381,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
                 where = kind if part.store.tier == "device" else part.store.tier
                 totals[where] = totals.get(where, 0) + b[kind]
-            # stage 3: the narrow param shard is the resident copy of the params
+            # stage 3: the narrow param shard is the resident copy of the params (offloaded: under its tier)
             totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
+            if part.param_tier != "device":
+                totals[part.param_tier] = totals.get(part.param_tier, 0) + b["param_shard_offloaded"]
         totals["buffers"] += self.grad_sync.buffer_bytes()
         return totals
 

@@ -14,12 +14,14 @@ its back (``adopt_outside_changes``: ``model.to()`` that copied, ``p.data = t``,
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 from .layout import Bucket, FlatLayout, ShardPiece
+from .param_store import DeviceParamShard, OwnSlices, ParamShard
 from .store import DeviceStore, ShardStore
 
 
@@ -35,13 +37,18 @@ class PartitionIndex(NamedTuple):
 
 
 StoreFactory = Callable[[int, torch.device, bool], ShardStore]
+#: (numel, dtype, params' device, the update kernel's device) -> the narrow param shard's owner
+ParamShardFactory = Callable[[int, torch.dtype, torch.device, torch.device], ParamShard]
 
 
 class Partition:
     """The flat buffers of the parameters of one (param group, dtype)."""
 
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], layout: FlatLayout, rank: int,
-                 reduce_dtype: torch.dtype, amsgrad: bool = False, store: StoreFactory = DeviceStore) -> None:
+                 reduce_dtype: torch.dtype, amsgrad: bool = False, store: StoreFactory = DeviceStore,
+                 param_shard: ParamShardFactory | None = None) -> None:
+        """``param_shard``: where the narrow param shard lives while the flat buffer is released (stage 3);
+        None keeps the flat buffer resident (stages 1-2)."""
         self.group_index = group_index
         self.params = params
         # Kept: stage 3 points released parameters at empty tensors.
@@ -60,11 +67,20 @@ class Partition:
         self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=self.device)
         self._versions: list[int] = []
         self._ptrs: list[int] = []
-        # Narrow params are written back by the fused kernel into a contiguous
-        # shard, then all-gathered; fp32 params are gathered from the master.
-        self.param_shard = None
-        if self.dtype != torch.float32 or self.store.gather_source() is None:
-            self.param_shard = torch.empty(n, dtype=self.dtype, device=self.device)
+        # Narrow params are written back by the fused kernel into a narrow param shard, then
+        # all-gathered; fp32 params whose master is on their device are gathered from the master.
+        # With offloaded states and a resident flat buffer (stages 1-2) the shard is this rank's own
+        # slices of the flat buffer: no copy of the parameters beside them.
+        self.pshard: ParamShard | None = None
+        offloaded = self.store.gather_source() is None
+        if self.dtype != torch.float32 or offloaded:
+            if param_shard is not None:
+                kernel_device = self.device if self.store.tier == "device" else torch.device("cpu")
+                self.pshard = param_shard(n, self.dtype, self.device, kernel_device)
+            elif offloaded:
+                self.pshard = OwnSlices(self.flat, layout, rank)
+            else:
+                self.pshard = DeviceParamShard(n, self.dtype, self.device)
         self.bind()
 
     # -- the parameters as views of the flat buffer ---------------------------
@@ -169,8 +185,8 @@ class Partition:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
                 self.store.write("master", piece.shard_offset, v.to(device=self.device, dtype=torch.float32))
-                if self.param_shard is not None:
-                    self.param_shard[piece.shard_offset: piece.shard_offset + piece.numel].copy_(v)
+                if self.pshard is not None and not isinstance(self.pshard, OwnSlices):  # own slices hold v
+                    self.pshard.write(piece.shard_offset, v)
 
     # -- shards ------------------------------------------------------------
     @torch.no_grad()
@@ -182,15 +198,49 @@ class Partition:
         """
         for b in self.layout.buckets:
             self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
-        if self.param_shard is not None:
+        if self.pshard is not None and not isinstance(self.pshard, OwnSlices):
             for b in self.layout.buckets:
-                self.shard(self.param_shard, b).copy_(self.bucket(self.flat, b)[self._own(b)])
+                self.pshard.write(b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
 
     @torch.no_grad()
     def param_shard_from_master(self) -> None:
-        """The narrow param shard <- the master (rounded): after the master was written directly."""
-        if self.param_shard is not None:
-            self.param_shard.copy_(self.store.read("master", 0, self.layout.shard_numel))
+        """The narrow param shard <- the master (rounded): after the master was written directly.
+
+        With own slices that is the parameters themselves (a rolled-back step puts them back)."""
+        if self.pshard is not None:
+            self.pshard.write(0, self.store.read("master", 0, self.layout.shard_numel).to(self.dtype))
+            if isinstance(self.pshard, OwnSlices):
+                self.mark_synced()
+
+    def update_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` cut where the narrow param shard needs it (``ParamShard.edges``: bucket edges for own
+        slices, every chunk for a staged tier). Cuts fall on multiples of ALIGN, which keeps the update
+        bitwise that of the uncut one."""
+        edges = [] if self.pshard is None else self.pshard.edges()
+        if not edges:
+            return ranges
+        out = []
+        for a, z in ranges:
+            i = bisect.bisect_right(edges, a)
+            while i < len(edges) and edges[i] < z:
+                out.append((a, edges[i]))
+                a, i = edges[i], i + 1
+            out.append((a, z))
+        return out
+
+    def param_sink(self):
+        """What the update writes the narrow params into (``[a:b]``), or None (fp32 gathered from the master)."""
+        return None if self.pshard is None else self.pshard.sink()
+
+    def fetch_params(self) -> None:
+        """Stage 3: start bringing the param shard to the device for the next gather (a prefetch)."""
+        if self.pshard is not None:
+            self.pshard.fetch()
+
+    def drop_fetched(self) -> None:
+        """Stage 3: the gather is done (or stale): drop the shard's staged copy."""
+        if self.pshard is not None:
+            self.pshard.drop()
 
     def bucket(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """The view of a full-size flat buffer that bucket ``b`` covers."""
@@ -202,7 +252,9 @@ class Partition:
 
     def gather_source(self, b: Bucket) -> torch.Tensor:
         """What this rank contributes to bucket ``b``'s all-gather of params."""
-        return self.shard(self.store.gather_source() if self.param_shard is None else self.param_shard, b)
+        if self.pshard is None:
+            return self.shard(self.store.gather_source(), b)
+        return self.pshard.source(b.shard_offset, b.shard_offset + b.shard_numel)
 
     def _own(self, b: Bucket) -> slice:
         return slice(self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel)
@@ -215,5 +267,18 @@ class Partition:
         def nbytes(t):
             return 0 if t is None else t.untyped_storage().nbytes()
 
+        shard = 0 if self.pshard is None else self.pshard.nbytes()
         return {"params": nbytes(self.flat), "grad_shard": nbytes(self.grad_shard),
-                "param_shard": nbytes(self.param_shard), **self.store.nbytes()}
+                "param_shard": shard if self.param_tier == "device" else 0,
+                "param_shard_offloaded": 0 if self.param_tier == "device" else shard, **self.store.nbytes()}
+
+    @property
+    def param_tier(self) -> str:
+        """Where the narrow param shard lives: "device", "host" or "nvme"."""
+        return "device" if self.pshard is None else self.pshard.tier
+
+    def close(self) -> None:
+        """Give back the files the states and the param shard hold."""
+        self.store.close()
+        if self.pshard is not None:
+            self.pshard.close()

@@ -161,6 +161,8 @@ class ParamGatherer:
         if u.gathered or u.handles is not None:
             return
         handles = []
+        for part in u.parts:  # an offloaded param shard: start every read before the first gather waits
+            part.fetch_params()
         for part in u.parts:
             part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
             part.materialize()
@@ -175,6 +177,7 @@ class ParamGatherer:
             h.wait()
         u.handles = None
         for part in u.parts:
+            part.drop_fetched()  # an offloaded param shard's staged copy
             part.point_params()
             part.mark_synced()
         u.gathered = True
@@ -214,6 +217,9 @@ class ParamGatherer:
         while self._cursor < len(self._order) and self._live() < self.max_live_units:
             self._issue(self.units[self._order[self._cursor]])
             self._cursor += 1
+        if self._cursor < len(self._order):  # offloaded param shards: read the next unit's ahead of its gather
+            for part in self.units[self._order[self._cursor]].parts:
+                part.fetch_params()
 
     def _drain(self) -> None:
         """Issue what the schedule has left (units this rank skipped) and wait for it."""
@@ -368,6 +374,8 @@ class ParamGatherer:
         """The shards changed (a step, a load): drop every gathered copy."""
         for u in self.units:
             self._release(u)
+            for part in u.parts:
+                part.drop_fetched()  # read ahead before the shards changed
         self.peak_bytes = self.gathered_bytes()
 
     @contextmanager

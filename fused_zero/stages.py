@@ -27,6 +27,7 @@ from .collectives import Comm
 from .config import ALIGN, ZeroConfig
 from .grad_sync import GradPolicy
 from .layout import build_layout
+from .param_store import DeviceParamShard, HostParamShard, NvmeParamShard
 from .param_sync import ParamSync
 from .partition import Partition
 from .stage3 import ParamGatherer
@@ -81,7 +82,8 @@ class Stage1:
         """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config))
+                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config),
+                         param_shard=param_shard_factory(self.config) if self.shards_params else None)
         if self.comm.world_size > 1:
             self.comm.broadcast(part.flat, src=0)
             part.load_master_from_params()
@@ -89,7 +91,7 @@ class Stage1:
 
     def check_offload(self) -> None:
         """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
-        if self.config.offload_optimizer == "nvme":
+        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
             self.comm.agree(lambda: check_nvme_path(self.config.nvme_path))
 
     # -- the training loop --------------------------------------------------
@@ -215,6 +217,15 @@ def store_factory(config: ZeroConfig):
     if config.offload_optimizer == "nvme":
         return functools.partial(NvmeStore, path=config.nvme_path, chunk_numel=config.offload_chunk_numel)
     return DeviceStore
+
+
+def param_shard_factory(config: ZeroConfig):
+    """Stage 3: the owner of each partition's narrow param shard for ``config.offload_params``."""
+    if config.offload_params == "cpu":
+        return functools.partial(HostParamShard, chunk_numel=config.offload_chunk_numel)
+    if config.offload_params == "nvme":
+        return functools.partial(NvmeParamShard, chunk_numel=config.offload_chunk_numel, path=config.nvme_path)
+    return DeviceParamShard
 
 
 def make_stage(comm: Comm, config: ZeroConfig) -> Stage1:

@@ -28,6 +28,8 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
     except BaseException:
         for part in partitions:
             part.store.rollback()
+            if part.pshard is not None:
+                part.pshard.discard()
             part.param_shard_from_master()
         for p in advanced:
             state[p]["step"] -= 1
@@ -60,12 +62,15 @@ def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bo
                  maximize=bool(group.get("maximize", False)))
     runs = _runs(part, steps)
     starts = [a for a, _, _ in runs]
-    for chunk in part.store.update_chunks([(a, b) for a, b, _ in runs], part.grad_shard, part.param_shard):
+    sink = part.param_sink()
+    for chunk in part.store.update_chunks(part.update_ranges([(a, b) for a, b, _ in runs]), part.grad_shard, sink):
         step = runs[bisect.bisect_right(starts, chunk.start) - 1][2]  # a chunk lies inside one run
         scale = grad_scale if grad_scale is None else grad_scale.to(chunk.master.device)
         extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if amsgrad else {}
         ops.adamw_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
                    param_out=chunk.param_out, grad_scale=scale, **hyper, **extra)
+    if part.pshard is not None:
+        part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
 
 def _runs(part: Partition, steps: dict) -> list[tuple[int, int, int]]:
     """Maximal [start, end) shard ranges of active params sharing a step count.

@@ -1,0 +1,168 @@
+"""Stage-3 parameter offload (offload_params="cpu" | "nvme"): bitwise the run without offload.
+
+- 2 gloo ranks, stage 3, 10 steps in lockstep with the same run without offload, parameters
+  bitwise equal after every step: fp32 models with the optimizer states offloaded too (the
+  param shard of fp32 parameters exists only then: otherwise they are gathered from the fp32
+  master on their device), and bf16 models without optimizer offload. 704-element chunks, so
+  the update's runs are cut as they never are in memory.
+- memory_bytes() counts the param shards under their tier; the scratch files are one per
+  partition, private (0600), never shared by two optimizers, removed on close and when collected.
+- a checkpoint saved with offload_params resumes without it, and the reverse, bitwise.
+- bad options refused when built; a failed read names the file.
+"""
+import errno
+import gc
+import os
+import stat
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _models import HYPER, TinyNet, batch, flags, loss_fn
+from fused_zero import ShardedOptimizer
+from fused_zero import checkpoint as ckpt
+
+CHUNK = dict(offload_chunk_numel=700)
+FP32 = [dict(), dict(offload_params="cpu", offload_optimizer="cpu", **CHUNK),
+        dict(offload_params="nvme", offload_optimizer="nvme", **CHUNK),
+        dict(offload_params="nvme", offload_optimizer="cpu", **CHUNK),
+        dict(offload_params="cpu", offload_optimizer="nvme", **CHUNK)]
+BF16 = [dict(), dict(offload_params="cpu", **CHUNK), dict(offload_params="nvme", **CHUNK)]
+
+
+def _build(model, folder=None, **kw):
+    if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_params")):
+        kw["nvme_path"] = folder
+    return ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000, **kw)
+
+
+def _step(model, opt, t, rank):
+    opt.zero_grad()
+    x, y = batch(t, rank)
+    loss_fn(model(x.to(next(model.parameters()).dtype), **flags(t, rank)), y).backward()
+    opt.step()
+
+
+def _params(model, opt):
+    with opt.full_parameters():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _lockstep(rank, world_size, folder):
+    out = {}
+    for name, dtype, configs in (("fp32", torch.float32, FP32), ("bf16", torch.bfloat16, BF16)):
+        own = os.path.join(folder, f"{name}-rank{rank}")
+        os.makedirs(own)
+        models = [TinyNet(dtype=dtype) for _ in configs]
+        opts = [_build(m, own, **kw) for m, kw in zip(models, configs)]
+        unequal = []
+        for t in range(10):
+            for m, o in zip(models, opts):
+                _step(m, o, t, rank)
+            ref = _params(models[0], opts[0])
+            for i in range(1, len(configs)):
+                if not all(torch.equal(a, b) for a, b in zip(ref, _params(models[i], opts[i]))):
+                    unequal.append((t, i))
+        files = sorted(os.listdir(own))
+        modes = {stat.S_IMODE(os.stat(os.path.join(own, f)).st_mode) for f in files}
+        out[name] = {"unequal": unequal, "mem": [o.memory_bytes() for o in opts], "files": files, "modes": modes,
+                     "partitions": [len(o.partitions) for o in opts],
+                     "shard_bytes": [sum(part.layout.shard_numel for part in o.partitions) * m.inp.weight.element_size()
+                                     for o, m in zip(opts, models)]}
+        for o in opts:
+            o.close()
+        out[name]["files_after_close"] = os.listdir(own)
+    return out
+
+
+def test_offload_params_is_bitwise_the_run_without(tmp_path):
+    for r in run_ranks(_lockstep, 2, str(tmp_path), timeout=240):
+        for name, configs in (("fp32", FP32), ("bf16", BF16)):
+            res = r[name]
+            assert res["unequal"] == [], name
+            ref = res["mem"][0]
+            states = ref["master"] + ref["exp_avg"] + ref["exp_avg_sq"]
+            for kw, mem, parts, shard in zip(configs[1:], res["mem"][1:], res["partitions"][1:],
+                                             res["shard_bytes"][1:]):
+                tiers = {"host": 0, "nvme": 0}
+                tiers[{"cpu": "host", "nvme": "nvme"}[kw["offload_params"]]] += shard
+                if kw.get("offload_optimizer"):
+                    tiers[{"cpu": "host", "nvme": "nvme"}[kw["offload_optimizer"]]] += states
+                assert {k: mem.get(k, 0) for k in tiers} == tiers, (name, kw)
+                assert mem["params"] == 0 and mem["master"] == (0 if kw.get("offload_optimizer") else ref["master"])
+            n_params = sum(p for kw, p in zip(configs, res["partitions"]) if kw.get("offload_params") == "nvme")
+            n_states = sum(p for kw, p in zip(configs, res["partitions"]) if kw.get("offload_optimizer") == "nvme")
+            assert sum(f.endswith(".params") for f in res["files"]) == n_params > 0
+            assert sum(f.endswith(".states") for f in res["files"]) == n_states
+            assert len(res["files"]) == n_params + n_states and (not res["files"] or res["modes"] == {0o600})
+            assert res["files_after_close"] == []
+
+
+def _resume(rank, world_size, folder):
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own, exist_ok=True)
+    out = {}
+    offloaded = FP32[2]
+    for name, first, second in (("offloaded->none", offloaded, FP32[0]), ("none->offloaded", FP32[0], offloaded)):
+        ref = TinyNet()
+        ref_opt = _build(ref, own)
+        for t in range(6):
+            _step(ref, ref_opt, t, rank)
+        model = TinyNet()
+        opt = _build(model, own, **first)
+        for t in range(3):
+            _step(model, opt, t, rank)
+        path = os.path.join(folder, name)
+        ckpt.save(path, model, opt)
+        resumed = TinyNet(seed=9)
+        ropt = _build(resumed, own, **second)
+        ckpt.load(path, resumed, ropt)
+        for t in range(3, 6):
+            _step(resumed, ropt, t, rank)
+        out[name] = all(torch.equal(a, b) for a, b in zip(_params(ref, ref_opt), _params(resumed, ropt)))
+        for o in (ref_opt, opt, ropt):
+            o.close()
+    return out
+
+
+def test_checkpoint_resumes_across_offload_params(tmp_path):
+    for r in run_ranks(_resume, 2, str(tmp_path), timeout=240):
+        assert r == {"offloaded->none": True, "none->offloaded": True}
+
+
+def test_bad_offload_params_are_refused(tmp_path):
+    model = TinyNet()
+    with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3"):
+        ShardedOptimizer(model.parameters(), stage=2, offload_params="cpu")
+    with pytest.raises(ValueError, match="offload_params='nvme' needs stage=3"):
+        ShardedOptimizer(model.parameters(), stage=1, offload_params="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match='offload_params="nvme" needs nvme_path'):
+        ShardedOptimizer(model, stage=3, offload_params="nvme")
+    with pytest.raises(ValueError, match="offload_params must be"):
+        ShardedOptimizer(model, stage=3, offload_params="disk")
+    with pytest.raises(ValueError, match="not a folder"):
+        ShardedOptimizer(model, stage=3, offload_params="nvme", nvme_path=str(tmp_path / "missing"))
+
+
+def test_param_files_are_private_removed_and_errors_name_them(tmp_path, monkeypatch):
+    a, b = TinyNet(dtype=torch.bfloat16), TinyNet(seed=1, dtype=torch.bfloat16)
+    opt_a = _build(a, str(tmp_path), **BF16[2])
+    opt_b = _build(b, str(tmp_path), **BF16[2])  # the same folder: files of its own
+    files = os.listdir(tmp_path)
+    assert len(files) == len(set(files)) == len(opt_a.partitions) + len(opt_b.partitions)
+    _step(a, opt_a, 0, 0)
+    opt_a.close()
+    assert len(os.listdir(tmp_path)) == len(opt_b.partitions)
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "preadv", failing)
+    x, y = batch(0, 0)
+    with pytest.raises(OSError, match=r"fused_zero-.*\.params.*Input/output error"):
+        b(x.to(torch.bfloat16))
+    monkeypatch.setattr(os, "preadv", real)
+    del opt_b, b
+    gc.collect()
+    assert os.listdir(tmp_path) == []
