@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _replay import ReplayClock, show  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -142,26 +143,13 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-class ReplayClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 CLOCK = ReplayClock()
 
 
 @pytest.fixture(scope="module")
 def results(request):
     result = run_cpu()
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled():
-        print("\n" + format_table(result))
+    show(request, format_table(result))
     return result
 
 

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from _replay import ReplayClock, show  # noqa: E402
 
 WORLD = 2
 CFG = GPTConfig(vocab=4096, d_model=256, n_layer=4, n_head=4, seq_len=128)
@@ -189,28 +190,13 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-class ReplayClock:
-    """pytest-benchmark's timer: a virtual time the benchmarked callable advances by one in-rank step."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 CLOCK = ReplayClock()
 
 
 @pytest.fixture(scope="module")
 def lightning_results(request):
     result = run_cpu()
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled():
-        print("\n" + format_table(result))
+    show(request, format_table(result))
     return result
 
 

@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from _replay import ReplayClock, show  # noqa: E402
 
 try:
     from fused_zero import ShardedOptimizer
@@ -247,29 +248,13 @@ def format_table(result: dict, cfg: GPTConfig = CFG, steps: int = STEPS, warmup:
 
 # ----------------------------------------------------------------------------- pytest
 
-class ReplayClock:
-    """pytest-benchmark's timer for the CPU suite: reads a virtual time that the benchmarked
-    callable advances by one step time measured inside the ranks."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 CLOCK = ReplayClock()
 
 
 @pytest.fixture(scope="module")
 def cpu_results(request):
     result = run_cpu()
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    with capman.global_and_fixture_disabled():
-        print("\n" + format_table(result))
+    show(request, format_table(result))
     return result
 
 
