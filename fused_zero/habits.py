@@ -28,9 +28,8 @@ def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
                     "them a second time and fight over .grad). Pass the bare model. HF Trainer, Lightning "
                     "and Accelerate wrap it in DDP themselves: use their fused_zero integration instead, "
                     "fused_zero.integrations.transformers.ZeroTrainer, "
-                    "L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)), or the "
-                    "Accelerate recipe (fused_zero.integrations.accelerate; do not pass the model to "
-                    "accelerator.prepare)")
+                    "L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)), or "
+                    "fused_zero.integrations.accelerate.ZeroAccelerator in place of accelerate.Accelerator")
     return None
 
 
@@ -77,4 +76,43 @@ def lightning_without_strategy(params: list[torch.nn.Parameter], module=None) ->
                     "would train wrong. Use L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy("
                     "stage=...)) and return torch.optim.AdamW (or Adam) from configure_optimizers: the strategy "
                     "builds the ShardedOptimizer")
+    return None
+
+
+def framework_without_integration(optimizer) -> str | None:
+    """A message if a plain HF Trainer or accelerate.Accelerator drives ``optimizer``.
+
+    Trainer clips through ``accelerator.clip_grad_norm_(model.parameters())``, i.e. over ``.grad``
+    (each rank's local gradient at stage 1, None at stages 2-3: nothing is clipped), and Accelerate's
+    ``clip_grad_norm_`` does the same: both would train silently wrong. ZeroTrainer and
+    ZeroAccelerator route them through the optimizer. Costs nothing unless transformers or
+    accelerate is imported; then one scan of the garbage collector's objects, once.
+    """
+    trainer_mod, acc_mod = sys.modules.get("transformers"), sys.modules.get("accelerate")
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None) if trainer_mod else None
+    acc_cls = getattr(acc_mod, "Accelerator", None) if acc_mod else None
+    if trainer_cls is None and acc_cls is None:
+        return None
+    classes = tuple(c for c in (trainer_cls, acc_cls) if isinstance(c, type))
+
+    def drives(obj) -> bool:
+        opts = [getattr(obj, "optimizer", None)] + list(getattr(obj, "_optimizers", ()) or ())
+        for opt in opts:
+            for _ in range(4):  # through AcceleratedOptimizer and similar wrappers
+                if opt is optimizer:
+                    return True
+                opt = getattr(opt, "optimizer", None)
+        return False
+
+    for obj in gc.get_objects():
+        if isinstance(obj, classes) and not getattr(type(obj), "_fused_zero_integration", False) and drives(obj):
+            if trainer_cls is not None and isinstance(obj, trainer_cls):
+                return ("a plain transformers.Trainer drives this ShardedOptimizer: Trainer clips .grad "
+                        "(None at stages 2-3, each rank's own at stage 1) and accumulates with DDP, so it would "
+                        "train silently wrong. Use fused_zero.integrations.transformers.ZeroTrainer(..., "
+                        "zero=fused_zero.ZeroConfig(stage=...)) (it builds the optimizer from TrainingArguments)")
+            return ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
+                    "(None at stages 2-3) and its no_sync does not reach the optimizer. Use "
+                    "fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig(stage=...)) "
+                    "in place of Accelerator, and pass it the model with a torch.optim.AdamW")
     return None

@@ -29,7 +29,7 @@ from .config import ZeroConfig
 from .grad_sync import GradSync
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
-from .habits import ddp_wrapping, lightning_without_strategy
+from .habits import ddp_wrapping, framework_without_integration, lightning_without_strategy
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
@@ -238,6 +238,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
         self._habits_checked = True
         message = ddp_wrapping(list(self._params)) if self.comm.world_size > 1 else None
+        message = message or framework_without_integration(self)
         if message is not None:
             raise RuntimeError(message)
 

@@ -77,6 +77,8 @@ class ZeroAccelerator(Accelerator):
     offload, ...; ``max_grad_norm`` is left to ``clip_grad_norm_``).
     """
 
+    _fused_zero_integration = True  # fused_zero.habits lets it drive a ShardedOptimizer
+
     def __init__(self, *args, zero: ZeroConfig | None = None, **kwargs) -> None:
         if zero is None:
             zero = ZeroConfig()

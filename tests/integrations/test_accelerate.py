@@ -91,3 +91,31 @@ def test_save_state_resumes_at_world_size_1(tmp_path, stage):
     assert len(resumed) == (STEPS - SAVE_AT) * ACCUM
     assert rel_close(resumed, full[SAVE_AT * ACCUM:], TOL) < TOL
     assert os.path.isdir(os.path.join(folder, "fused_zero"))
+
+
+def _plain_accelerator_with_sharded(rank, world_size, prepare_model):
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+
+    from fused_zero import ShardedOptimizer
+
+    acc = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    opt = ShardedOptimizer(model, lr=1e-3, stage=2)
+    if prepare_model:
+        model, opt = acc.prepare(model, opt)
+    else:
+        opt = acc.prepare(opt)
+    x = torch.randint(0, 96, (2, 16))
+    try:
+        acc.backward(model(input_ids=x, labels=x).loss)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world_size,prepare_model", [(1, False), (2, False), (2, True)])
+def test_plain_accelerator_with_a_sharded_optimizer_is_refused(world_size, prepare_model):
+    """A plain Accelerator clips .grad and wraps the model in DDP: refused, naming the integration."""
+    results = run_ranks(_plain_accelerator_with_sharded, world_size, prepare_model, timeout=120)
+    assert all(r is not None and "ZeroAccelerator" in r for r in results), results

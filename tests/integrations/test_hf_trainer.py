@@ -151,3 +151,27 @@ def _misuse(rank, world_size, case):
 def test_misuse_is_refused_on_every_rank(case, needle):
     results = run_ranks(_misuse, 2, case, timeout=120)
     assert all(r is not None and needle in r[1] for r in results), results
+
+
+def _plain_trainer_with_sharded(rank, world_size, stage):
+    launcher_env(rank, world_size)
+    from transformers import Trainer
+
+    from fused_zero import ShardedOptimizer
+
+    model = tiny_gpt2()
+    opt = ShardedOptimizer(model, lr=1e-3, stage=stage)
+    trainer = Trainer(model=model, args=_args("/tmp/unused", 2), train_dataset=TokenDataset(), optimizers=(opt, None))
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world_size,stage,needle", [(1, 2, "ZeroTrainer"), (1, 1, "ZeroTrainer"),
+                                                     (2, 2, "ZeroTrainer")])
+def test_plain_trainer_with_a_sharded_optimizer_is_refused(world_size, stage, needle):
+    """Trainer would clip .grad (None at stages 2-3) or wrap the model in DDP: never silently wrong."""
+    results = run_ranks(_plain_trainer_with_sharded, world_size, stage, timeout=120)
+    assert all(r is not None and needle in r for r in results), results
