@@ -47,72 +47,68 @@ def torchrun_without_process_group() -> str | None:
     return None
 
 
-def lightning_without_strategy(params: list[torch.nn.Parameter], module=None) -> str | None:
-    """A message if ``params`` belong to a LightningModule that a Lightning Trainer runs with a
-    strategy other than ``fused_zero.integrations.lightning.ZeroStrategy``.
+def _callers(depth: int = 64):
+    """The ``self`` of each calling frame, innermost first (a cheap look at who is calling)."""
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        obj = frame.f_locals.get("self")
+        if obj is not None:
+            yield obj
+        frame, depth = frame.f_back, depth - 1
 
-    Lightning's own strategies clip ``.grad`` (None at stages 2-3), accumulate with DDP's
-    ``no_sync``, never call the module's forward (stage 3 gathers around it) and save
-    ``optimizer.state_dict()`` on one rank (it is collective): each would train silently wrong
-    or hang. Costs nothing unless lightning is imported; then one scan of the garbage
-    collector's objects, once, when the optimizer is built.
+
+def lightning_without_strategy() -> str | None:
+    """A message if a Lightning strategy other than ZeroStrategy is building this optimizer.
+
+    Lightning calls ``configure_optimizers`` from its strategy's ``setup_optimizers``: that frame is
+    on the stack while the optimizer is built. Lightning's own strategies clip and accumulate
+    through ``.grad`` and DDP, never call the module's forward (stage 3 gathers there) and save the
+    optimizer's (collective) state_dict on one rank: each would train silently wrong or hang.
+    Costs nothing unless lightning is imported; then a walk up the calling frames.
     """
-    classes = tuple(getattr(sys.modules[name], "LightningModule", None) for name in ("lightning.pytorch",
-                    "pytorch_lightning") if name in sys.modules)
+    classes = tuple(getattr(sys.modules.get(name), "Strategy", None)
+                    for name in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"))
     classes = tuple(c for c in classes if isinstance(c, type))
     if not classes:
         return None
-    mine = {id(p) for p in params}
-    found = [module] if isinstance(module, classes) else \
-        [obj for obj in gc.get_objects() if isinstance(obj, classes)
-         and any(id(p) in mine for p in obj.parameters())]
-    for lm in found:
-        trainer = lm.__dict__.get("_trainer")
-        strategy = getattr(trainer, "strategy", None)
-        if trainer is not None and not getattr(strategy, "_fused_zero_strategy", False):
-            return (f"a Lightning Trainer with {type(strategy).__name__} fits this LightningModule: Lightning's own "
+    for obj in _callers():
+        if isinstance(obj, classes):
+            if getattr(obj, "_fused_zero_strategy", False):
+                return None
+            return (f"Lightning's {type(obj).__name__} is building this ShardedOptimizer: Lightning's own "
                     "strategies clip and accumulate through .grad and DDP, never call forward (stage 3 gathers "
-                    "there) and save the optimizer's (collective) state_dict on one rank, so a ShardedOptimizer "
-                    "would train wrong. Use L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy("
-                    "stage=...)) and return torch.optim.AdamW (or Adam) from configure_optimizers: the strategy "
-                    "builds the ShardedOptimizer")
+                    "there) and save the optimizer's (collective) state_dict on one rank, so it would train wrong. "
+                    "Use L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)) and return "
+                    "torch.optim.AdamW (or Adam) from configure_optimizers: the strategy builds the "
+                    "ShardedOptimizer")
     return None
 
 
 def framework_without_integration(optimizer) -> str | None:
-    """A message if a plain HF Trainer or accelerate.Accelerator drives ``optimizer``.
+    """A message if Accelerate's AcceleratedOptimizer, as a plain Accelerator or HF Trainer made it,
+    is stepping ``optimizer`` (called from ``step()``, once).
 
     Trainer clips through ``accelerator.clip_grad_norm_(model.parameters())``, i.e. over ``.grad``
-    (each rank's local gradient at stage 1, None at stages 2-3: nothing is clipped), and Accelerate's
-    ``clip_grad_norm_`` does the same: both would train silently wrong. ZeroTrainer and
-    ZeroAccelerator route them through the optimizer. Costs nothing unless transformers or
-    accelerate is imported; then one scan of the garbage collector's objects, once.
+    (each rank's local gradient at stage 1, None at stages 2-3: nothing is clipped), and a plain
+    Accelerator's ``clip_grad_norm_`` and ``no_sync`` do the same: both would train silently wrong.
+    ZeroAccelerator (under ZeroTrainer too) marks the optimizers it prepares. Costs nothing unless
+    accelerate is imported; then a walk up the calling frames.
     """
-    trainer_mod, acc_mod = sys.modules.get("transformers"), sys.modules.get("accelerate")
-    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None) if trainer_mod else None
-    acc_cls = getattr(acc_mod, "Accelerator", None) if acc_mod else None
-    if trainer_cls is None and acc_cls is None:
+    if getattr(optimizer, "_fused_zero_integration", False):
         return None
-    classes = tuple(c for c in (trainer_cls, acc_cls) if isinstance(c, type))
-
-    def drives(obj) -> bool:
-        opts = [getattr(obj, "optimizer", None)] + list(getattr(obj, "_optimizers", ()) or ())
-        for opt in opts:
-            for _ in range(4):  # through AcceleratedOptimizer and similar wrappers
-                if opt is optimizer:
-                    return True
-                opt = getattr(opt, "optimizer", None)
-        return False
-
-    for obj in gc.get_objects():
-        if isinstance(obj, classes) and not getattr(type(obj), "_fused_zero_integration", False) and drives(obj):
-            if trainer_cls is not None and isinstance(obj, trainer_cls):
-                return ("a plain transformers.Trainer drives this ShardedOptimizer: Trainer clips .grad "
-                        "(None at stages 2-3, each rank's own at stage 1) and accumulates with DDP, so it would "
-                        "train silently wrong. Use fused_zero.integrations.transformers.ZeroTrainer(..., "
-                        "zero=fused_zero.ZeroConfig(stage=...)) (it builds the optimizer from TrainingArguments)")
+    cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    if not isinstance(cls, type):
+        return None
+    for obj in _callers():
+        if isinstance(obj, cls) and getattr(obj, "optimizer", None) is optimizer:
+            trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+            if isinstance(trainer, type) and any(isinstance(o, trainer) for o in _callers()):
+                return ("a plain transformers.Trainer steps this ShardedOptimizer: Trainer clips .grad "
+                        "(None at stages 2-3, each rank's own at stage 1), so it would train silently wrong. Use "
+                        "fused_zero.integrations.transformers.ZeroTrainer(..., zero=fused_zero.ZeroConfig("
+                        "stage=...)) (it builds the optimizer from TrainingArguments)")
             return ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
-                    "(None at stages 2-3) and its no_sync does not reach the optimizer. Use "
-                    "fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig(stage=...)) "
-                    "in place of Accelerator, and pass it the model with a torch.optim.AdamW")
+                    "(None at stages 2-3) and its no_sync does not reach the optimizer, so it would train "
+                    "silently wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero."
+                    "ZeroConfig(stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")
     return None

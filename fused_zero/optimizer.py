@@ -106,6 +106,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._in_backward = False
         self._closed = False
         self._habits_checked = False
+        self._framework_checked = False
         self._clip: PendingClip | None = None  # clip_grad_norm_ called since the last step
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
@@ -145,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
         if self.grad_sync is None:  # first build: a previous optimizer over these parameters steps aside
             params = [p for g in self.param_groups for p in g["params"]]
-            message = lightning_without_strategy(params, self.module)  # on every rank, before any collective
+            message = lightning_without_strategy()  # on every rank, before any collective
             if message is not None:
                 raise RuntimeError(message)
             for previous in claim(self, params):
@@ -238,7 +239,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
         self._habits_checked = True
         message = ddp_wrapping(list(self._params)) if self.comm.world_size > 1 else None
-        message = message or framework_without_integration(self)
         if message is not None:
             raise RuntimeError(message)
 
@@ -297,6 +297,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         self._check_open()
+        if not self._framework_checked:  # once, on every rank, before any collective
+            self._framework_checked = True
+            message = framework_without_integration(self)
+            if message is not None:
+                raise RuntimeError(message)
         loss = None
         if closure is not None:
             with torch.enable_grad():

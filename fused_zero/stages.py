@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
-import torch
 from torch import nn
 
 from .collectives import Comm

@@ -77,8 +77,6 @@ class ZeroAccelerator(Accelerator):
     offload, ...; ``max_grad_norm`` is left to ``clip_grad_norm_``).
     """
 
-    _fused_zero_integration = True  # fused_zero.habits lets it drive a ShardedOptimizer
-
     def __init__(self, *args, zero: ZeroConfig | None = None, **kwargs) -> None:
         if zero is None:
             zero = ZeroConfig()
@@ -155,6 +153,7 @@ class ZeroAccelerator(Accelerator):
             sharded = sharded_from_torch(inner, self.zero, module)
             self._replaced[id(inner)] = sharded
             self._replaced_refs[id(inner)] = inner
+        sharded._fused_zero_integration = True  # fused_zero.habits: stepped through the integration
         self._zero_pairs.append((module if module is not None else sharded.module, sharded))
         # device_placement=False: the state is already where the parameters are (and is empty)
         return super().prepare_optimizer(sharded, device_placement=False)

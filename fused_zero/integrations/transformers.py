@@ -50,8 +50,6 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` with a fused_zero.ShardedOptimizer; ``zero=`` picks the stage and options."""
 
-    _fused_zero_integration = True  # fused_zero.habits lets it drive a ShardedOptimizer
-
     def __init__(self, *args, zero: ZeroConfig | None = None, **kwargs) -> None:
         if zero is None:
             zero = ZeroConfig()
