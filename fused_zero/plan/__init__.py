@@ -160,7 +160,8 @@ def _notes(count: ModelCount, act, layers) -> tuple[str, ...]:
         notes.append("--params: one flat trainable buffer (per-parameter 64-element alignment, param groups and "
                      "frozen parameters unknown; pass --model for exact sizes)")
         notes.append(f"stage 3 gathered units: {layers} equal units (embeddings unknown)" if layers else
-                     "stage 3 gathered units not counted: pass --layers (or --model) to size them")
+                     "stage 3 gathered units (and offload_params' staged shards) not counted: pass --layers (or "
+                     "--model) to size them")
     if act is None:
         notes.append("activations not counted: pass --activations GiB or --seq-len/--micro-batch/--hidden/--layers")
     else:

@@ -279,16 +279,17 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     p = BYTES[count.params[0].dtype]
     gather_again = est.detail["param_full"] if job.reshard_after_forward and job.world_size > 1 else 0
     detail = dict(est.detail, all_gather=est.detail["all_gather"] + gather_again)
-    gathered = 0
+    gathered, staging, units = 0, 0, layers or 1
+    par = tier_options(est.offload)[1]
+    moved = detail["host_params"] + detail["nvme_params"]
     if layers:
         live = layers if not job.reshard_after_forward else min(job.max_live_units, layers)
         gathered = p * live * -(-count.numel() // layers)
-        par = tier_options(est.offload)[1]
-        moved = detail["host_params"] + detail["nvme_params"]
         staging = _in_flight({u: -(-moved // layers) for u in range(layers)}, job) if moved else 0
-        chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)
-        detail.update(device_staging=staging,
-                      host_staging=chunks * layers + (staging if par == "nvme" else 0))
+    # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
+    chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)
+    detail.update(device_staging=staging, host_staging=chunks * units + (staging if par == "nvme" else 0),
+                  partitions=detail["partitions"] * units)
     host = detail["host_states"] + detail["host_params"] + detail["host_staging"]
     return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail,
                    host=host, staging=detail["device_staging"])

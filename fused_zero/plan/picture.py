@@ -9,7 +9,7 @@ only when a picture is drawn.
 from __future__ import annotations
 
 from . import Plan
-from .report import ROWS, key, scale, short_count
+from .report import ROWS, scale, short_count
 
 _PARTS = ROWS[:-1]  # every row but the total, bottom to top
 _COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "buffers": "#8172B3",
