@@ -65,7 +65,8 @@ def draw(plan: Plan, path: str) -> None:
         off = "".join(f"\n+ {getattr(s, t) * plan.ranks_per_node / size:.1f} {unit} {t}/node" for t in ("host", "nvme")
                       if getattr(s, t))
         ax.text(x, s.total / size, f"{s.total / size:.1f} {unit}" + off + ("\nrecommended" if best else ""),
-                ha="center", va="bottom", fontsize=10 if not off else 8, fontweight="bold" if best else "normal")
+                ha="center", va="bottom", fontsize=10 if not off else 8, fontweight="bold" if best else "normal",
+                bbox=dict(facecolor="white", alpha=0.85, edgecolor="none", pad=1) if off else None)
     if plan.gpu_memory is not None:
         ax.axhline(plan.gpu_memory / size, color="#C44E52", linewidth=2,
                    label=f"GPU memory {plan.gpu_memory / size:.0f} {unit}")
