@@ -55,19 +55,128 @@ def test_buffers_are_the_pool_and_param_shard():
     assert fp32.stage(3).buffers == 2 * bucket * 4
 
 
-@pytest.mark.parametrize("params,n,gib,stage", [
-    (7e9, 8, 80, 2),     # 16Ψ = 104 GiB does not fit; (2 + 14/8)Ψ = 24 GiB does
-    (1e9, 8, 80, 1),     # fits unsharded: stage 1, same communication, less memory
-    (1e9, 1, 80, 0),     # one GPU: nothing to shard
-    (70e9, 16, 80, 3),   # stage 2 needs 148 GiB; 16Ψ/16 = 65 GiB
-    (70e9, 8, 80, None),  # even stage 3 needs 130 GiB
+@pytest.mark.parametrize("params,n,gib,stage,offload", [
+    (7e9, 8, 80, 2, "none"),     # 16Ψ = 104 GiB does not fit; (2 + 14/8)Ψ = 24 GiB does
+    (1e9, 8, 80, 1, "none"),     # fits unsharded: stage 1, same communication, less memory
+    (1e9, 1, 80, 0, "none"),     # one GPU: nothing to shard
+    (70e9, 16, 80, 3, "none"),   # stage 2 needs 148 GiB; 16Ψ/16 = 65 GiB
+    (70e9, 8, 80, 3, "opt=cpu"),  # stage 3 needs 130 GiB; 2 + 2 bytes per element / 8 = 33 GiB with states on the host
+    (7e9, 1, 80, 2, "opt=cpu"),  # stage 2 of one GPU: 2Ψ params + 2Ψ grads = 26 GiB on the device, 12Ψ host
+    (7e9, 1, 24, 3, "opt=cpu,params=cpu"),  # stage 3 of one GPU with params on the host: the 2Ψ grads, 13 GiB
+    (70e9, 1, 80, 3, "opt=cpu,params=cpu"),  # the grads 2Ψ = 130 GiB do not fit: no tier does
 ])
-def test_recommendation(params, n, gib, stage):
+def test_recommendation(params, n, gib, stage, offload):
+    if (params, n, gib) == (70e9, 1, 80):
+        stage = offload = None
     rec = estimate(params, world_size=n, gpu_memory=gib * GIB).recommendation
-    assert rec.stage == stage, rec
+    assert (rec.stage, rec.offload) == (stage, offload or "none"), rec
     assert rec.fits is (stage is not None)
     assert "\n" not in rec.reason
-    assert (f"stage {stage}:" in rec.reason) if stage is not None else ("offload" in rec.reason)
+    if offload not in (None, "none"):
+        assert rec.reason.startswith(f"stage {stage} with offload_optimizer=") and "host memory" in rec.reason
+    else:
+        assert (f"stage {stage}:" in rec.reason) if stage is not None else ("more GPUs" in rec.reason)
+
+
+def _flat(psi, n, **kw):
+    return estimate(psi, world_size=n, bucket_numel=64 * n * 1000, param_dtype="bf16", **kw)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_offload_closed_forms_bf16(n):
+    """The optimizer states 12Ψ/N move from the device to the host / NVMe; stage 3's params 2Ψ/N too."""
+    psi, chunk = 64 * n * 1000 * 5, 1 << 20
+    plan = _flat(psi, n)
+    pool = plan.stage(3).buffers
+    host_chunks = chunk * (2 + 2)  # HostStore pins a chunk of the bf16 grad shard and one of params
+    nvme_chunks = 3 * 3 * 4 * chunk + host_chunks  # NvmeStore: three blocks of each state kind, and the copies
+    for stage in (1, 2, 3):
+        none, cpu, nvme = (plan.stage(stage, t) for t in ("none", "opt=cpu", "opt=nvme"))
+        for s, where, staging in ((cpu, "host", host_chunks), (nvme, "nvme", nvme_chunks)):
+            assert s.optimizer == 0 and s.detail[f"{where}_states"] == 12 * psi // n == none.optimizer
+            assert s.grads == none.grads and s.comm_bytes == none.comm_bytes and s.staging == 0
+            assert s.detail["host_staging"] == staging
+            # stages 1-2: the update writes the params in place (no param shard beside them); stage 3 keeps it
+            assert s.buffers == none.buffers - (2 * psi // n if stage < 3 else 0) == pool
+            assert s.params == none.params
+        assert cpu.host == 12 * psi // n + host_chunks and cpu.nvme == 0
+        assert nvme.host == nvme_chunks and nvme.nvme == 12 * psi // n
+    s2 = plan.stage(2, "opt=cpu")
+    assert s2.params + s2.grads + s2.optimizer == 2 * psi + 2 * psi // n and s2.buffers == pool
+    s3 = plan.stage(3, "opt=cpu")
+    assert s3.model_states == 4 * psi // n and s3.total == 4 * psi // n + pool
+    for opt, where in (("cpu", "host"), ("nvme", "nvme")):
+        s = plan.stage(3, f"opt={opt},params={opt}")
+        assert s.params == 0 and s.model_states == 2 * psi // n  # only the gradient shard stays
+        assert s.detail[f"{where}_states"] + s.detail[f"{where}_params"] == 14 * psi // n
+        assert s.staging == 0  # no --layers: the units, like the gathered bytes, are unknown
+        assert s.host == (14 * psi // n if where == "host" else 0) + s.detail["host_staging"]
+        assert s.nvme == (14 * psi // n if where == "nvme" else 0)
+    assert plan.stage(3, "params=cpu").detail["host_params"] == 2 * psi // n  # states stay: 12Ψ/N on the device
+    assert plan.stage(3, "params=cpu").optimizer == 12 * psi // n
+
+
+def test_offload_fp32_and_chunks():
+    n, psi = 4, 64 * 4 * 1000 * 5
+    plan = estimate(psi, world_size=n, bucket_numel=64 * 4 * 1000, param_dtype="fp32", offload_chunk_numel=100)
+    assert plan.stage(3).params == 0  # gathered from the fp32 master on the device
+    assert plan.stage(3, "opt=cpu").params == 4 * psi // n  # the master left: a param shard to gather from
+    assert plan.stage(3, "params=cpu").host == 0  # nothing to move: the master is the gather source
+    assert plan.stage(3, "opt=cpu,params=cpu").detail["host_params"] == 4 * psi // n
+    assert plan.stage(2, "opt=cpu").detail["host_staging"] == 128 * (4 + 4)  # 100 elements round up to 128
+
+
+def test_offload_units_and_nodes():
+    psi, layers = 64 * 8 * 1000 * 32, 32
+    plan = estimate(psi, world_size=8, nodes=2, bucket_numel=64 * 8 * 1000, layers=layers, max_live_units=2)
+    one = estimate(psi, world_size=8, nodes=2, bucket_numel=64 * 8 * 1000)
+    s, flat = plan.stage(3, "opt=nvme,params=nvme"), one.stage(3, "opt=nvme,params=nvme")
+    shard = 2 * psi // 8
+    assert s.staging == 3 * shard // layers  # two live units and the one read ahead
+    assert s.detail["host_staging"] == layers * (flat.detail["host_staging"] - flat.staging) + 3 * shard // layers
+    assert plan.ranks_per_node == 4
+    # stage 3 needs 13.1 GiB per GPU; with the states on the host 3.3 GiB, and 12Ψ/8 = 9.8 GiB of host per rank:
+    # 39 GiB on each of 2 nodes of 4 ranks fits 64 GiB (57.6 usable), 78 GiB on one node of 8 does not
+    kw = dict(world_size=8, gpu_memory=12 * GIB, host_memory=64 * GIB)
+    two = estimate(7e9, nodes=2, **kw).recommendation
+    assert (two.stage, two.offload, two.host_usable) == (3, "opt=cpu", int(64 * GIB * 0.9))
+    assert "39.1 GiB per node of 57.6 GiB usable" in two.reason
+    assert (estimate(7e9, nodes=1, **kw).recommendation.offload) == "opt=nvme"
+
+
+def test_host_memory_check_and_max_offload():
+    kw = dict(world_size=1, gpu_memory=24 * GIB, layers=32)
+    assert estimate(7e9, **kw).recommendation.offload == "opt=cpu,params=cpu"
+    small = estimate(7e9, host_memory=64 * GIB, **kw).recommendation  # 91 GiB on the host: NVMe instead
+    assert (small.stage, small.offload) == (3, "opt=nvme,params=nvme") and "57.6 GiB usable" in small.reason
+    none = estimate(7e9, max_offload="none", **kw).recommendation
+    assert none.stage is None and "--max-offload none" in none.reason
+    cpu = estimate(7e9, max_offload="cpu", host_memory=64 * GIB, **kw).recommendation
+    assert cpu.stage is None and "host memory per node" in cpu.reason and "--max-offload nvme" in cpu.reason
+    tiny = estimate(7e9, max_offload="nvme", host_memory=1 * GIB, **kw).recommendation
+    assert tiny.stage is None and "--max-offload" not in tiny.reason
+
+
+def test_every_tier_is_planned_and_refused_combinations():
+    plan = estimate(1e9, world_size=2)
+    keys = {(s.stage, s.offload) for s in plan.stages}
+    assert len(keys) == len(plan.stages) == 4 + 2 * 2 + 8  # stages 0-3; opt at 1-2; 3x3 - 1 at stage 3
+    assert [(s.stage, s.offload) for s in plan.tiers()] == [
+        (2, "opt=cpu"), (3, "opt=cpu"), (3, "opt=cpu,params=cpu"), (2, "opt=nvme"), (3, "opt=nvme"),
+        (3, "opt=nvme,params=nvme")]
+    with pytest.raises(ValueError, match="offload_params needs stage 3"):
+        plan.stage(2, "params=cpu")
+    with pytest.raises(ValueError, match="stage 0 .DDP. has no offload tiers"):
+        plan.stage(0, "opt=cpu")
+    with pytest.raises(ValueError, match="not an offload tier"):
+        plan.stage(2, "opt=disk")
+    with pytest.raises(ValueError, match="not an offload tier"):
+        plan.stage(2, "cpu")
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        plan.stage(4)
+    from fused_zero.plan.memory import Job, sharded
+    with pytest.raises(ValueError, match="offload_params='cpu' needs stage 3"):
+        sharded(plan.model, Job(2, 1 << 24, None, 2), 2, None, "cpu")
 
 
 def test_headroom_and_activations_decide():
@@ -126,6 +235,10 @@ def test_plan_is_frozen():
     (dict(params=1e9, gpu_memory=0), ValueError, "gpu_memory must be positive"),
     (dict(params=1e9, headroom=1.0), ValueError, "headroom"),
     (dict(params=1e9, bucket_numel=0), ValueError, "bucket_numel"),
+    (dict(params=1e9, host_memory=0), ValueError, "host_memory must be positive"),
+    (dict(params=1e9, host_memory=-1), ValueError, "host_memory"),
+    (dict(params=1e9, max_offload="disk"), ValueError, "max_offload must be one of none, cpu, nvme"),
+    (dict(params=1e9, offload_chunk_numel=0), ValueError, "offload_chunk_numel"),
     (dict(params=1e9, seq_len=128), ValueError, "seq_len, micro_batch, hidden and layers together"),
     (dict(params=1e9, activations=1, hidden=2), ValueError, "not both"),
     (dict(), ValueError, "exactly one"),

@@ -12,8 +12,14 @@ from fused_zero.plan.__main__ import main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SEVEN_B = ["--params", "7e9", "--world-size", "8", "--gpu-memory", "80GiB"]
-STAGE_KEYS = {"params", "grads", "optimizer", "buffers", "gathered", "activations", "total", "comm_bytes",
-              "stage", "offload", "fits", "tiers", "detail"}
+STAGE_KEYS = {"params", "grads", "optimizer", "buffers", "gathered", "staging", "activations", "total", "comm_bytes",
+              "stage", "offload", "offload_optimizer", "offload_params", "fits", "fits_device", "fits_host", "tiers",
+              "per_node", "detail"}
+TIERS = {"1+opt=cpu", "1+opt=nvme", "2+opt=cpu", "2+opt=nvme", "3+opt=cpu", "3+opt=nvme", "3+params=cpu",
+         "3+params=nvme", "3+opt=cpu,params=cpu", "3+opt=cpu,params=nvme", "3+opt=nvme,params=cpu",
+         "3+opt=nvme,params=nvme"}
+NOT_INT = {"stage", "offload", "offload_optimizer", "offload_params", "fits", "fits_device", "fits_host", "tiers",
+           "per_node", "detail"}
 
 
 def broken():
@@ -47,16 +53,53 @@ def test_json_schema(capsys):
     assert code == 0
     data = json.loads(out)
     assert set(data) >= {"stages", "recommendation", "model", "job", "notes"}
-    assert set(data["stages"]) == {"0", "1", "2", "3"}
+    assert set(data["stages"]) == {"0", "1", "2", "3"} | TIERS
     for k, s in data["stages"].items():
-        assert set(s) >= STAGE_KEYS and s["stage"] == int(k) and s["offload"] == "none"
-        assert all(isinstance(s[f], int) and s[f] >= 0 for f in STAGE_KEYS - {"stage", "offload", "fits", "tiers",
-                                                                                 "detail"})
-        assert s["total"] == sum(s[f] for f in ("params", "grads", "optimizer", "buffers", "gathered", "activations"))
-        assert s["activations"] == 10 << 30 and s["tiers"] == {"device": s["total"], "host": 0, "nvme": 0}
+        assert set(s) == STAGE_KEYS
+        assert k == (str(s["stage"]) if s["offload"] == "none" else f"{s['stage']}+{s['offload']}")
+        assert all(isinstance(s[f], int) and s[f] >= 0 for f in STAGE_KEYS - NOT_INT)
+        assert s["total"] == sum(s[f] for f in ("params", "grads", "optimizer", "buffers", "gathered", "staging",
+                                                "activations"))
+        assert s["activations"] == 10 << 30 and s["tiers"]["device"] == s["total"]
+        assert s["per_node"] == {"host": 8 * s["tiers"]["host"], "nvme": 8 * s["tiers"]["nvme"]}
+        assert s["fits_host"] is None and s["fits"] == s["fits_device"]
+        if s["offload"] == "none":
+            assert s["tiers"] == {"device": s["total"], "host": 0, "nvme": 0} and s["offload_optimizer"] is None
+        else:
+            assert s["optimizer"] == (0 if s["offload_optimizer"] else data["stages"][str(s["stage"])]["optimizer"])
+            assert s["tiers"]["host"] + s["tiers"]["nvme"] > 0
+    assert data["stages"]["3+opt=cpu,params=cpu"]["offload_params"] == "cpu"
     rec = data["recommendation"]
-    assert set(rec) >= {"stage", "offload", "fits", "reason"} and rec["stage"] == 2 and rec["fits"] is True
+    assert set(rec) >= {"stage", "offload", "fits", "reason", "host_usable"}
+    assert rec["stage"] == 2 and rec["fits"] is True
     assert data["model"]["params"] == 7_000_000_000 and data["job"]["world_size"] == 8
+    assert data["job"]["host_memory"] is None and data["job"]["max_offload"] == "nvme"
+
+
+def test_offload_table_and_recommendation(capsys):
+    argv = ["--params", "7e9", "--gpu-memory", "24GiB", "--layers", "32"]
+    code, out, _ = _run(argv + ["--host-memory", "128GiB"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("offload tiers, GiB")))
+    assert "host and NVMe per node of 1 rank, host 115.2 GiB usable" in lines[start]
+    rows = lines[start + 2:start + 8]
+    assert [r.split("   ")[-1].strip() for r in rows][:1] == ['stage=2, offload_optimizer="cpu"']
+    best = [r for r in rows if r.endswith("<- recommended")]
+    assert len(best) == 1 and 'stage=3, offload_optimizer="cpu", offload_params="cpu"' in best[0]
+    # 7B bf16 on one GPU: the 2Ψ grads (13.04 GiB) stay; 14Ψ + staging go to the host
+    assert best[0].split()[:4] == ["15.14", "91.39", "0.00", "yes"]
+    assert 'recommendation: stage 3 with offload_optimizer="cpu", offload_params="cpu": 15.1 GiB' in out
+    code, out, _ = _run(argv + ["--host-memory", "64GiB"], capsys)
+    assert code == 0 and "no (host)" in out
+    assert 'recommendation: stage 3 with offload_optimizer="nvme", offload_params="nvme"' in out
+    code, out, _ = _run(argv + ["--max-offload", "none"], capsys)
+    assert code == 0 and "recommendation: does not fit" in out and "--max-offload none" in out
+    code, out, _ = _run(argv + ["--json", "--nodes", "1", "--host-memory", "64GiB"], capsys)
+    data = json.loads(out)
+    assert data["recommendation"]["offload"] == "opt=nvme,params=nvme"
+    assert data["stages"]["3+opt=cpu,params=cpu"]["fits"] is False
+    assert data["stages"]["3+opt=cpu,params=cpu"]["fits_device"] is True
 
 
 def test_model_option(capsys):
@@ -95,6 +138,10 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     (SEVEN_B[:2] + ["--headroom", "1.5"], "fraction"),
     (SEVEN_B[:2] + ["--world-size", "8", "--nodes", "3"], "multiple of nodes"),
     (SEVEN_B[:2] + ["--seq-len", "128"], "together"),
+    (SEVEN_B[:2] + ["--host-memory", "0"], "host_memory must be positive"),
+    (SEVEN_B[:2] + ["--host-memory", "lots"], "not a size"),
+    (SEVEN_B[:2] + ["--max-offload", "disk"], "invalid choice"),
+    (SEVEN_B[:2] + ["--offload-chunk-numel", "0"], "not a whole number >= 1"),
     (["--model", "test_plan_cli:broken", "--model-path", TESTS], "raised RuntimeError: this model cannot be built"),
     (["--model", "no_such_module_xyz:f"], "could not import"),
     (["--model", "json"], "MODULE:CALLABLE"),
@@ -116,3 +163,16 @@ def test_module_entry_point_and_optional_matplotlib():
     bad = subprocess.run([sys.executable, "-m", "fused_zero.plan", "--params", "1e9", "--world-size", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("python -m fused_zero.plan: error:")
+
+
+def test_picture_shows_the_stages_and_the_recommended_tier(tmp_path):
+    from fused_zero.plan import estimate
+    from fused_zero.plan.picture import bars, draw
+    plan = estimate(7e9, gpu_memory=24 << 30, layers=32)
+    shown = bars(plan)
+    assert [(s.stage, s.offload) for s in shown] == [(0, "none"), (1, "none"), (2, "none"), (3, "none"),
+                                                      (3, "opt=cpu,params=cpu")]
+    assert len(bars(estimate(7e9, world_size=8, gpu_memory=80 << 30))) == 4  # fits without offload
+    pytest.importorskip("matplotlib")
+    draw(plan, str(tmp_path / "offload.png"))
+    assert (tmp_path / "offload.png").read_bytes()[:4] == b"\x89PNG"

@@ -6,7 +6,9 @@ exp_avg_sq, buffers); ``comm_bytes()`` after that step. The plan of the same mod
 the meta device, must give the same params + grads + optimizer (exactly here; the contract
 is 1%), the same buffers (the reducer's pool and the narrow param shard) and the same
 reduce-scatter and all-gather bytes, at every stage (GradSync's pool never grows past
-MAX_INFLIGHT buffers per reduce dtype).
+MAX_INFLIGHT buffers per reduce dtype). The offload tiers (optimizer states to cpu / nvme at
+stages 1-3, stage-3 param shards to cpu / nvme, with and without offloaded states) on 1 and 2
+ranks: the same, plus memory_bytes()'s "host" and "nvme", and NvmeStore's staging blocks.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 
 from _dist import run_ranks
 from fused_zero import ShardedOptimizer
-from fused_zero.plan import estimate
+from fused_zero.plan import estimate, tier
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -136,3 +138,75 @@ def test_train_gpt_prints_planned_next_to_measured(stage):
     rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 6]}
     assert list(rows) == ["params", "grads", "optimizer", "buffers", "total"]
     assert all(planned == measured and float(planned) > 0 for planned, measured in rows.values()), rows
+
+
+# -- the offload tiers --------------------------------------------------------------------------------------------
+CHUNK = 1000  # offload_chunk_numel: the stores round it up to 1024
+# (model, stage, offload_optimizer, offload_params): mixed has fp32, bf16 and frozen partitions
+OFFLOAD_TIERS = [(1, "cpu", None), (2, "cpu", None), (2, "nvme", None), (3, "cpu", None), (3, "nvme", None),
+                 (3, None, "cpu"), (3, None, "nvme"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+OFFLOAD_CONFIGS = [(m, *t) for m in ("gpt_bf16", "mixed") for t in OFFLOAD_TIERS]
+
+
+def _offload_id(cfg):
+    m, s, o, p = cfg
+    return f"{m}-stage{s}-opt_{o}-params_{p}"
+
+
+def _measure_offload(rank, ws, folder):
+    out = {}
+    for cfg in OFFLOAD_CONFIGS:
+        name, stage, opt, par = cfg
+        model = MODELS[name]()
+        sharded = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, bucket_numel=1000,
+                                   offload_optimizer=opt, offload_params=par, nvme_path=folder,
+                                   offload_chunk_numel=CHUNK)
+        for step in range(2):
+            sharded.zero_grad(set_to_none=True)
+            _, loss = model(*_batch(name, rank, step))
+            loss.backward()
+            if step == 1:
+                mem = sharded.memory_bytes()
+            sharded.step()
+        blocks = sum(t.numel() * t.element_size() for part in sharded.partitions if part.store.tier == "nvme"
+                     for buf in part.store._buffers for t in buf.values())  # NvmeStore's staging blocks
+        out[_offload_id(cfg)] = {"mem": mem, "comm": sharded.comm_bytes(), "blocks": blocks,
+                                 "partitions": len(sharded.partitions)}
+        sharded.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda n: f"ws{n}")
+def measured_offload(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("nvme"))
+    return request.param, run_ranks(_measure_offload, request.param, folder, timeout=300)
+
+
+@pytest.mark.parametrize("cfg", OFFLOAD_CONFIGS, ids=_offload_id)
+def test_offload_tiers_planned_equal_measured(measured_offload, cfg):
+    ws, results = measured_offload
+    name, stage, opt, par = cfg
+    with torch.device("meta"):
+        model = MODELS[name]()
+    plan = estimate(model=model, world_size=ws, bucket_numel=1000, offload_chunk_numel=CHUNK)
+    s = plan.stage(stage, tier(opt, par))
+    assert (s.offload_optimizer, s.offload_params) == (opt, par)
+    d = s.detail
+    for rank, res in enumerate(results):
+        mem, comm = res[_offload_id(cfg)]["mem"], res[_offload_id(cfg)]["comm"]
+        got = {"params": mem["params"], "grads": mem["grads"],
+               "optimizer": mem["master"] + mem["exp_avg"] + mem["exp_avg_sq"], "buffers": mem["buffers"],
+               "host": mem.get("host", 0), "nvme": mem.get("nvme", 0)}
+        want = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "buffers": s.buffers,
+                "host": d["host_states"] + d["host_params"], "nvme": d["nvme_states"] + d["nvme_params"]}
+        assert got == want, f"rank {rank}: measured {got} != planned {want}"
+        assert s.host == want["host"] + d["host_staging"] and s.nvme == want["nvme"]
+        assert res[_offload_id(cfg)]["partitions"] == d["partitions"]
+        # NvmeStore's three blocks per state kind are host memory memory_bytes() leaves out; the plan counts them
+        assert res[_offload_id(cfg)]["blocks"] == (3 * 3 * 4 * 1024 * d["partitions"] if opt == "nvme" else 0)
+        assert (comm["reduce_scatter"], comm["all_gather"], comm["all_reduce"]) == \
+            (d["reduce_scatter"], d["all_gather"], d["all_reduce"]), (rank, comm, d)
+    none = plan.stage(stage)  # the states move off the device, nothing else grows there
+    assert s.optimizer == (0 if opt else none.optimizer)
+    assert d["host_states"] + d["nvme_states"] == (none.optimizer if opt else 0)
+    assert s.comm_bytes == none.comm_bytes

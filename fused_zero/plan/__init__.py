@@ -3,10 +3,12 @@
     python -m fused_zero.plan --params 7e9 --world-size 8 --gpu-memory 80GiB
     plan = fused_zero.plan.estimate(7e9, world_size=8, gpu_memory=80 * 2**30)
 
-``estimate`` returns a frozen ``Plan``: a ``StageEstimate`` per stage (params, grads,
-optimizer, buffers, gathered units, activations, total and communication, bytes per
-rank) and a ``Recommendation``. Stages 1-3 follow what ShardedOptimizer allocates
-(see memory.py); stage 0 is DDP + torch AdamW with an fp32 master for 16-bit params.
+``estimate`` returns a frozen ``Plan``: a ``StageEstimate`` per stage and offload tier
+(params, grads, optimizer, buffers, gathered units, staging, activations, total and
+communication on the device; host and NVMe bytes; bytes per rank) and a ``Recommendation``.
+Stages 1-3 follow what ShardedOptimizer allocates (see memory.py), at every offload tier
+(``plan.stage(2, "opt=cpu")``, ``plan.stage(3, "opt=nvme,params=nvme")``); stage 0 is DDP +
+torch AdamW with an fp32 master for 16-bit params.
 """
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ from fused_zero.config import ZeroConfig
 
 from . import activations as _act
 from .count import DTYPES, ModelCount, count_module, dtype_name, flat_count
-from .memory import Job, StageEstimate, flat_units, sharded, stage0, with_activations
+from .memory import (LADDER, Job, StageEstimate, all_tiers, flat_units, sharded, stage0, tier, tier_options,
+                     with_activations)
 from .recommend import Recommendation, recommend
 
-__all__ = ["estimate", "Plan", "StageEstimate", "Recommendation", "ModelCount", "DTYPES"]
+__all__ = ["estimate", "Plan", "StageEstimate", "Recommendation", "ModelCount", "DTYPES", "OFFLOAD", "tier"]
+
+#: How far the recommendation may offload (``max_offload``): not at all, host memory, or NVMe too.
+OFFLOAD = ("none", "cpu", "nvme")
 
 _DEFAULTS = ZeroConfig()
 
@@ -34,12 +40,32 @@ class Plan:
     headroom: float
     activations: _act.Activations | None
     activation_checkpointing: bool
-    stages: tuple[StageEstimate, ...]  # stages 0, 1, 2, 3 (one entry per stage and offload tier)
+    stages: tuple[StageEstimate, ...]  # stages 0-3, then every offload tier (memory.all_tiers: the ladder first)
     recommendation: Recommendation
     notes: tuple[str, ...]
+    host_memory: int | None = None  # per node
+    max_offload: str = "nvme"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.job.world_size // self.nodes
 
     def stage(self, n: int, offload: str = "none") -> StageEstimate:
-        return next(s for s in self.stages if s.stage == n and s.offload == offload)
+        """Stage ``n`` at the offload tier ``offload`` ("none", "opt=cpu", "opt=cpu,params=cpu", ...)."""
+        opt, par = tier_options(offload)
+        if par is not None and n != 3:
+            raise ValueError(f"offload_params needs stage 3 (stages 1-2 keep every parameter whole on every rank): "
+                             f"{offload!r} is planned at stage 3 only")
+        if n == 0 and (opt, par) != (None, None):
+            raise ValueError("stage 0 (DDP) has no offload tiers: they are planned at stages 1-3")
+        found = [s for s in self.stages if s.stage == n and s.offload == tier(opt, par)]
+        if not found:
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {n!r}")
+        return found[0]
+
+    def tiers(self) -> tuple[StageEstimate, ...]:
+        """The offload tiers the recommendation tries, cheapest first (memory.LADDER)."""
+        return self.stages[4:4 + len(LADDER)]
 
 
 def _count(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
@@ -63,12 +89,17 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
              headroom: float = 0.1, activations=None, seq_len=None, micro_batch=None, hidden=None,
              layers=None, heads=None, activation_checkpointing: bool = False,
              max_live_units: int = _DEFAULTS.max_live_units, reshard_after_forward: bool = True,
-             units=None) -> Plan:
+             units=None, host_memory=None, offload_chunk_numel: int = _DEFAULTS.offload_chunk_numel,
+             max_offload: str = "nvme") -> Plan:
     """Plan the memory per rank of training ``params`` elements, or ``model`` (an nn.Module, best on meta).
 
-    Sizes are bytes (``gpu_memory``, ``activations``); ``param_dtype`` and ``reduce_dtype``
-    are "bf16", "fp16", "fp32" or torch dtypes (``param_dtype`` None: the model's own, bf16
-    for ``params``). Raises ValueError or TypeError saying what to change.
+    Sizes are bytes (``gpu_memory`` per GPU, ``host_memory`` per node, ``activations``);
+    ``param_dtype`` and ``reduce_dtype`` are "bf16", "fp16", "fp32" or torch dtypes
+    (``param_dtype`` None: the model's own, bf16 for ``params``). Every offload tier is planned;
+    when no stage fits on the device the recommendation takes the cheapest tier that does (and
+    whose host bytes fit ``host_memory`` among the node's ranks, when given), going no further
+    than ``max_offload`` ("none", "cpu" or "nvme"). Raises ValueError or TypeError saying what
+    to change.
     """
     if (params is None) == (model is None):
         raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")
@@ -79,7 +110,11 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
                          "ranks, the same on every node")
     job = Job(world_size, _count("bucket_numel", bucket_numel),
               None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
-              _count("max_live_units", max_live_units), bool(reshard_after_forward))
+              _count("max_live_units", max_live_units), bool(reshard_after_forward),
+              _count("offload_chunk_numel", offload_chunk_numel))
+    if max_offload not in OFFLOAD:
+        raise ValueError(f"max_offload must be one of {', '.join(OFFLOAD)} (how far the recommendation may "
+                         f"offload), got {max_offload!r}")
     pdt = None if param_dtype is None else dtype_name(param_dtype, "param_dtype")
     if model is None:
         count = flat_count(_count("params", params), pdt or "bf16")
@@ -88,15 +123,19 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     gpu_memory = _size("gpu_memory", gpu_memory)
     if gpu_memory == 0:
         raise ValueError("gpu_memory must be positive (bytes), e.g. 80 * 2**30 for 80 GiB")
+    host_memory = _size("host_memory", host_memory)
+    if host_memory == 0:
+        raise ValueError("host_memory must be positive (bytes per node), e.g. 1024 * 2**30 for 1 TiB")
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a fraction in [0, 1), e.g. 0.1, got {headroom!r}")
     act = _activations(activations, seq_len, micro_batch, hidden, layers, heads, pdt or count.params[0].dtype)
     act_bytes = act.bytes(activation_checkpointing) if act else 0
-    stages = (stage0(count, job),) + tuple(flat_units(sharded(count, job, s), count, job, layers) for s in (1, 2, 3))
+    planned = [(s, None, None) for s in (1, 2, 3)] + list(all_tiers())
+    stages = (stage0(count, job),) + tuple(flat_units(sharded(count, job, *t), count, job, layers) for t in planned)
     stages = tuple(with_activations(s, act_bytes) for s in stages)
-    rec = recommend(stages, world_size, gpu_memory, headroom)
+    rec = recommend(stages, world_size, gpu_memory, headroom, host_memory, world_size // nodes, max_offload)
     return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,
-                _notes(count, act, layers))
+                _notes(count, act, layers), host_memory, max_offload)
 
 
 def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):
@@ -121,11 +160,14 @@ def _notes(count: ModelCount, act, layers) -> tuple[str, ...]:
         notes.append("--params: one flat trainable buffer (per-parameter 64-element alignment, param groups and "
                      "frozen parameters unknown; pass --model for exact sizes)")
         notes.append(f"stage 3 gathered units: {layers} equal units (embeddings unknown)" if layers else
-                     "stage 3 gathered units not counted: pass --layers (or --model) to size them")
+                     "stage 3 gathered units (and offload_params' staged shards) not counted: pass --layers (or "
+                     "--model) to size them")
     if act is None:
         notes.append("activations not counted: pass --activations GiB or --seq-len/--micro-batch/--hidden/--layers")
     else:
         notes.append(f"activations: {act.source}")
     notes.append("stage 0 is DDP + torch AdamW (fp32 master for 16-bit params, gradient_as_bucket_view=True); "
                  "stages 2-3 briefly hold some not-yet-reduced .grad tensors during backward (not counted)")
+    notes.append("offload tiers: host memory counts the staging buffers a GPU run pins; the NVMe state files hold "
+                 "two slots (twice opt=nvme's states on disk) and go through the page cache (not counted)")
     return tuple(notes)

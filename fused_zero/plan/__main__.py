@@ -1,8 +1,9 @@
-"""``python -m fused_zero.plan``: which ZeRO stage fits, per GPU, in a table, JSON or a picture.
+"""``python -m fused_zero.plan``: which ZeRO stage (and offload tier) fits, per GPU, in a table, JSON or a picture.
 
     python -m fused_zero.plan --params 7e9 --world-size 8 --gpu-memory 80GiB \\
         --seq-len 4096 --micro-batch 1 --hidden 4096 --layers 32 --plot docs/plan_7b_8gpu.png
     python -m fused_zero.plan --model mypkg.models:build --model-path src --world-size 4 --json
+    python -m fused_zero.plan --params 7e9 --gpu-memory 24GiB --host-memory 128GiB --layers 32
 
 Bad input ends with ``error: ...`` on stderr and exit code 2, as argparse does.
 """
@@ -72,14 +73,24 @@ def fraction(text: str) -> float:
 _JOB = (
     ("--model-path", str, None, "DIR", "a folder added to sys.path to import --model"),
     ("--world-size", "positive", 1, "N", "data-parallel ranks in total (default 1)"),
-    ("--nodes", "positive", 1, "N", "nodes the ranks run on (default 1; reported, kept for host-memory offload)"),
+    ("--nodes", "positive", 1, "N", "nodes the ranks run on (default 1; --host-memory is shared by the "
+                                    "world size / nodes ranks of a node)"),
     ("--param-dtype", tuple(DTYPES), None, None, "dtype of the parameters (default: the model's own; bf16 with "
                                                  "--params)"),
     ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
     ("--bucket-numel", "positive", 1 << 24, "N", "elements per bucket (default 2**24)"),
     ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
     ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
-    ("--headroom", "fraction", 0.1, "F", "fraction of the GPU kept free (default 0.1)"),
+    ("--headroom", "fraction", 0.1, "F", "fraction of the GPU (and of the host memory) kept free (default 0.1)"),
+)
+_OFFLOAD = (
+    ("--host-memory", "nbytes", None, "SIZE", "host memory per node, e.g. 512GiB: checks the offload tiers' host "
+                                              "bytes (default: not checked)"),
+    ("--max-offload", ("none", "cpu", "nvme"), "nvme", None, "how far the recommendation may offload when no stage "
+                                                             "fits on the GPU: none, cpu (host memory) or nvme "
+                                                             "(default nvme)"),
+    ("--offload-chunk-numel", "positive", 1 << 20, "N", "offload_chunk_numel: elements per staged chunk (default "
+                                                        "2**20)"),
 )
 _ACTIVATIONS = (
     ("--activations", "nbytes", None, "SIZE", "activation memory, e.g. 12GiB"),
@@ -108,6 +119,7 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--model", metavar="MODULE:CALLABLE", help="a no-argument callable returning the model; "
                       "built on the meta device (no memory) and counted exactly")
     _add(p, _JOB)
+    _add(p.add_argument_group("offload tiers (every tier is planned; these decide the recommendation)"), _OFFLOAD)
     act = p.add_argument_group("activations (per rank; default: not counted)")
     _add(act, _ACTIVATIONS)
     act.add_argument("--activation-checkpointing", action="store_true",
@@ -131,7 +143,8 @@ def main(argv=None) -> int:
                         gpu_memory=args.gpu_memory, headroom=args.headroom, activations=args.activations,
                         seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, layers=args.layers,
                         heads=args.heads, activation_checkpointing=args.activation_checkpointing,
-                        max_live_units=args.max_live_units)
+                        max_live_units=args.max_live_units, host_memory=args.host_memory,
+                        max_offload=args.max_offload, offload_chunk_numel=args.offload_chunk_numel)
         if args.model is not None:
             plan = _named(plan, args.model)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -18,13 +18,31 @@ param dtype's bytes and R the reduce dtype's:
     gathered    stage 3 only: the root unit plus the max_live_units largest units, full size
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
+
+The offload tiers (``offload_optimizer``, ``offload_params``, ZeroConfig's) move bytes off the
+device, as the stores do (store_host.py, store_nvme.py, param_store.py):
+
+    offload_optimizer  the 12*S of states go to "host" (cpu) or "nvme"; the narrow param shard
+                       at stages 1-2 becomes this rank's own slices of the flat buffer (0 bytes),
+                       at stage 3 every partition keeps one (fp32 ones too: the master is gone)
+    offload_params     stage 3: the narrow param shard P*S goes to "host" (cpu) or "nvme" (fp32
+                       partitions whose master stays on the device have none to move)
+    staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, per
+                       partition with C = offload_chunk_numel rounded up to 64:
+                       host, optimizer "cpu": a pinned chunk of gradient and of params, C*(R+P);
+                       host, optimizer "nvme": three blocks per state kind, 3*3*4*C, plus the
+                       chunk copies C*(R+P); offload_params: the shards of the units in flight
+                       (max_live_units + 1 of the largest) staged on the device, and for "nvme"
+                       read into host memory first
+
+``host`` and ``nvme`` are what memory_bytes() reports under those keys plus the host staging.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fused_zero.config import ALIGN
+from fused_zero.config import ALIGN, ZeroConfig
 from fused_zero.grad_sync import MAX_INFLIGHT
 from fused_zero.layout import FlatLayout, build_layout
 from fused_zero.stats import HEAD
@@ -32,6 +50,38 @@ from fused_zero.stats import HEAD
 from .count import ModelCount, ParamSpec
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: offload option value -> the memory_bytes() key its bytes go under
+WHERE = {"cpu": "host", "nvme": "nvme"}
+#: The offload tiers the recommendation tries when no stage fits on the device, cheapest first:
+#: (stage, offload_optimizer, offload_params). Stage 1 tiers are planned too, never recommended:
+#: stage 2 with the same tier sends the same bytes and holds less.
+LADDER = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"),
+          (2, "nvme", None), (3, "nvme", None), (3, "nvme", "nvme"))
+
+
+def tier(offload_optimizer: str | None, offload_params: str | None) -> str:
+    """The tier's name: "none", "opt=cpu", "params=cpu", "opt=nvme,params=nvme", ..."""
+    parts = [f"{k}={v}" for k, v in (("opt", offload_optimizer), ("params", offload_params)) if v not in (None, "none")]
+    return ",".join(parts) or "none"
+
+
+def tier_options(name: str) -> tuple[str | None, str | None]:
+    """(offload_optimizer, offload_params) of a tier name; ValueError for a name that is none."""
+    options = {"opt": None, "params": None}
+    for part in ([] if name == "none" else str(name).split(",")):
+        k, _, v = part.partition("=")
+        if k not in options or options[k] is not None or v not in WHERE:
+            raise ValueError(f"{name!r} is not an offload tier: \"none\", or \"opt=cpu|nvme\" and/or "
+                             "\"params=cpu|nvme\" joined by a comma, e.g. \"opt=cpu,params=cpu\"")
+        options[k] = v
+    return options["opt"], options["params"]
+
+
+def all_tiers() -> tuple[tuple[int, str | None, str | None], ...]:
+    """Every (stage, offload_optimizer, offload_params) ShardedOptimizer accepts, the ladder first."""
+    rest = [(s, o, p) for s in (1, 2, 3) for o in (None, "cpu", "nvme") for p in ((None, "cpu", "nvme") if s == 3
+                                                                                    else (None,))]
+    return LADDER + tuple(t for t in rest if t not in LADDER and t[1:] != (None, None))
 
 
 @dataclass(frozen=True)
@@ -43,6 +93,12 @@ class Job:
     reduce_dtype: str | None  # None: each partition reduces in its own dtype
     max_live_units: int
     reshard_after_forward: bool = True
+    offload_chunk_numel: int = ZeroConfig.offload_chunk_numel
+
+    @property
+    def chunk(self) -> int:
+        """Elements per staged chunk, as the stores round it (whole 64-element lanes)."""
+        return -(-max(1, self.offload_chunk_numel) // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -58,18 +114,28 @@ class StageEstimate:
     activations: int
     comm_bytes: int  # sent per step, counted as the ZeRO paper does
     detail: dict = field(default_factory=dict)
-    offload: str = "none"  # the tier: "none" until CPU/NVMe offload exists
-    host: int = 0  # bytes an offload tier would keep in host memory
-    nvme: int = 0  # bytes an offload tier would keep on NVMe
+    offload: str = "none"  # the tier (see ``tier``): "none", "opt=cpu", "opt=cpu,params=cpu", ...
+    host: int = 0  # host memory per rank: offloaded states and param shards, and the host staging
+    nvme: int = 0  # bytes per rank on NVMe: offloaded states and param shards (one slot each)
+    staging: int = 0  # device bytes of offload_params' staged shards (the units in flight)
 
     @property
     def total(self) -> int:
         """Peak device bytes per rank: everything above at once."""
-        return self.params + self.grads + self.optimizer + self.buffers + self.gathered + self.activations
+        return (self.params + self.grads + self.optimizer + self.buffers + self.gathered + self.staging
+                + self.activations)
 
     @property
     def device(self) -> int:
         return self.total
+
+    @property
+    def offload_optimizer(self) -> str | None:
+        return tier_options(self.offload)[0]
+
+    @property
+    def offload_params(self) -> str | None:
+        return tier_options(self.offload)[1]
 
     @property
     def model_states(self) -> int:
@@ -116,23 +182,46 @@ def stage0(count: ModelCount, job: Job) -> StageEstimate:
     return StageEstimate(0, params, grads, master + 2 * moments, 0, 0, 0, comm, detail)
 
 
-def sharded(count: ModelCount, job: Job, stage: int) -> StageEstimate:
-    """Stage 1, 2 or 3 as fused_zero allocates it."""
+def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | None = None,
+            offload_params: str | None = None) -> StageEstimate:
+    """Stage 1, 2 or 3 as fused_zero allocates it, with the optimizer states and (stage 3) the
+    param shards where ``offload_optimizer`` / ``offload_params`` put them."""
+    opt, par = offload_optimizer, offload_params
+    tier_options(tier(opt, par))  # a known tier
+    if par is not None and stage != 3:
+        raise ValueError(f"offload_params={par!r} needs stage 3 (stages 1-2 keep every parameter whole on every "
+                         f"rank; got stage {stage}): plan stage 3, or opt={par} to move the optimizer states")
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
-                       "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce"], 0)
+                       "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
+                       "nvme_states", "host_params", "nvme_params", "host_staging", "device_staging"], 0)
     pools: dict[str, list[int]] = {}  # reduce dtype -> [buckets reduced, largest bucket]
     unit_bytes: dict[int, int] = {}
-    for part in _partitions(count, job, stage):
+    moved: dict[int, int] = {}  # unit -> bytes of its offloaded param shards (staged for each gather)
+    parts = _partitions(count, job, stage)
+    for part in parts:
         p, shard, full = BYTES[part.dtype], part.layout.shard_numel, part.layout.numel
         reduce = job.reduce_dtype or part.dtype
         r = BYTES[reduce]
         launched = part.launched()
         d["param_full"] += p * full
-        d["param_shard"] += p * shard if part.dtype != "fp32" else 0
+        # the narrow param shard (Partition.__init__): narrow params, or any once the master leaves the device
+        if part.dtype != "fp32" or opt is not None:
+            if stage == 3 and par is not None:
+                d[WHERE[par] + "_params"] += p * shard
+                moved[part.unit] = moved.get(part.unit, 0) + p * shard
+            elif stage == 3 or opt is None:
+                d["param_shard"] += p * shard
+            # else stages 1-2 with offloaded states: this rank's own slices of the flat buffer, no bytes
         d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if stage == 1 else 0
         d["grad_shard"] += r * shard
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            d[kind] += 4 * shard
+        if opt is None:
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                d[kind] += 4 * shard
+        else:
+            d[WHERE[opt] + "_states"] += 3 * 4 * shard
+            # HostStore: a pinned chunk of gradient and one of params (with a GPU; views on the host);
+            # NvmeStore: three blocks per state kind, and the chunk copies of gradient and params
+            d["host_staging"] += job.chunk * (r + p) + (3 * 3 * 4 * job.chunk if opt == "nvme" else 0)
         pool = pools.setdefault(reduce, [0, 0])
         pool[0] += len(launched)
         pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
@@ -147,13 +236,26 @@ def sharded(count: ModelCount, job: Job, stage: int) -> StageEstimate:
         d["all_reduce"] = 4 * (HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
     else:
         d.update(reduce_scatter=0, all_gather=0)
+    d["partitions"] = len(parts)
+    if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
+        d["device_staging"] = _in_flight(moved, job)
+        d["host_staging"] += d["device_staging"] if par == "nvme" else 0
     if stage == 3:
         params, buffers, gathered = d["param_shard"], d["bucket_pool"], _gathered(unit_bytes, count, job)
     else:
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
     optimizer = d["master"] + d["exp_avg"] + d["exp_avg_sq"]
     comm = d["reduce_scatter"] + d["all_gather"] + d["all_reduce"]
-    return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d)
+    return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
+                         offload=tier(opt, par), host=d["host_states"] + d["host_params"] + d["host_staging"],
+                         nvme=d["nvme_states"] + d["nvme_params"], staging=d["device_staging"])
+
+
+def _in_flight(unit_shards: dict[int, int], job: Job) -> int:
+    """offload_params: the staged shards at once, at most those of max_live_units + 1 units (the ones
+    gathering and the one read ahead), the largest; every unit without resharding."""
+    sizes = sorted(unit_shards.values(), reverse=True)
+    return sum(sizes if not job.reshard_after_forward else sizes[:job.max_live_units + 1])
 
 
 def _gathered(unit_bytes: dict[int, int], count: ModelCount, job: Job) -> int:
@@ -169,18 +271,28 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     """``--params`` at stage 3: every parameter sits in ``layers`` equal units (embeddings unknown).
 
     Backward gathers the units again (3Ψ per step, as the paper counts); without ``layers``
-    the gathered units' size is unknown and left at 0.
+    the gathered units' size is unknown and left at 0. With ``layers`` an offload tier stages
+    per partition (one per unit) and offload_params stages the in-flight units' shards only.
     """
     if count.exact or est.stage != 3:
         return est
     p = BYTES[count.params[0].dtype]
     gather_again = est.detail["param_full"] if job.reshard_after_forward and job.world_size > 1 else 0
     detail = dict(est.detail, all_gather=est.detail["all_gather"] + gather_again)
-    gathered = 0
+    gathered, staging, units = 0, 0, layers or 1
+    par = tier_options(est.offload)[1]
+    moved = detail["host_params"] + detail["nvme_params"]
     if layers:
         live = layers if not job.reshard_after_forward else min(job.max_live_units, layers)
         gathered = p * live * -(-count.numel() // layers)
-    return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail)
+        staging = _in_flight({u: -(-moved // layers) for u in range(layers)}, job) if moved else 0
+    # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
+    chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)
+    detail.update(device_staging=staging, host_staging=chunks * units + (staging if par == "nvme" else 0),
+                  partitions=detail["partitions"] * units)
+    host = detail["host_states"] + detail["host_params"] + detail["host_staging"]
+    return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail,
+                   host=host, staging=detail["device_staging"])
 
 
 def with_activations(est: StageEstimate, activations: int) -> StageEstimate:

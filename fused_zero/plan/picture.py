@@ -1,18 +1,21 @@
 """``--plot FILE.png``: stacked bars of bytes per GPU for each stage, the GPU's memory as a line.
 
+Stages 0-3 without offload, and the recommended offload tier when there is one (its host and
+NVMe bytes per node written above its bar).
+
 matplotlib is an optional extra (``pip install fused_zero[plot]``); it is imported only here,
 only when a picture is drawn.
 """
 from __future__ import annotations
 
 from . import Plan
-from .report import ROWS, key, scale, short_count
+from .report import ROWS, scale, short_count
 
 _PARTS = ROWS[:-1]  # every row but the total, bottom to top
 _COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "buffers": "#8172B3",
-           "gathered": "#CCB974", "activations": "#64B5CD"}
+           "gathered": "#CCB974", "staging": "#937860", "activations": "#64B5CD"}
 _NAMES = {"params": "params", "grads": "grads", "optimizer": "optimizer states (fp32)", "buffers": "comm buffers",
-          "gathered": "gathered units (stage 3)", "activations": "activations"}
+          "gathered": "gathered units (stage 3)", "staging": "offload staging", "activations": "activations"}
 
 
 def figure_class():
@@ -29,35 +32,49 @@ def figure_class():
 def _label(s) -> str:
     size, unit = scale(max(s.comm_bytes, 1))
     comm = "3Ψ" if s.stage == 3 else "2Ψ"
-    return f"ZeRO-{key(s)}" + (" (DDP)" if s.stage == 0 else "") + f"\ncomm {comm}: {s.comm_bytes / size:.1f} {unit}"
+    name = f"ZeRO-{s.stage}" + (" (DDP)" if s.stage == 0 else "") + ("" if s.offload == "none" else f"\n{s.offload}")
+    return name + f"\ncomm {comm}: {s.comm_bytes / size:.1f} {unit}"
+
+
+def bars(plan: Plan) -> list:
+    """What the picture shows: stages 0-3, and the recommended offload tier."""
+    rec = plan.recommendation
+    shown = [s for s in plan.stages if s.offload == "none"]
+    if rec.stage is not None and rec.offload != "none":
+        shown.append(plan.stage(rec.stage, rec.offload))
+    return shown
 
 
 def draw(plan: Plan, path: str) -> None:
     """Write the picture of ``plan`` to ``path`` (format from its suffix, e.g. .png)."""
     figure = figure_class()
-    size, unit = scale(max([s.total for s in plan.stages] + [plan.gpu_memory or 0]))
+    shown = bars(plan)
+    size, unit = scale(max([s.total for s in shown] + [plan.gpu_memory or 0]))
     rec = plan.recommendation
     fig = figure(figsize=(10, 5.4), dpi=120)
     ax = fig.subplots()
-    xs = range(len(plan.stages))
-    bottoms = [0.0] * len(plan.stages)
+    xs = range(len(shown))
+    bottoms = [0.0] * len(shown)
     for part in _PARTS:
-        heights = [getattr(s, part) / size for s in plan.stages]
+        heights = [getattr(s, part) / size for s in shown]
         if any(heights):
             ax.bar(xs, heights, 0.6, bottom=bottoms, color=_COLORS[part], label=_NAMES[part], edgecolor="white")
             bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for x, s in zip(xs, plan.stages):
+    for x, s in zip(xs, shown):
         best = s.stage == rec.stage and s.offload == rec.offload
-        ax.text(x, s.total / size, f"{s.total / size:.1f} {unit}" + ("\nrecommended" if best else ""), ha="center",
-                va="bottom", fontsize=10, fontweight="bold" if best else "normal")
+        off = "".join(f"\n+ {getattr(s, t) * plan.ranks_per_node / size:.1f} {unit} {t}/node" for t in ("host", "nvme")
+                      if getattr(s, t))
+        ax.text(x, s.total / size, f"{s.total / size:.1f} {unit}" + off + ("\nrecommended" if best else ""),
+                ha="center", va="bottom", fontsize=10 if not off else 8, fontweight="bold" if best else "normal",
+                bbox=dict(facecolor="white", alpha=0.85, edgecolor="none", pad=1) if off else None)
     if plan.gpu_memory is not None:
         ax.axhline(plan.gpu_memory / size, color="#C44E52", linewidth=2,
                    label=f"GPU memory {plan.gpu_memory / size:.0f} {unit}")
         ax.axhline(rec.usable / size, color="#C44E52", linewidth=1, linestyle="--",
                    label=f"usable ({plan.headroom:.0%} headroom)")
-    ax.set_xticks(list(xs), [_label(s) for s in plan.stages])
+    ax.set_xticks(list(xs), [_label(s) for s in shown])
     ax.set_ylabel(f"{unit} per GPU")
-    top = max([s.total for s in plan.stages] + [plan.gpu_memory or 0]) / size
+    top = max([s.total for s in shown] + [plan.gpu_memory or 0]) / size
     ax.set_ylim(0, top * 1.18)
     job = plan.job
     dtypes = "/".join(plan.model.by_dtype())

@@ -2,27 +2,32 @@
 
 Fits without sharding -> stage 0 on one GPU, stage 1 on several (the same 2Ψ of
 communication as DDP, less memory); else several GPUs -> stage 2 if it fits (still 2Ψ),
-else stage 3 (3Ψ); else it does not fit: offload (not available yet) or more GPUs.
-"Fits" means the peak total stays within the GPU's memory less the headroom.
+else stage 3 (3Ψ); else the cheapest offload tier that fits (memory.LADDER: the optimizer
+states to host memory at stage 2, then stage 3, then stage 3 with its params there too,
+then the same on NVMe), no further than ``max_offload``; else more GPUs. "Fits" means the
+peak device total stays within the GPU's memory less the headroom and, when the host
+memory per node is given, the node's ranks' host bytes within it less the same headroom.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .memory import StageEstimate
+from .memory import LADDER, StageEstimate, tier
 
 _UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
 _COMM = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
+_DEPTH = {"none": 0, "cpu": 1, "nvme": 2}
 
 
 @dataclass(frozen=True)
 class Recommendation:
     stage: int | None  # None: nothing fits, or no --gpu-memory to decide with
-    offload: str  # the tier ("none" until offload exists)
+    offload: str  # the tier: "none", "opt=cpu", "opt=cpu,params=cpu", ... (memory.tier)
     fits: bool | None  # None without a GPU memory size
     usable: int | None  # bytes per GPU the plan may use (memory less headroom)
     reason: str
+    host_usable: int | None = None  # host bytes per node the plan may use (None: not given, not checked)
 
 
 def scale(n: int) -> tuple[int, str]:
@@ -36,19 +41,31 @@ def human(n: int) -> str:
     return f"{n / size:.1f} {unit}"
 
 
-def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int | None,
-              headroom: float) -> Recommendation:
-    by = {s.stage: s for s in stages}
+def options(s: StageEstimate) -> str:
+    """The tier as ShardedOptimizer's options: 'offload_optimizer="cpu", offload_params="cpu"'."""
+    opt, par = s.offload_optimizer, s.offload_params
+    return ", ".join(f'{k}="{v}"' for k, v in (("offload_optimizer", opt), ("offload_params", par)) if v)
+
+
+def depth(s: StageEstimate) -> int:
+    """0 on the device, 1 host memory, 2 NVMe: the furthest place the tier puts anything."""
+    return max(_DEPTH[s.offload_optimizer or "none"], _DEPTH[s.offload_params or "none"])
+
+
+def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int | None, headroom: float,
+              host_memory: int | None = None, ranks_per_node: int = 1, max_offload: str = "nvme") -> Recommendation:
+    by = {s.stage: s for s in stages if s.offload == "none"}
     if gpu_memory is None:
-        least = min(stages, key=lambda s: s.total)
+        least = min(by.values(), key=lambda s: s.total)
         return Recommendation(None, "none", None, None, "no --gpu-memory given: cannot tell what fits; stage "
                               f"{least.stage} needs the least, {human(least.total)} per rank")
     usable = int(gpu_memory * (1 - headroom))
+    host_usable = None if host_memory is None else int(host_memory * (1 - headroom))
     within = f"of {human(usable)} usable ({human(gpu_memory)} less {headroom:.0%} headroom)"
 
     def pick(stage: int, why: str) -> Recommendation:
         return Recommendation(stage, "none", True, usable, f"stage {stage}: {human(by[stage].total)} per rank {within}"
-                              f"; {why}")
+                              f"; {why}", host_usable)
 
     fits = {s: by[s].total <= usable for s in by}
     if fits[0]:
@@ -61,5 +78,38 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
             before = 0 if stage == 2 else 2
             return pick(stage, f"stage {before} needs {human(by[before].total)}; {_COMM[stage]} of communication "
                                "per step" + (" (1.5x DDP's)" if stage == 3 else ", as DDP"))
-    return Recommendation(None, "none", False, usable, f"does not fit: stage 3 needs {human(by[3].total)} per rank "
-                          f"{within}; offload (not available yet) or more GPUs")
+    on_device = f"stage 3 needs {human(by[3].total)} per rank {within}"
+    ladder = {(s.stage, s.offload): s for s in stages}
+    tiers = [ladder[(st, tier(o, p))] for st, o, p in LADDER if (st, tier(o, p)) in ladder]
+    allowed = [s for s in tiers if depth(s) <= _DEPTH[max_offload]]
+    host_short = None
+    for s in allowed:
+        if s.total > usable:
+            continue
+        node_host = s.host * ranks_per_node
+        if host_usable is not None and node_host > host_usable:
+            host_short = host_short or s
+            continue
+        where = "on NVMe" if depth(s) == 2 else "in host memory"
+        moved = "the optimizer states" + (" and the parameter shards" if s.offload_params else "")
+        host = (f"host {human(node_host)} per node of {human(host_usable)} usable" if host_usable is not None else
+                f"host {human(node_host)} per node, not checked (pass --host-memory)")
+        nvme = f", NVMe {human(s.nvme * ranks_per_node)} per node" if s.nvme else ""
+        return Recommendation(s.stage, s.offload, True, usable,
+                              f"stage {s.stage} with {options(s)}: {human(s.total)} per rank {within}, {moved} "
+                              f"{where} ({host}{nvme}); without offload stage 3 needs {human(by[3].total)}",
+                              host_usable)
+    if not allowed:
+        return Recommendation(None, "none", False, usable, f"does not fit: {on_device}; --max-offload none rules "
+                              "out offload: allow it, or use more GPUs", host_usable)
+    if host_short is not None:
+        return Recommendation(None, "none", False, usable, f"does not fit: {on_device}; stage {host_short.stage} with "
+                              f"{options(host_short)} fits the GPU but needs {human(host_short.host * ranks_per_node)} "
+                              f"of host memory per node, more than {human(host_usable)} usable: more host memory"
+                              + (", --max-offload nvme" if max_offload != "nvme" else "") + " or more GPUs",
+                              host_usable)
+    last = allowed[-1]
+    return Recommendation(None, "none", False, usable, f"does not fit: {on_device}, and stage {last.stage} with "
+                          f"{options(last)} still {human(last.total)}: more GPUs"
+                          + (" (or activation checkpointing, a smaller micro-batch)" if last.activations else ""),
+                          host_usable)

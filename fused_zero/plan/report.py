@@ -1,30 +1,47 @@
-"""A Plan as a readable table, or as a JSON-ready dict (``--json``). Bytes per rank throughout."""
+"""A Plan as a readable table, or as a JSON-ready dict (``--json``). Bytes per rank throughout,
+but for the offload tiers' host and NVMe columns of the table, per node (as DeepSpeed's estimators)."""
 from __future__ import annotations
 
 from . import Plan
 from .memory import StageEstimate
-from .recommend import scale
+from .recommend import options, scale
 
-ROWS = ("params", "grads", "optimizer", "buffers", "gathered", "activations", "total")
+ROWS = ("params", "grads", "optimizer", "buffers", "gathered", "staging", "activations", "total")
 _LABELS = {"params": "params", "grads": "grads", "optimizer": "optimizer states", "buffers": "comm buffers",
-           "gathered": "gathered units", "activations": "activations", "total": "total"}
+           "gathered": "gathered units", "staging": "offload staging", "activations": "activations",
+           "total": "total"}
 _COMM = {0: "2Ψ all-reduce", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
 
 
 def key(s: StageEstimate) -> str:
-    """The stage's key in ``stages``: "2", or "2+host" once an offload tier exists."""
+    """The stage's key in ``stages``: "2", or "2+opt=cpu", "3+opt=cpu,params=cpu" for an offload tier."""
     return str(s.stage) if s.offload == "none" else f"{s.stage}+{s.offload}"
 
 
-def fits(plan: Plan, s: StageEstimate) -> bool | None:
+def fits_device(plan: Plan, s: StageEstimate) -> bool | None:
     usable = plan.recommendation.usable
     return None if usable is None else s.device <= usable
 
 
+def fits_host(plan: Plan, s: StageEstimate) -> bool | None:
+    usable = plan.recommendation.host_usable
+    return None if usable is None else s.host * plan.ranks_per_node <= usable
+
+
+def fits(plan: Plan, s: StageEstimate) -> bool | None:
+    """On the device and, when --host-memory is given, in the node's host memory."""
+    device, host = fits_device(plan, s), fits_host(plan, s)
+    return device if device is None or host is None else device and host
+
+
 def stage_dict(plan: Plan, s: StageEstimate) -> dict:
-    out = {"stage": s.stage, "offload": s.offload}
+    out = {"stage": s.stage, "offload": s.offload, "offload_optimizer": s.offload_optimizer,
+           "offload_params": s.offload_params}
     out.update({row: getattr(s, row) for row in ROWS})
-    out.update(comm_bytes=s.comm_bytes, fits=fits(plan, s), tiers={"device": s.device, "host": s.host, "nvme": s.nvme},
+    out.update(comm_bytes=s.comm_bytes, fits=fits(plan, s), fits_device=fits_device(plan, s),
+               fits_host=fits_host(plan, s),
+               tiers={"device": s.device, "host": s.host, "nvme": s.nvme},
+               per_node={"host": s.host * plan.ranks_per_node, "nvme": s.nvme * plan.ranks_per_node},
                detail=dict(s.detail))
     return out
 
@@ -34,9 +51,11 @@ def to_dict(plan: Plan) -> dict:
     return {
         "model": {"source": m.source, "exact": m.exact, "params": m.numel(), "trainable": m.numel(True),
                   "frozen": m.numel(False), "by_dtype": m.by_dtype()},
-        "job": {"world_size": job.world_size, "nodes": plan.nodes, "gpus_per_node": job.world_size // plan.nodes,
+        "job": {"world_size": job.world_size, "nodes": plan.nodes, "gpus_per_node": plan.ranks_per_node,
                 "bucket_numel": job.bucket_numel, "reduce_dtype": job.reduce_dtype,
-                "max_live_units": job.max_live_units, "gpu_memory": plan.gpu_memory, "headroom": plan.headroom,
+                "max_live_units": job.max_live_units, "gpu_memory": plan.gpu_memory,
+                "host_memory": plan.host_memory, "headroom": plan.headroom,
+                "offload_chunk_numel": job.offload_chunk_numel, "max_offload": plan.max_offload,
                 "activation_checkpointing": plan.activation_checkpointing},
         "activations": None if plan.activations is None else vars(plan.activations).copy(),
         "stages": {key(s): stage_dict(plan, s) for s in plan.stages},
@@ -52,9 +71,14 @@ def short_count(n: int) -> str:
     return str(n)
 
 
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
+
+
 def table(plan: Plan) -> str:
     m, job = plan.model, plan.job
-    size, unit = scale(max(s.total for s in plan.stages))
+    base = [s for s in plan.stages if s.offload == "none"]
+    size, unit = scale(max(s.total for s in base))
     dtypes = ", ".join(f"{d}: {short_count(v['trainable'])} trainable"
                        + (f" + {short_count(v['frozen'])} frozen" if v["frozen"] else "")
                        for d, v in m.by_dtype().items())
@@ -64,22 +88,44 @@ def table(plan: Plan) -> str:
              f"{job.reduce_dtype or 'the params dtype'}" + (", activation checkpointing"
                                                             if plan.activation_checkpointing else ""),
              ""]
-    heads = [f"stage {key(s)}" + (" (DDP)" if s.stage == 0 else "") for s in plan.stages]
+    heads = [f"stage {key(s)}" + (" (DDP)" if s.stage == 0 else "") for s in base]
     lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{h:>13}" for h in heads))
     for row in ROWS:
-        cells = ["-" if row == "gathered" and s.stage != 3 else f"{getattr(s, row) / size:.2f}" for s in plan.stages]
+        if row == "staging":
+            continue  # offload only: in the tiers' block
+        cells = ["-" if row == "gathered" and s.stage != 3 else f"{getattr(s, row) / size:.2f}" for s in base]
         lines.append(f"{_LABELS[row]:<18}" + "".join(f"{c:>13}" for c in cells))
     if plan.gpu_memory is not None:
         usable = plan.recommendation.usable
         label = f"fits {usable / size:.1f} {unit}"
-        lines.append(f"{label:<18}" + "".join(f"{'yes' if fits(plan, s) else 'no':>13}" for s in plan.stages))
-    comm_size, comm_unit = scale(max(max(s.comm_bytes for s in plan.stages), 1))
-    comm = "".join(f"{s.comm_bytes / comm_size:>13.2f}" for s in plan.stages)
+        lines.append(f"{label:<18}" + "".join(f"{_yes(fits_device(plan, s)):>13}" for s in base))
+    comm_size, comm_unit = scale(max(max(s.comm_bytes for s in base), 1))
+    comm = "".join(f"{s.comm_bytes / comm_size:>13.2f}" for s in base)
     lines.append(f"{'comm/step, ' + comm_unit:<18}" + comm)
-    lines.append(f"{'':<18}" + "".join(f"{_COMM[s.stage]:>13}" for s in plan.stages))
+    lines.append(f"{'':<18}" + "".join(f"{_COMM[s.stage]:>13}" for s in base))
+    lines += [""] + tiers_table(plan)
     lines += ["", f"recommendation: {plan.recommendation.reason}"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
-__all__ = ["table", "to_dict", "key", "scale", "short_count"]
+def tiers_table(plan: Plan) -> list[str]:
+    """The offload tiers the recommendation tries, one per line: GPU per rank, host and NVMe per node."""
+    tiers = plan.tiers()
+    size, unit = scale(max(max(s.total, s.host * plan.ranks_per_node, s.nvme * plan.ranks_per_node)
+                           for s in tiers))
+    n = plan.ranks_per_node
+    host = "" if plan.host_memory is None else f", host {plan.recommendation.host_usable / size:.1f} {unit} usable"
+    lines = [f"offload tiers, {unit} (host and NVMe per node of {n} rank{'s' * (n > 1)}{host})",
+             f"{'per GPU':>9}{'host':>10}{'NVMe':>10}{'fits':>11}   ShardedOptimizer options"]
+    rec = plan.recommendation
+    for s in tiers:
+        ok = fits(plan, s)
+        why = " (host)" if ok is False and fits_device(plan, s) else ""
+        best = "   <- recommended" if (s.stage, s.offload) == (rec.stage, rec.offload) else ""
+        lines.append(f"{s.total / size:>9.2f}{s.host * n / size:>10.2f}{s.nvme * n / size:>10.2f}"
+                     f"{_yes(ok) + why:>11}   stage={s.stage}, {options(s)}{best}")
+    return lines
+
+
+__all__ = ["table", "to_dict", "key", "scale", "short_count", "fits", "tiers_table"]
