@@ -47,13 +47,16 @@ def torchrun_without_process_group() -> str | None:
     return None
 
 
-def _callers(depth: int = 64):
-    """The ``self`` of each calling frame, innermost first (a cheap look at who is calling)."""
+def _calling_code(depth: int = 64):
+    """(file, function) of each calling frame, innermost first.
+
+    Only code objects are read, never ``frame.f_locals``: on Python 3.11-3.12 reading it caches a
+    snapshot of the frame's locals on the frame, which would keep an optimizer a caller has since
+    dropped alive.
+    """
     frame = sys._getframe(2)
     while frame is not None and depth > 0:
-        obj = frame.f_locals.get("self")
-        if obj is not None:
-            yield obj
+        yield frame.f_code.co_filename.replace(os.sep, "/"), frame.f_code.co_name
         frame, depth = frame.f_back, depth - 1
 
 
@@ -61,26 +64,25 @@ def lightning_without_strategy() -> str | None:
     """A message if a Lightning strategy other than ZeroStrategy is building this optimizer.
 
     Lightning calls ``configure_optimizers`` from its strategy's ``setup_optimizers``: that frame is
-    on the stack while the optimizer is built. Lightning's own strategies clip and accumulate
-    through ``.grad`` and DDP, never call the module's forward (stage 3 gathers there) and save the
-    optimizer's (collective) state_dict on one rank: each would train silently wrong or hang.
-    Costs nothing unless lightning is imported; then a walk up the calling frames.
+    on the stack while the optimizer is built (ZeroStrategy builds it from its own code instead).
+    Lightning's own strategies clip and accumulate through ``.grad`` and DDP, never call the
+    module's forward (stage 3 gathers there) and save the optimizer's (collective) state_dict on
+    one rank: each would train silently wrong or hang. Costs nothing unless lightning is
+    imported; then a walk up the calling frames.
     """
-    classes = tuple(getattr(sys.modules.get(name), "Strategy", None)
-                    for name in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"))
-    classes = tuple(c for c in classes if isinstance(c, type))
-    if not classes:
+    if "lightning" not in sys.modules and "pytorch_lightning" not in sys.modules:
         return None
-    for obj in _callers():
-        if isinstance(obj, classes):
-            if getattr(obj, "_fused_zero_strategy", False):
-                return None
-            return (f"Lightning's {type(obj).__name__} is building this ShardedOptimizer: Lightning's own "
-                    "strategies clip and accumulate through .grad and DDP, never call forward (stage 3 gathers "
-                    "there) and save the optimizer's (collective) state_dict on one rank, so it would train wrong. "
-                    "Use L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)) and return "
-                    "torch.optim.AdamW (or Adam) from configure_optimizers: the strategy builds the "
-                    "ShardedOptimizer")
+    frames = list(_calling_code())
+    if any("/fused_zero/integrations/" in path for path, _ in frames):
+        return None  # ZeroStrategy is setting up: it checks what configure_optimizers returned itself
+    for path, name in frames:
+        if name == "setup_optimizers" and ("/lightning/" in path or "/pytorch_lightning/" in path):
+            return ("a Lightning strategy other than ZeroStrategy is building this ShardedOptimizer (from "
+                    "configure_optimizers): Lightning's own strategies clip and accumulate through .grad and DDP, "
+                    "never call forward (stage 3 gathers there) and save the optimizer's (collective) state_dict "
+                    "on one rank, so it would train wrong. Use L.Trainer(strategy=fused_zero.integrations."
+                    "lightning.ZeroStrategy(stage=...)) and return torch.optim.AdamW (or Adam) from "
+                    "configure_optimizers: the strategy builds the ShardedOptimizer")
     return None
 
 
@@ -94,21 +96,17 @@ def framework_without_integration(optimizer) -> str | None:
     ZeroAccelerator (under ZeroTrainer too) marks the optimizers it prepares. Costs nothing unless
     accelerate is imported; then a walk up the calling frames.
     """
-    if getattr(optimizer, "_fused_zero_integration", False):
+    if getattr(optimizer, "_fused_zero_integration", False) or "accelerate" not in sys.modules:
         return None
-    cls = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
-    if not isinstance(cls, type):
+    frames = list(_calling_code())
+    if not any(name == "step" and path.endswith("/accelerate/optimizer.py") for path, name in frames):
         return None
-    for obj in _callers():
-        if isinstance(obj, cls) and getattr(obj, "optimizer", None) is optimizer:
-            trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
-            if isinstance(trainer, type) and any(isinstance(o, trainer) for o in _callers()):
-                return ("a plain transformers.Trainer steps this ShardedOptimizer: Trainer clips .grad "
-                        "(None at stages 2-3, each rank's own at stage 1), so it would train silently wrong. Use "
-                        "fused_zero.integrations.transformers.ZeroTrainer(..., zero=fused_zero.ZeroConfig("
-                        "stage=...)) (it builds the optimizer from TrainingArguments)")
-            return ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
-                    "(None at stages 2-3) and its no_sync does not reach the optimizer, so it would train "
-                    "silently wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero."
-                    "ZeroConfig(stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")
-    return None
+    if any(path.endswith("/transformers/trainer.py") for path, _ in frames):
+        return ("a plain transformers.Trainer steps this ShardedOptimizer: Trainer clips .grad (None at stages "
+                "2-3, each rank's own at stage 1), so it would train silently wrong. Use fused_zero.integrations."
+                "transformers.ZeroTrainer(..., zero=fused_zero.ZeroConfig(stage=...)) (it builds the optimizer "
+                "from TrainingArguments, or takes yours through optimizers=)")
+    return ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
+            "(None at stages 2-3) and its no_sync does not reach the optimizer, so it would train silently "
+            "wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig("
+            "stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")

@@ -109,6 +109,7 @@ def _plain_accelerator_with_sharded(rank, world_size, prepare_model):
     x = torch.randint(0, 96, (2, 16))
     try:
         acc.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
     except RuntimeError as e:
         return str(e)
     return None
