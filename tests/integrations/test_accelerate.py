@@ -72,9 +72,22 @@ def reference():
     return run_ranks(_run, 2, None, timeout=300)[0]
 
 
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """ZeroAccelerator at 2 ranks per stage, with save_state at step 10 (its folder, its results)."""
+    runs = {}
+
+    def run(stage):
+        if stage not in runs:
+            folder = str(tmp_path_factory.mktemp(f"stage{stage}") / "state")
+            runs[stage] = folder, run_ranks(_run, 2, stage, folder, SAVE_AT, timeout=300)[0]
+        return runs[stage]
+    return run
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_accelerator_matches_ddp_adamw(reference, stage):
-    losses, norms, lr = run_ranks(_run, 2, stage, timeout=300)[0]
+def test_zero_accelerator_matches_ddp_adamw(reference, zero_runs, stage):
+    losses, norms, lr = zero_runs(stage)[1]
     ref_losses, ref_norms, ref_lr = reference
     assert len(losses) == STEPS * ACCUM
     assert rel_close(losses, ref_losses, TOL) < TOL
@@ -84,9 +97,8 @@ def test_zero_accelerator_matches_ddp_adamw(reference, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_save_state_resumes_at_world_size_1(tmp_path, stage):
-    folder = str(tmp_path / "state")
-    full = run_ranks(_run, 2, stage, folder, SAVE_AT, timeout=300)[0][0]
+def test_save_state_resumes_at_world_size_1(zero_runs, stage):
+    folder, (full, _, _) = zero_runs(stage)
     resumed = run_ranks(_run, 1, stage, folder, None, True, timeout=300)[0][0]
     assert len(resumed) == (STEPS - SAVE_AT) * ACCUM
     assert rel_close(resumed, full[SAVE_AT * ACCUM:], TOL) < TOL

@@ -90,9 +90,22 @@ def reference(tmp_path_factory):
     return run_ranks(_train, 2, None, str(tmp_path_factory.mktemp("ref")), timeout=300)[0]
 
 
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """ZeroTrainer at 2 ranks per stage, saving checkpoint-10 (its output folder, its results)."""
+    runs = {}
+
+    def run(stage):
+        if stage not in runs:
+            out = str(tmp_path_factory.mktemp(f"stage{stage}"))
+            runs[stage] = out, run_ranks(_train, 2, stage, out, SAVE_AT, timeout=300)[0]
+        return runs[stage]
+    return run
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_trainer_matches_trainer_ddp(reference, tmp_path, stage):
-    records, probes, wrapped, _ = run_ranks(_train, 2, stage, str(tmp_path), timeout=300)[0]
+def test_zero_trainer_matches_trainer_ddp(reference, zero_runs, stage):
+    records, probes, wrapped, _ = zero_runs(stage)[1]
     ref_records, ref_probes, ref_wrapped, _ = reference
     assert ref_wrapped == "DistributedDataParallel" and wrapped == "GPT2LMHeadModel"
     assert [r[0] for r in records] == list(range(1, STEPS + 1))
@@ -103,9 +116,8 @@ def test_zero_trainer_matches_trainer_ddp(reference, tmp_path, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_resumes_at_world_size_1(tmp_path, stage):
-    out = str(tmp_path / "run")
-    full_records, full_probes, _, _ = run_ranks(_train, 2, stage, out, SAVE_AT, timeout=300)[0]
+def test_checkpoint_resumes_at_world_size_1(zero_runs, tmp_path, stage):
+    out, (full_records, full_probes, _, _) = zero_runs(stage)
     ckpt = os.path.join(out, f"checkpoint-{SAVE_AT}")
     assert os.path.isdir(os.path.join(ckpt, "fused_zero"))
     assert os.path.isfile(os.path.join(ckpt, "model.safetensors"))
@@ -122,6 +134,10 @@ def test_save_model_at_stage_3_writes_the_full_model(tmp_path):
     _, _, _, trained = run_ranks(_train, 2, 3, str(tmp_path / "run"), None, None, final, timeout=300)[0]
     loaded = GPT2LMHeadModel.from_pretrained(final)
     assert _probe(loaded) == pytest.approx(trained, rel=1e-6)
+
+
+def _misuses(rank, world_size, cases):
+    return {case: _misuse(rank, world_size, case) for case in cases}
 
 
 def _misuse(rank, world_size, case):
@@ -146,11 +162,13 @@ def _misuse(rank, world_size, case):
     return None
 
 
-@pytest.mark.parametrize("case,needle", [("optimizers", "learning_rate"), ("optim", "AdamW"),
-                                         ("clip", "max_grad_norm"), ("zero", "ZeroConfig")])
-def test_misuse_is_refused_on_every_rank(case, needle):
-    results = run_ranks(_misuse, 2, case, timeout=120)
-    assert all(r is not None and needle in r[1] for r in results), results
+MISUSE = {"optimizers": "learning_rate", "optim": "AdamW", "clip": "max_grad_norm", "zero": "ZeroConfig"}
+
+
+def test_misuse_is_refused_on_every_rank():
+    for per_rank in run_ranks(_misuses, 2, list(MISUSE), timeout=120):
+        for case, needle in MISUSE.items():
+            assert per_rank[case] is not None and needle in per_rank[case][1], (case, per_rank[case])
 
 
 def _plain_trainer_with_sharded(rank, world_size, stage):
