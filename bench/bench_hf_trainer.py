@@ -4,7 +4,7 @@
     python bench/bench_hf_trainer.py                                    # the table, no pytest
 
 CPU, world size 2 (gloo): a GPT-2 built from a config (d=256, 4 layers, vocab 8192, seq 128,
-tied embeddings: 3.3M parameters), 4 samples per rank and micro-batch, 2 micro-batches
+tied embeddings, dropout off: 3.3M parameters), 4 samples per rank and micro-batch, 2 micro-batches
 accumulated per step, max_grad_norm 1.0. ONE spawn of 2 ranks builds a Trainer per variant
 (plain Trainer first: the baseline) and runs them interleaved, ``FUSED_ZERO_BENCH_STEPS``
 rounds (default 6) after one warm-up round, each round a ``trainer.train()`` of 2 optimizer
@@ -87,7 +87,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in VARIANTS:
             torch.manual_seed(0)
-            model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4))
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
             args = TrainingArguments(
                 output_dir=os.path.join(tmp, name), per_device_train_batch_size=BATCH,
                 gradient_accumulation_steps=ACCUM, max_steps=PER_CALL, learning_rate=1e-4, weight_decay=0.1,
