@@ -22,7 +22,8 @@ def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
     ddp_type = torch.nn.parallel.DistributedDataParallel
     mine = {id(p) for p in params}
     for obj in gc.get_objects():
-        if isinstance(obj, ddp_type) and any(id(p) in mine for p in getattr(obj, "_module_parameters", ())):
+        # type(), not isinstance(): the heap holds weak proxies, whose isinstance() raises once dead
+        if issubclass(type(obj), ddp_type) and any(id(p) in mine for p in getattr(obj, "_module_parameters", ())):
             return ("the model is wrapped in DistributedDataParallel: do not wrap the model in "
                     "DistributedDataParallel, ShardedOptimizer averages gradients itself (DDP would reduce "
                     "them a second time and fight over .grad). Pass the bare model. HF Trainer, Lightning "

@@ -193,3 +193,29 @@ def test_plain_trainer_with_a_sharded_optimizer_is_refused(world_size, stage, ne
     """Trainer would clip .grad (None at stages 2-3) or wrap the model in DDP: never silently wrong."""
     results = run_ranks(_plain_trainer_with_sharded, world_size, stage, timeout=120)
     assert all(r is not None and needle in r for r in results), results
+
+
+def _with_eval(rank, world_size, stage, out, extra):
+    launcher_env(rank, world_size)
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.transformers import ZeroTrainer
+
+    args = _args(out, world_size, save_steps=4, eval_strategy="steps", eval_steps=4, load_best_model_at_end=True,
+                 metric_for_best_model="loss", **extra)
+    args.max_steps = 8
+    trainer = ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(16),
+                          zero=ZeroConfig(stage=stage, bucket_numel=4096))
+    result = trainer.train()
+    return result.training_loss, trainer.evaluate()["eval_loss"]
+
+
+def test_eval_best_model_checkpointing_and_compile(tmp_path):
+    """Evaluation between steps and load_best_model_at_end at stage 3 with activation checkpointing,
+    and Trainer's torch_compile at stage 2 (the aot_eager backend on CPU), train the same model."""
+    plain = run_ranks(_with_eval, 2, 3, str(tmp_path / "a"), {}, timeout=300)
+    ckpt = run_ranks(_with_eval, 2, 3, str(tmp_path / "b"), {"gradient_checkpointing": True}, timeout=300)
+    compiled = run_ranks(_with_eval, 2, 2, str(tmp_path / "c"),
+                         {"torch_compile": True, "torch_compile_backend": "aot_eager"}, timeout=300)
+    for results in (ckpt, compiled):
+        for (loss, ev), (ref_loss, ref_ev) in zip(results, plain):
+            assert loss == pytest.approx(ref_loss, rel=1e-5) and ev == pytest.approx(ref_ev, rel=1e-5)
