@@ -26,6 +26,7 @@ that at the first backward, since the optimizer averages gradients itself):
 - ``save_state`` / ``load_state`` write and read the models and optimizers as a
   fused_zero.checkpoint (``<dir>/fused_zero``: sharded, loadable at any world size and stage);
   schedulers, samplers, RNG states, the scaler and registered objects are Accelerate's as usual.
+  ``get_state_dict`` / ``save_model`` gather the full model at stage 3 (every rank calls them).
   Hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
   run as in Accelerate, over the models Accelerate itself saves (not the sharded ones).
 
@@ -195,6 +196,16 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("clip_grad_value_ is not supported with fused_zero: the averaged gradients exist only "
                              "as shards inside the optimizer; clip the norm with clip_grad_norm_")
         return super().clip_grad_value_(parameters, clip_value)
+
+    # -- the model's weights and checkpoints ----------------------------------------
+    def get_state_dict(self, model, unwrap: bool = True):
+        """The model's full state dict; at stage 3 gathered, so every rank calls it (as with DeepSpeed
+        ZeRO-3). ``save_model`` goes through here too."""
+        stage3 = [opt for opt in self._sharded(model) if opt.config.needs_module]
+        if not stage3:
+            return super().get_state_dict(model, unwrap)
+        with stage3[0].full_parameters():
+            return {k: v.detach().clone() for k, v in super().get_state_dict(model, unwrap).items()}
 
     # -- checkpoints ------------------------------------------------------------
     def _without_sharded(self):

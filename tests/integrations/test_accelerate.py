@@ -64,6 +64,13 @@ def _run(rank, world_size, stage, folder=None, save_at=None, resume=False, steps
                 acc.save_state(folder)
             if done == steps:
                 break
+    if stage == 3 and not resume:  # the full weights, gathered on every rank (save_model uses the same)
+        full = acc.get_state_dict(model)
+        probe = tiny_gpt2(seed=5)
+        probe.load_state_dict(full)
+        x = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=2)))
+        with torch.no_grad():
+            assert torch.equal(probe(**x).logits, model(**x).logits)
     return losses, norms, sched.get_last_lr()
 
 
