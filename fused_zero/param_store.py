@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .layout import FlatLayout
+from .store_nvme import _remove  # one way to drop a scratch file and its descriptor
 
 
 def _host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -214,15 +215,6 @@ class HostParamShard(ParamShard):
 
     def nbytes(self):
         return self.tensor.numel() * self.tensor.element_size()
-
-
-def _remove(path: str, fd_box: list) -> None:
-    if fd_box:
-        os.close(fd_box.pop())
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 class NvmeParamShard(ParamShard):
