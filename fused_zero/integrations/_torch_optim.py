@@ -43,11 +43,11 @@ def check_convertible(optimizer, where: str) -> None:
 
 
 def sharded_from_torch(optimizer: torch.optim.Optimizer, config: ZeroConfig, module: nn.Module | None = None,
-                       process_group=None) -> ShardedOptimizer:
+                       process_group=None, units=None) -> ShardedOptimizer:
     """A ShardedOptimizer over ``optimizer``'s param groups (the same dicts) and hyperparameters.
 
     ``module`` is the model the parameters belong to (stage 3 needs it; at every stage it names
-    the parameters in errors and checkpoints). A torch optimizer that already stepped is refused:
+    the parameters in errors and checkpoints); ``units`` are stage 3's, as ShardedOptimizer takes them. A torch optimizer that already stepped is refused:
     build the framework's optimizer fresh, or load its state_dict into the ShardedOptimizer.
     """
     check_convertible(optimizer, "fused_zero")
@@ -57,7 +57,7 @@ def sharded_from_torch(optimizer: torch.optim.Optimizer, config: ZeroConfig, mod
         raise ValueError(f"this {type(optimizer).__name__} has already stepped (it holds optimizer state); "
                          "hand the framework a fresh optimizer, or load its state_dict() into the "
                          "fused_zero.ShardedOptimizer after it was built")
-    defaults = dict(optimizer.defaults)
+    defaults = optimizer.defaults
     if type(optimizer) is torch.optim.Adam:  # Adam's weight decay is L2, unless decoupled (then it is AdamW)
         for group in optimizer.param_groups:
             group["decoupled_weight_decay"] = bool(group.get("decoupled_weight_decay", False))
@@ -74,9 +74,8 @@ def sharded_from_torch(optimizer: torch.optim.Optimizer, config: ZeroConfig, mod
         if stray:
             raise ValueError(f"the optimizer holds {len(stray)} parameters that are not the model's; "
                              "build the optimizer over model.parameters() (or its param groups)")
-    new = ShardedOptimizer(groups, **kwargs, config=config, process_group=process_group, module=module)
-    # the old optimizer's groups are new's groups now: torch's own checks rewrote none of their values
-    return new
+    return ShardedOptimizer(groups, **kwargs, config=config, process_group=process_group, module=module,
+                            units=units)
 
 
 def track_step_called(optimizer) -> None:

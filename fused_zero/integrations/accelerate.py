@@ -94,8 +94,7 @@ class ZeroAccelerator(Accelerator):
                              "(parallelism_config with tp_size > 1) is not supported")
         self.zero = zero
         self._zero_pairs: list[tuple[nn.Module, ShardedOptimizer]] = []
-        self._replaced: dict[int, ShardedOptimizer] = {}  # id(torch optimizer) -> the ShardedOptimizer
-        self._replaced_refs: dict[int, torch.optim.Optimizer] = {}
+        self._replaced: list[tuple[torch.optim.Optimizer, ShardedOptimizer]] = []  # (torch optimizer, its successor)
         self._preparing: list[nn.Module] = []
 
     # -- prepare ------------------------------------------------------------
@@ -152,16 +151,15 @@ class ZeroAccelerator(Accelerator):
                 raise ValueError("stage 3 shards the model's parameters: pass the model to the same "
                                  "accelerator.prepare() call as its optimizer, or prepare the model first")
             sharded = sharded_from_torch(inner, self.zero, module)
-            self._replaced[id(inner)] = sharded
-            self._replaced_refs[id(inner)] = inner
+            self._replaced.append((inner, sharded))
         sharded._fused_zero_integration = True  # fused_zero.habits: stepped through the integration
         self._zero_pairs.append((module if module is not None else sharded.module, sharded))
         # device_placement=False: the state is already where the parameters are (and is empty)
         return super().prepare_optimizer(sharded, device_placement=False)
 
     def prepare_scheduler(self, scheduler):
-        for key, new in self._replaced.items():
-            repoint_scheduler(scheduler, self._replaced_refs[key], new)
+        for old, new in self._replaced:
+            repoint_scheduler(scheduler, old, new)
         return super().prepare_scheduler(scheduler)
 
     # -- the training loop ------------------------------------------------------

@@ -50,12 +50,11 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 from ..config import ZeroConfig  # noqa: E402
-from ._torch_optim import repoint_scheduler  # noqa: E402
+from ._torch_optim import CONVERTIBLE, repoint_scheduler, sharded_from_torch  # noqa: E402
 from ..optimizer import ShardedOptimizer  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
 
-SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 #: ShardedOptimizer options ZeroStrategy passes through (the rest have a Lightning spelling, or
 #: come from the torch optimizer).
 _REFUSED_OPTIONS = {
@@ -142,8 +141,6 @@ class ZeroStrategy(DDPStrategy):
     arguments (``find_unused_parameters``, communication hooks) have no meaning here.
     """
 
-    #: fused_zero.habits recognises this strategy by it (and refuses the others).
-    _fused_zero_strategy = True
     strategy_name = "fused_zero"
 
     def __init__(self, stage: int = 2, *, accelerator=None, parallel_devices=None, cluster_environment=None,
@@ -204,29 +201,17 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError("configure_optimizers returned a ShardedOptimizer: with ZeroStrategy return the plain "
                             "torch.optim.AdamW (or Adam) and pass the ZeRO options to ZeroStrategy(stage=..., ...); "
                             "the strategy builds the ShardedOptimizer")
-        if type(old) not in SUPPORTED:
+        if type(old) not in CONVERTIBLE:
             raise TypeError(f"ZeroStrategy replaces torch.optim.AdamW or torch.optim.Adam, but configure_optimizers "
                             f"returned {type(old).__module__}.{type(old).__qualname__}: return one of those (or use "
                             "another strategy for other optimizers)")
         if old.state:
             raise ValueError("the optimizer from configure_optimizers already has state (it was stepped): "
                              "return a fresh optimizer; to resume, use trainer.fit(model, ckpt_path=...)")
-        new = self._build_optimizer(old)
+        new = sharded_from_torch(old, self._config, self.lightning_module, units=self._units)
         for config in self.lr_scheduler_configs:
             repoint_scheduler(config.scheduler, old, new)
         self.optimizers = [new]
-
-    def _build_optimizer(self, old: torch.optim.Optimizer) -> ShardedOptimizer:
-        groups = [dict(g) for g in old.param_groups]  # params, hyperparameters, initial_lr of a scheduler
-        decoupled = isinstance(old, torch.optim.AdamW)
-        for g in groups:
-            g.setdefault("decoupled_weight_decay", decoupled)
-        d = old.defaults
-        module = self.lightning_module
-        return ShardedOptimizer(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                                amsgrad=d.get("amsgrad", False), maximize=d.get("maximize", False),
-                                decoupled_weight_decay=d.get("decoupled_weight_decay", decoupled),
-                                config=self._config, module=module, units=self._units)
 
     @property
     def zero_optimizer(self) -> Optional[ShardedOptimizer]:

@@ -27,6 +27,7 @@ one process (DataParallel), and ``zero.max_grad_norm`` (use ``max_grad_norm``).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -85,7 +86,7 @@ class ZeroTrainer(Trainer):
         import transformers.trainer as trainer_module
 
         original = trainer_module.Accelerator
-        trainer_module.Accelerator = _ZeroAcceleratorFactory(self.zero)
+        trainer_module.Accelerator = functools.partial(ZeroAccelerator, zero=self.zero)
         try:
             super().create_accelerator_and_postprocess()
         finally:
@@ -143,12 +144,3 @@ class ZeroTrainer(Trainer):
         with opt.full_parameters():
             super().save_model(output_dir, _internal_call)
 
-
-class _ZeroAcceleratorFactory:
-    """Stands in for ``accelerate.Accelerator`` while Trainer builds its accelerator."""
-
-    def __init__(self, zero: ZeroConfig) -> None:
-        self.zero = zero
-
-    def __call__(self, *args, **kwargs) -> ZeroAccelerator:
-        return ZeroAccelerator(*args, zero=self.zero, **kwargs)
