@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _replay import ReplayClock, show  # noqa: E402
+from _replay import ReplayClock, show, summarize  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -125,11 +125,7 @@ def run_cpu() -> dict:
         mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
         with open(out) as f:
             result = json.load(f)
-    base = statistics.median(result[BASELINE]["times"])
-    for res in result.values():
-        ts = sorted(res["times"])
-        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        res.update(min_s=ts[0], q1_s=q[0], median_s=q[1], q3_s=q[2], max_s=ts[-1], ratio_to_baseline=q[1] / base)
+    summarize(result, BASELINE, "ratio_to_baseline")
     return result
 
 

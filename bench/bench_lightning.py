@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from _replay import ReplayClock, show  # noqa: E402
+from _replay import ReplayClock, show, summarize  # noqa: E402
 
 WORLD = 2
 CFG = GPTConfig(vocab=4096, d_model=256, n_layer=4, n_head=4, seq_len=128)
@@ -168,11 +167,7 @@ def run_cpu(names=None) -> dict:
         mp.spawn(_worker, args=(_free_port(), names, out), nprocs=WORLD)
         with open(out) as f:
             result = json.load(f)
-    base = statistics.median(result[BASELINE]["times"])
-    for res in result.values():
-        ts = sorted(res["times"])
-        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        res.update(min_s=ts[0], q1_s=q[0], median_s=q[1], q3_s=q[2], max_s=ts[-1], ratio_to_ddp=q[1] / base)
+    summarize(result, BASELINE, "ratio_to_ddp")
     return result
 
 

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from _replay import ReplayClock, show  # noqa: E402
+from _replay import ReplayClock, show, summarize  # noqa: E402
 
 try:
     from fused_zero import ShardedOptimizer
@@ -219,13 +219,7 @@ def run_cpu(names=None, cfg: GPTConfig = CFG, steps: int = STEPS, warmup: int = 
         mp.spawn(_worker, args=(_free_port(), names, cfg, steps, warmup, out), nprocs=WORLD)
         with open(out) as f:
             result = json.load(f)
-    base = statistics.median(result[BASELINE]["times"])
-    for res in result.values():
-        if "times" in res:
-            ts = sorted(res["times"])
-            q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-            res.update(min_s=ts[0], q1_s=q[0], median_s=q[1], q3_s=q[2], max_s=ts[-1],
-                       ratio_to_ddp=q[1] / base)
+    summarize(result, BASELINE, "ratio_to_ddp")
     return {n: result[n] for n in names}
 
 

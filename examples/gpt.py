@@ -164,3 +164,13 @@ def synthetic_batch(cfg: GPTConfig, batch_size: int, *, step: int, rank: int = 0
         tokens[:, t + 1] = succ[cur].gather(1, choice).squeeze(1)
     tokens = tokens.to(device)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    """The examples' schedule for LambdaLR: linear warm-up, then cosine down to ``floor`` of the peak."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f

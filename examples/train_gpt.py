@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, markov_entropy, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, lr_lambda, markov_entropy, synthetic_batch  # noqa: E402
 
 from fused_zero import ShardedOptimizer  # noqa: E402
 from fused_zero.plan import estimate  # noqa: E402
@@ -80,15 +80,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def lr_lambda(warmup: int, total: int, floor: float = 0.1):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
 
 
 def torch_memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

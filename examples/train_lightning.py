@@ -14,7 +14,6 @@ is examples/gpt.py's synthetic Markov chain: the loss falls from ln(vocab) towar
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, markov_entropy, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, lr_lambda, markov_entropy, synthetic_batch  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 
@@ -63,15 +62,6 @@ class MarkovData(Dataset):
 
     def __getitem__(self, i: int):
         return synthetic_batch(self.cfg, self.batch_size, step=i, rank=self.rank, seed=self.seed)
-
-
-def lr_lambda(warmup: int, total: int, floor: float = 0.1):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
 
 
 class LitGPT(L.LightningModule):
