@@ -186,6 +186,11 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("clip_grad_norm_ got the parameters of several ShardedOptimizers; clip each "
                              "model's parameters on their own")
         opt = next(iter(owners.values()))
+        given = {p for p in params if p.requires_grad}
+        if not {p for g in opt.param_groups for p in g["params"] if p.requires_grad} <= given:
+            raise ValueError("clip_grad_norm_ got only part of a ShardedOptimizer's parameters: it clips the global "
+                             "norm of all of them together (the gradients live as shards inside the optimizer); "
+                             "pass model.parameters()")
         self.unscale_gradients()
         return opt.clip_grad_norm_(max_norm, norm_type)
 

@@ -139,3 +139,26 @@ def test_plain_accelerator_with_a_sharded_optimizer_is_refused(world_size, prepa
     """A plain Accelerator clips .grad and wraps the model in DDP: refused, naming the integration."""
     results = run_ranks(_plain_accelerator_with_sharded, world_size, prepare_model, timeout=120)
     assert all(r is not None and "ZeroAccelerator" in r for r in results), results
+
+
+def _clip_a_subset(rank, world_size):
+    launcher_env(rank, world_size)
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    acc = ZeroAccelerator(cpu=True, zero=ZeroConfig(stage=2))
+    model = tiny_gpt2()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    x = torch.randint(0, 96, (2, 16))
+    acc.backward(model(input_ids=x, labels=x).loss)
+    try:
+        acc.clip_grad_norm_(model.transformer.h[0].parameters(), 1.0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_clip_of_part_of_the_parameters_is_refused():
+    """torch clips the norm of what it is given; the optimizer can only clip all of its gradients together."""
+    results = run_ranks(_clip_a_subset, 2, timeout=120)
+    assert all(r is not None and "model.parameters()" in r for r in results), results
