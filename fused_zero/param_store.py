@@ -44,6 +44,8 @@ class ParamShard:
     """The device tier: a tensor beside the parameters. The base of the other tiers."""
 
     tier = "device"
+    #: True where the shard is the parameters' own memory (nothing to copy when they change)
+    is_params = False
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, kernel_device: torch.device,
                  chunk_numel: int = 1 << 20) -> None:
@@ -108,6 +110,8 @@ class DeviceParamShard(ParamShard):
 
 class OwnSlices(ParamShard):
     """This rank's slices of the resident full flat buffer, addressed in shard elements."""
+
+    is_params = True
 
     def __init__(self, flat: torch.Tensor, layout: FlatLayout, rank: int) -> None:
         super().__init__(layout.shard_numel, flat.dtype, flat.device, flat.device)

@@ -185,7 +185,7 @@ class Partition:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
                 self.store.write("master", piece.shard_offset, v.to(device=self.device, dtype=torch.float32))
-                if self.pshard is not None and not isinstance(self.pshard, OwnSlices):  # own slices hold v
+                if self.pshard is not None and not self.pshard.is_params:  # own slices hold v already
                     self.pshard.write(piece.shard_offset, v)
 
     # -- shards ------------------------------------------------------------
@@ -198,7 +198,7 @@ class Partition:
         """
         for b in self.layout.buckets:
             self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
-        if self.pshard is not None and not isinstance(self.pshard, OwnSlices):
+        if self.pshard is not None and not self.pshard.is_params:
             for b in self.layout.buckets:
                 self.pshard.write(b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
 
@@ -209,7 +209,7 @@ class Partition:
         With own slices that is the parameters themselves (a rolled-back step puts them back)."""
         if self.pshard is not None:
             self.pshard.write(0, self.store.read("master", 0, self.layout.shard_numel).to(self.dtype))
-            if isinstance(self.pshard, OwnSlices):
+            if self.pshard.is_params:
                 self.mark_synced()
 
     def update_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
