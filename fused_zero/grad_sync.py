@@ -27,6 +27,12 @@ cannot see ``model.zero_grad()``, so it never carries gradients across steps).
 ``zero_grad(set_to_none=False)`` makes the parameters that held a gradient
 hold zeros, as torch does: they stay present, and step with zero gradients.
 
+With the optimizer states offloaded (``Partition.grad_tier == "host"``) the reduced shard lives
+in host memory, where the update runs: each bucket is reduce-scattered in place (this rank's
+slice of the pool buffer) and copied down as soon as its reduction completes (``transfer.py``:
+on a GPU, on a side stream, overlapping the rest of backward); a round that accumulates lands
+in a host scratch buffer and is added on the host. ``wait()`` returns once everything is down.
+
 Where a quantized gradient codec plugs in: ``_launch`` packs into the wire
 buffer (today a cast to the partition's reduce dtype and a 1/N scale) and
 ``_finish_oldest`` lands the result in the shard.
@@ -43,6 +49,7 @@ from . import ops
 from .collectives import Comm, Handle
 from .partition import Partition
 from .spans import intersect
+from .transfer import Ticket, host_buffer, transfers
 
 #: Bucket buffers in flight per reduction dtype.
 MAX_INFLIGHT = 2
@@ -67,8 +74,18 @@ class _Segment(NamedTuple):
 class _Inflight(NamedTuple):
     handle: Handle
     buffer: torch.Tensor  # the pool buffer, busy until the handle is waited
-    out: torch.Tensor
+    out: torch.Tensor  # where the reduce-scatter lands (host tier: this rank's slice of buffer)
     accumulate_into: torch.Tensor | None
+    down: torch.Tensor | None  # host tier: where ``out`` is copied (the host shard, or a scratch to add)
+
+
+class _Landing(NamedTuple):
+    """A reduced shard on its way down to the host (host tier)."""
+
+    ticket: Ticket
+    buffer: torch.Tensor  # the pool buffer it came from
+    scratch: torch.Tensor | None  # accumulating: it landed here and is added ...
+    accumulate_into: torch.Tensor | None  # ... into this slice of the host shard
 
 
 def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
@@ -115,6 +132,15 @@ class GradSync:
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._plans: dict = {}  # one pack plan per bucket, reused while the grads stay put
         self._pending: deque[_Inflight] = deque()
+        self._landing: deque[_Landing] = deque()  # host tier: copies down not yet settled
+        self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands
+        self._copies = transfers(partitions[0].flat.device) if partitions else None
+        # pool buffers per reduce dtype: MAX_INFLIGHT, or fewer when fewer buckets are ever reduced
+        self._pool_cap: dict[torch.dtype, int] = {}
+        for pi, k in self.order:
+            if any(s.param is not None and s.param.requires_grad for s in self.segments[(pi, k)]):
+                dtype = partitions[pi].reduce_dtype
+                self._pool_cap[dtype] = min(MAX_INFLIGHT, self._pool_cap.get(dtype, 0) + 1)
         self._written = False  # the shards hold reductions: the next round adds
         self._reduced = False  # reducing at step: this step's reduction is launched
         self._round_open = False
@@ -169,6 +195,7 @@ class GradSync:
             if not self._launch(key, free_grads=self.policy.free_grads, block=flush):
                 return  # no free buffer: the next hook (or the end of backward) launches it
             self._next += 1
+            self._finish_completed()
 
     # -- step -------------------------------------------------------------
     def prepare_step(self) -> None:
@@ -202,9 +229,10 @@ class GradSync:
         return any(p.grad is not None and p.grad._version != v for p, v in self._grad_versions.items())
 
     def wait(self) -> None:
-        """Wait for every launched reduction and apply accumulation."""
+        """Wait for every launched reduction and apply accumulation (host tier: every shard is down)."""
         while self._pending:
             self._finish_oldest()
+        self._settle(block=True)
 
     def end_step(self) -> None:
         """After step(): the shards are consumed; the next reduction writes them."""
@@ -241,7 +269,12 @@ class GradSync:
         return [p for p in self.buckets_of if p.grad is not None]
 
     def buffer_bytes(self) -> int:
+        """Bytes of the pool buffers (on the parameters' device)."""
         return sum(t.numel() * t.element_size() for bufs in self._pool.values() for t in bufs)
+
+    def host_buffer_bytes(self) -> int:
+        """Bytes of the host scratch buffers accumulating rounds land in (host tier)."""
+        return sum(t.numel() * t.element_size() for t in self._scratch.values())
 
     # -- internals --------------------------------------------------------
     def _launch(self, key, free_grads: bool, block: bool) -> bool:
@@ -271,12 +304,19 @@ class GradSync:
                                                     numels=[s.numel for s in segs])
         # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
         ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
-        out = part.shard(part.grad_shard, b)
-        acc = None
-        if self._written:
-            acc, out = out, torch.empty_like(out)
+        dst = part.shard(part.grad_shard, b)
+        acc = down = None
+        if part.grad_tier == "host":  # reduce in place, copy down once reduced
+            out = buf[self.comm.rank * b.shard_numel:(self.comm.rank + 1) * b.shard_numel]
+            down = dst
+            if self._written:
+                acc, down = dst, self._scratch_of(base, b.shard_numel)
+        else:
+            out = dst
+            if self._written:
+                acc, out = out, torch.empty_like(out)
         handle = self.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
-        self._pending.append(_Inflight(handle, base, out, acc))
+        self._pending.append(_Inflight(handle, base, out, acc, down))
         if free_grads:
             for p in self.frees[key]:
                 p.grad = None
@@ -290,26 +330,65 @@ class GradSync:
         may need this rank to reach a later collective (stage 3's next gather) before
         it can launch the reduction this one would wait for.
         """
-        pool = self._pool.setdefault(dtype, [])
+        pool = self._pool.setdefault(dtype, [])  # least recently used first
         while True:
-            busy = {id(f.buffer) for f in self._pending}
-            for buf in pool:
-                if id(buf) not in busy and buf.numel() >= numel:
-                    return buf
-            if len(pool) < MAX_INFLIGHT:
+            if len(pool) < self._pool_cap.get(dtype, 1):  # the pool grows to its bound first: its size never depends on timing
                 size = max(b.numel for part in self.partitions if part.reduce_dtype == dtype
                            for b in part.layout.buckets)
                 pool.append(torch.empty(size, dtype=dtype, device=self.partitions[0].flat.device))
-                continue
+                return pool[-1]
+            busy = {id(f.buffer) for f in self._pending}
+            for buf in pool:
+                if id(buf) not in busy and buf.numel() >= numel:
+                    pool.remove(buf)
+                    pool.append(buf)
+                    for landing in self._landing:  # host tier: packing into it waits (on the GPU) for its copy down
+                        if landing.buffer is buf:
+                            landing.ticket.order_before()
+                    return buf
             if not block and not self._pending[0].handle.done():
                 return None
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         f = self._pending.popleft()
+        if f.down is not None:  # host tier: the copy down waits for the reduction, the host does not
+            ticket = self._copies.copy(f.down, f.out, after=f.handle)
+            self._landing.append(_Landing(ticket, f.buffer, f.down if f.accumulate_into is not None else None,
+                                          f.accumulate_into))
+            return
         f.handle.wait()
         if f.accumulate_into is not None:
             f.accumulate_into.add_(f.out)
+
+    def _finish_completed(self) -> None:
+        """Finish the reductions already complete (host tier: start their copies down) and settle the
+        copies already down, without blocking: the hooks call it, so shards go down during backward."""
+        while self._pending and self._pending[0].handle.done():
+            self._finish_oldest()
+        self._settle(block=False)
+
+    def _settle(self, block: bool, buffer: torch.Tensor | None = None) -> None:
+        """Settle the copies down (oldest first): every one if ``block``, else those already done; with
+        ``buffer``, at least every one that came from that pool buffer."""
+        while self._landing:
+            first = self._landing[0]
+            needed = buffer is not None and any(x.buffer is buffer for x in self._landing)
+            if not (block or needed or first.ticket.done()):
+                return
+            self._landing.popleft()
+            first.ticket.wait()
+            if first.accumulate_into is not None:
+                first.accumulate_into.add_(first.scratch)
+
+    def _scratch_of(self, base: torch.Tensor, numel: int) -> torch.Tensor:
+        """The host scratch of pool buffer ``base`` (its earlier landings settled: it is rewritten)."""
+        self._settle(block=False, buffer=base)
+        s = self._scratch.get(id(base))
+        if s is None:
+            size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
+            s = self._scratch[id(base)] = host_buffer(size, base.dtype)
+        return s[:numel]
 
 
 def _check_dense(p: torch.nn.Parameter) -> None:

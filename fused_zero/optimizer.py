@@ -382,8 +382,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for part in self.partitions:
             b = part.shard_bytes()
             totals["params"] += b["params"]
-            totals["grads"] += b["grad_shard"] + sum(p.grad.numel() * p.grad.element_size()
-                                                     for p in part.params if p.grad is not None)
+            totals["grads"] += sum(p.grad.numel() * p.grad.element_size() for p in part.params if p.grad is not None)
+            # the reduced shard lives where the update runs: on the host when the states are offloaded
+            where = "grads" if part.grad_tier == "device" else "host"
+            totals[where] = totals.get(where, 0) + b["grad_shard"]
             for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
                 where = kind if part.store.tier == "device" else part.store.tier
                 totals[where] = totals.get(where, 0) + b[kind]

@@ -23,6 +23,7 @@ import torch
 from .layout import Bucket, FlatLayout, ShardPiece
 from .param_store import DeviceParamShard, OwnSlices, ParamShard
 from .store import DeviceStore, ShardStore
+from .transfer import host_buffer
 
 
 class PartitionIndex(NamedTuple):
@@ -64,7 +65,11 @@ class Partition:
         self.flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         n = layout.shard_numel
         self.store = store(n, self.device, amsgrad)
-        self.grad_shard = torch.zeros(n, dtype=reduce_dtype, device=self.device)
+        # The reduced gradient shard lives where the update runs: beside the states, on the host when they
+        # are offloaded (GradSync copies each bucket's shard down as soon as it is reduced).
+        self.grad_tier = "device" if self.store.tier == "device" else "host"
+        self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier == "device"
+                           else host_buffer(n, reduce_dtype, zeros=True))
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         # Narrow params are written back by the fused kernel into a narrow param shard, then

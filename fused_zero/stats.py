@@ -54,7 +54,7 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present: set, with
     stats = torch.zeros(HEAD + len(params), dtype=torch.float32, device=device)
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])
-        stats[0], stats[1] = norm.sq_sum, norm.nonfinite
+        stats[0], stats[1] = norm.sq_sum.to(device), norm.nonfinite.to(device)  # offloaded: the shards are on the host
     c1, c2 = check
     stats[2:HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
     stats[HEAD:] = torch.tensor([p in present for p in params], dtype=torch.float32)

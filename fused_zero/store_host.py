@@ -1,10 +1,17 @@
 """HostStore: the optimizer states of a partition in host memory (``offload_optimizer="cpu"``).
 
 The states live in (pinned, where CUDA runs) host memory and the update runs there with torch's
-fused CPU AdamW. Each chunk's gradient shard is copied to a host staging buffer and the narrow
-param shard the kernel writes there is copied back to the device; on a CPU-only machine the
-gradient and param shards already live on the host and the chunks are views (the same code
-path, so the tests here exercise it).
+fused CPU AdamW (all cores). The reduced gradient shard is already on the host (GradSync copied
+each bucket down as its reduction completed, during backward). With the parameters on a GPU the
+kernel writes each chunk's narrow params into a pinned staging buffer that is copied up on a
+side stream while the host updates the next chunk (``transfer.Uploads``); on a CPU-only machine
+the parameters live on the host and the chunks are views the kernel writes in place.
+
+Why the update waits for step() rather than running per bucket during backward (as the copies
+down do): clipping and a GradScaler's overflow check need the global norm of the whole step's
+gradient (every bucket, every micro-batch) before any element may change, and the result must
+be bitwise that of the update without offload. torchao's CPUOffloadOptimizer makes the same
+choice.
 """
 from __future__ import annotations
 
@@ -14,10 +21,7 @@ import torch
 
 from .config import ALIGN
 from .store import ShardStore, StateChunk, _chunks_of
-
-
-def _host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+from .transfer import Uploads, host_buffer
 
 
 class HostStore(ShardStore):
@@ -29,8 +33,8 @@ class HostStore(ShardStore):
         super().__init__(numel, amsgrad)
         self.device = device
         self.chunk_numel = -(-max(1, chunk_numel) // ALIGN) * ALIGN  # whole lanes: see store_nvme.py
-        self.tensors = {kind: _host_empty(numel, torch.float32) for kind in self.kinds}
-        self._staging: dict = {}
+        self.tensors = {kind: host_buffer(numel, torch.float32, zeros=True) for kind in self.kinds}
+        self._uploads: Uploads | None = None  # with the parameters on a GPU
 
     def read(self, kind: str, start: int, end: int) -> torch.Tensor:
         self._check(kind, start, end)
@@ -40,29 +44,42 @@ class HostStore(ShardStore):
         self._check(kind, start, start + values.numel())
         self.tensors[kind][start:start + values.numel()].copy_(values.reshape(-1))
 
-    def _stage(self, name: str, like: torch.Tensor, n: int) -> torch.Tensor:
-        buf = self._staging.get((name, like.dtype))
-        if buf is None or buf.numel() < n:
-            buf = self._staging[(name, like.dtype)] = _host_empty(max(n, self.chunk_numel), like.dtype)
-        return buf[:n]
-
     def update_chunks(self, ranges, grad: torch.Tensor, param_out: torch.Tensor | None) -> Iterator[StateChunk]:
-        if grad.device.type == "cpu" and (param_out is None or param_out.device.type == "cpu"):
-            yield from _chunks_of(self.tensors, ranges, grad, param_out)
+        if param_out is None or param_out.device.type == "cpu":  # the kernel writes the params in place
+            for chunk in _chunks_of(self.tensors, ranges, grad, param_out):
+                yield chunk if grad.device.type == "cpu" else chunk._replace(grad=chunk.grad.cpu())
             return
-        for start, end in ranges:  # the device holds the grad and param shards: stage each chunk
-            for a in range(start, end, self.chunk_numel):
-                b = min(end, a + self.chunk_numel)
-                g = self._stage("grad", grad, b - a)
-                g.copy_(grad[a:b])
-                out = None if param_out is None else self._stage("param", param_out, b - a)
-                states = next(_chunks_of(self.tensors, [(a, b)], grad, None))
-                yield states._replace(grad=g, param_out=out)
-                if out is not None:
-                    param_out[a:b].copy_(out)
+        yield from staged_chunks(self, ranges, grad, param_out,
+                                 lambda a, b: next(_chunks_of(self.tensors, [(a, b)], grad, None)))
+
+    def staging_bytes(self) -> int:
+        return 0 if self._uploads is None else self._uploads.nbytes()
 
     def gather_source(self) -> None:
         return None  # the master is on the host: the partition keeps a device param shard to gather
 
     def nbytes(self) -> dict[str, int]:
         return {kind: t.numel() * t.element_size() for kind, t in self.tensors.items()}
+
+
+def staged_chunks(store, ranges, grad: torch.Tensor, param_out: torch.Tensor, states_of) -> Iterator[StateChunk]:
+    """Chunks of at most ``store.chunk_numel`` whose narrow params go up to ``param_out`` (on a GPU) through
+    ``store``'s uploads, pipelined; ``states_of(a, b)`` is the chunk's states (and host gradient) on the host."""
+    uploads = uploads_of(store, param_out.dtype, store.chunk_numel)
+    try:
+        for start, end in ranges:
+            for a in range(start, end, store.chunk_numel):
+                b = min(end, a + store.chunk_numel)
+                chunk = states_of(a, b)
+                g = chunk.grad if chunk.grad.device.type == "cpu" else chunk.grad.cpu()
+                yield chunk._replace(grad=g, param_out=uploads.buffer(b - a))
+                uploads.send(param_out[a:b])
+    finally:
+        uploads.finish()  # the gather reads the params after they are up (a failed step rewrites them after)
+
+
+def uploads_of(store, dtype: torch.dtype, chunk_numel: int) -> Uploads:
+    """``store``'s staging buffers for params going up (made on first use: only a GPU needs them)."""
+    if store._uploads is None or store._uploads.dtype != dtype:
+        store._uploads = Uploads(dtype, chunk_numel)
+    return store._uploads

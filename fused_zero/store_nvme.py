@@ -26,6 +26,7 @@ import torch
 
 from .config import ALIGN
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
+from .store_host import uploads_of
 
 _F32 = 4
 
@@ -75,6 +76,7 @@ class NvmeStore(ShardStore):
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
         self._buffers = [self._new_buffer() for _ in range(3)]
+        self._uploads = None  # staging for params going up to a GPU (store_host.uploads_of)
         try:
             os.ftruncate(self._fd, 2 * len(self.kinds) * numel * _F32)  # sparse: reads as zeros
         except OSError as e:
@@ -150,6 +152,9 @@ class NvmeStore(ShardStore):
                 pieces.setdefault(b, []).append((max(lo, start), min(hi, end)))
         blocks = sorted(pieces)
         writes = []
+        # with the parameters on a GPU the new narrow params go up through pinned buffers, pipelined
+        uploads = None if param_out is None or param_out.device.type == "cpu" else uploads_of(
+            self, param_out.dtype, self.block)
         reading = self._pool.submit(self._read_block, blocks[0], self._buffers[0]) if blocks else None
         # The reads and writes behind are CPU work too (copies to and from the page cache): the update
         # leaves them a core. Every kernel call is one OpenMP parallel region; with as many threads as
@@ -168,18 +173,18 @@ class NvmeStore(ShardStore):
                 lo, _ = self._span(b)
                 for a, z in pieces[b]:
                     g = grad[a:z] if grad.device.type == "cpu" else grad[a:z].to("cpu")
-                    out = None
-                    if param_out is not None:
-                        out = param_out[a:z] if param_out.device.type == "cpu" else torch.empty(
-                            z - a, dtype=param_out.dtype)
+                    out = uploads.buffer(z - a) if uploads is not None else (
+                        None if param_out is None else param_out[a:z])
                     yield StateChunk(a, z, *(buf[k][a - lo:z - lo] for k in STATE_KINDS),
                                      buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in buf else None, g, out)
-                    if out is not None and param_out.device.type != "cpu":
-                        param_out[a:z].copy_(out)
+                    if uploads is not None:
+                        uploads.send(param_out[a:z])
                 writes.append(self._pool.submit(self._write_block, b, buf))
                 self._pending.add(b)
         finally:
             torch.set_num_threads(threads)
+            if uploads is not None:
+                uploads.finish()
             for f in writes + ([reading] if reading is not None else []):
                 try:
                     f.result()
@@ -201,6 +206,11 @@ class NvmeStore(ShardStore):
 
     def nbytes(self) -> dict[str, int]:
         return {kind: self.numel * _F32 for kind in self.kinds}  # on disk, one slot each
+
+    def staging_bytes(self) -> int:
+        """Host memory of the staging buffers (the blocks read and written, the params going up)."""
+        blocks = sum(t.numel() * t.element_size() for buf in self._buffers for t in buf.values())
+        return blocks + (0 if self._uploads is None else self._uploads.nbytes())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -10,6 +10,7 @@ only when every partition succeeded do the stores commit.
 from __future__ import annotations
 
 import bisect
+from contextlib import closing
 
 import torch
 
@@ -63,12 +64,16 @@ def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bo
     runs = _runs(part, steps)
     starts = [a for a, _, _ in runs]
     sink = part.param_sink()
-    for chunk in part.store.update_chunks(part.update_ranges([(a, b) for a, b, _ in runs]), part.grad_shard, sink):
-        step = runs[bisect.bisect_right(starts, chunk.start) - 1][2]  # a chunk lies inside one run
-        scale = grad_scale if grad_scale is None else grad_scale.to(chunk.master.device)
-        extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if amsgrad else {}
-        ops.adamw_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
-                   param_out=chunk.param_out, grad_scale=scale, **hyper, **extra)
+    if grad_scale is not None:  # once per partition, not per chunk (a device scalar read once by the host)
+        grad_scale = grad_scale.to(part.grad_shard.device)
+    # closing(): a failed chunk closes the store's generator at once (its copies in flight are settled)
+    with closing(part.store.update_chunks(part.update_ranges([(a, b) for a, b, _ in runs]), part.grad_shard,
+                                          sink)) as chunks:
+        for chunk in chunks:
+            step = runs[bisect.bisect_right(starts, chunk.start) - 1][2]  # a chunk lies inside one run
+            extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if amsgrad else {}
+            ops.adamw_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
+                       param_out=chunk.param_out, grad_scale=grad_scale, **hyper, **extra)
     if part.pshard is not None:
         part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
 

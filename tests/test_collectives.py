@@ -42,6 +42,9 @@ def _check_tensor_collectives(comm: Comm, rank: int, ws: int) -> None:
             buf = everyone[rank].clone()
             comm.reduce_scatter(buf[rank * n:(rank + 1) * n], buf, async_op=async_op).wait()
             assert torch.equal(buf[rank * n:(rank + 1) * n], mine), (dtype, async_op, "in-place")
+            buf = everyone[rank].clone()  # in place on a scratch input: gloo's all-reduce leaves it there
+            comm.reduce_scatter(buf[rank * n:(rank + 1) * n], buf, async_op=async_op, scratch_input=True).wait()
+            assert torch.equal(buf[rank * n:(rank + 1) * n], mine), (dtype, async_op, "in-place scratch")
             # all_gather, out of place and in place, into a 2-D output (shape is free, numel counts)
             gathered = torch.cat([_data(r, n, dtype) for r in range(ws)])
             out = torch.full((ws, n), 99, dtype=dtype)

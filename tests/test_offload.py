@@ -2,7 +2,9 @@
 
 - 2 gloo ranks, stages 1, 2 and 3, 10 steps with each tier in lockstep with the same run
   without offload: every parameter bitwise equal after every step (chunks cut at 704-element
-  blocks, so runs of the update are split as they never are in memory).
+  blocks, so runs of the update are split as they never are in memory), through accumulation
+  under no_sync() and over two synced backwards with clip_grad_norm_ and GradScaler steps with a skipped overflow; the reduced
+  gradient shard is reported on the host.
 - a checkpoint saved with NVMe offload resumes without it, and the reverse, bitwise.
 - a full disk midway through a step raises an OSError naming the file and leaves the states,
   step counts and parameters as before the step; training then goes on as if nothing happened.
@@ -33,11 +35,31 @@ def _build(model, stage, folder=None, **kw):
                             **kw)
 
 
-def _step(model, opt, t, rank):
+def _step(model, opt, t, rank, scaler=None):
+    """Steps vary the habits that touch the reduced gradient shard: plain steps; three micro-batches (the
+    first under no_sync(), then two synced rounds, the second adding into the shard) clipped by
+    clip_grad_norm_; and
+    GradScaler steps (rank 1 overflows at step 5: every rank skips it)."""
     opt.zero_grad()
-    x, y = batch(t, rank)
-    loss_fn(model(x, **flags(t, rank)), y).backward()
-    opt.step()
+    if t % 3 == 0 or scaler is None:
+        x, y = batch(t, rank)
+        loss_fn(model(x, **flags(t, rank)), y).backward()
+        opt.step()
+    elif t % 3 == 1:
+        with opt.no_sync():
+            x, y = batch(t, rank, micro=0)
+            loss_fn(model(x, **flags(t, rank)), y).backward()
+        for micro in (1, 2):  # two synced backwards: the second round adds into the reduced shard
+            x, y = batch(t, rank, micro=micro)
+            loss_fn(model(x, **flags(t, rank)), y).backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+    else:
+        x, y = batch(t, rank)
+        loss = loss_fn(model(x, **flags(t, rank)), y) * (float("inf") if t == 5 and rank == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
 
 def _params(model, opt):
@@ -50,10 +72,11 @@ def _lockstep(rank, world_size, stage, folder):
     os.makedirs(folder, exist_ok=True)
     models = [TinyNet() for _ in TIERS]
     opts = [_build(m, stage, folder, **kw) for m, kw in zip(models, TIERS)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in TIERS]
     unequal = []
     for t in range(10):
-        for m, o in zip(models, opts):
-            _step(m, o, t, rank)
+        for m, o, sc in zip(models, opts, scalers):
+            _step(m, o, t, rank, sc)
         ref = _params(models[0], opts[0])
         for i in (1, 2):
             if not all(torch.equal(a, b) for a, b in zip(ref, _params(models[i], opts[i]))):
@@ -72,8 +95,11 @@ def test_offload_is_bitwise_the_run_without(stage, tmp_path):
         assert r["unequal"] == []
         device, host, nvme = r["mem"]
         states = device["master"] + device["exp_avg"] + device["exp_avg_sq"]
-        assert host["master"] == host["exp_avg"] == 0 and host["host"] == states
-        assert nvme["master"] == nvme["exp_avg"] == 0 and nvme["nvme"] == states
+        # the reduced gradient shard moves to the host with the states (stage 1 keeps the full .grad)
+        shard = device["grads"] - host["grads"]
+        assert shard > 0 and host["grads"] == nvme["grads"] and (host["grads"] > 0) == (stage == 1)
+        assert host["master"] == host["exp_avg"] == 0 and host["host"] == states + shard
+        assert nvme["master"] == nvme["exp_avg"] == 0 and nvme["nvme"] == states and nvme["host"] == shard
         assert len(r["files"]) == r["partitions"] and all(f.endswith(".states") for f in r["files"])
         assert r["files_after_close"] == []
 

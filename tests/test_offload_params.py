@@ -87,8 +87,10 @@ def test_offload_params_is_bitwise_the_run_without(tmp_path):
                                              res["shard_bytes"][1:]):
                 tiers = {"host": 0, "nvme": 0}
                 tiers[{"cpu": "host", "nvme": "nvme"}[kw["offload_params"]]] += shard
-                if kw.get("offload_optimizer"):
+                if kw.get("offload_optimizer"):  # the states, and the reduced gradient shard on the host
                     tiers[{"cpu": "host", "nvme": "nvme"}[kw["offload_optimizer"]]] += states
+                    tiers["host"] += ref["grads"]
+                    assert mem["grads"] == 0, (name, kw)
                 assert {k: mem.get(k, 0) for k in tiers} == tiers, (name, kw)
                 assert mem["params"] == 0 and mem["master"] == (0 if kw.get("offload_optimizer") else ref["master"])
             n_params = sum(p for kw, p in zip(configs, res["partitions"]) if kw.get("offload_params") == "nvme")

@@ -198,9 +198,10 @@ def test_offload_tiers_planned_equal_measured(measured_offload, cfg):
                "optimizer": mem["master"] + mem["exp_avg"] + mem["exp_avg_sq"], "buffers": mem["buffers"],
                "host": mem.get("host", 0), "nvme": mem.get("nvme", 0)}
         want = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "buffers": s.buffers,
-                "host": d["host_states"] + d["host_params"], "nvme": d["nvme_states"] + d["nvme_params"]}
+                "host": d["host_states"] + d["host_params"] + d["host_grads"],
+                "nvme": d["nvme_states"] + d["nvme_params"]}
         assert got == want, f"rank {rank}: measured {got} != planned {want}"
-        assert s.host == want["host"] + d["host_staging"] and s.nvme == want["nvme"]
+        assert s.host == want["host"] + d["host_scratch"] + d["host_staging"] and s.nvme == want["nvme"]
         assert res[_offload_id(cfg)]["partitions"] == d["partitions"]
         # NvmeStore's three blocks per state kind are host memory memory_bytes() leaves out; the plan counts them
         assert res[_offload_id(cfg)]["blocks"] == (3 * 3 * 4 * 1024 * d["partitions"] if opt == "nvme" else 0)

@@ -22,16 +22,19 @@ These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backwa
 The offload tiers (``offload_optimizer``, ``offload_params``, ZeroConfig's) move bytes off the
 device, as the stores do (store_host.py, store_nvme.py, param_store.py):
 
-    offload_optimizer  the 12*S of states go to "host" (cpu) or "nvme"; the narrow param shard
+    offload_optimizer  the 12*S of states go to "host" (cpu) or "nvme", and the reduced gradient
+                       shard R*S to "host" (where the update reads it); the narrow param shard
                        at stages 1-2 becomes this rank's own slices of the flat buffer (0 bytes),
                        at stage 3 every partition keeps one (fp32 ones too: the master is gone)
     offload_params     stage 3: the narrow param shard P*S goes to "host" (cpu) or "nvme" (fp32
                        partitions whose master stays on the device have none to move)
     staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, per
                        partition with C = offload_chunk_numel rounded up to 64:
-                       host, optimizer "cpu": a pinned chunk of gradient and of params, C*(R+P);
-                       host, optimizer "nvme": three blocks per state kind, 3*3*4*C, plus the
-                       chunk copies C*(R+P); offload_params: the shards of the units in flight
+                       host, optimizer "cpu": two pinned chunks of params going up, 2*C*P (with
+                       a GPU; on the host the update writes the params in place); "nvme": three
+                       blocks per state kind, 3*3*4*C, besides; and per reduce dtype, the host
+                       scratch accumulating backwards land in, one per pool buffer, of the
+                       largest bucket shard; offload_params: the shards of the units in flight
                        (max_live_units + 1 of the largest) staged on the device, and for "nvme"
                        read into host memory first
 
@@ -193,7 +196,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                          f"rank; got stage {stage}): plan stage 3, or opt={par} to move the optimizer states")
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
                        "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
-                       "nvme_states", "host_params", "nvme_params", "host_staging", "device_staging"], 0)
+                       "nvme_states", "host_params", "nvme_params", "host_grads", "host_scratch",
+                       "host_staging", "device_staging"], 0)
     pools: dict[str, list[int]] = {}  # reduce dtype -> [buckets reduced, largest bucket]
     unit_bytes: dict[int, int] = {}
     moved: dict[int, int] = {}  # unit -> bytes of its offloaded param shards (staged for each gather)
@@ -213,25 +217,28 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                 d["param_shard"] += p * shard
             # else stages 1-2 with offloaded states: this rank's own slices of the flat buffer, no bytes
         d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if stage == 1 else 0
-        d["grad_shard"] += r * shard
+        d["grad_shard" if opt is None else "host_grads"] += r * shard
         if opt is None:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 d[kind] += 4 * shard
         else:
             d[WHERE[opt] + "_states"] += 3 * 4 * shard
-            # HostStore: a pinned chunk of gradient and one of params (with a GPU; views on the host);
-            # NvmeStore: three blocks per state kind, and the chunk copies of gradient and params
-            d["host_staging"] += job.chunk * (r + p) + (3 * 3 * 4 * job.chunk if opt == "nvme" else 0)
-        pool = pools.setdefault(reduce, [0, 0])
+            # the uploads (transfer.Uploads: two pinned chunks of params going up to a GPU); NvmeStore
+            # also three blocks per state kind
+            d["host_staging"] += 2 * job.chunk * p + (3 * 3 * 4 * job.chunk if opt == "nvme" else 0)
+        pool = pools.setdefault(reduce, [0, 0, 0])
         pool[0] += len(launched)
         pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
+        pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
         reduced = sum(part.layout.buckets[k].numel for k in launched)
         d["reduce_scatter"] += r * reduced
         # stage 3 gathers every unit in forward and, resharded, every unit but the root again in backward
         again = full if part.unit and job.reshard_after_forward else 0
         d["all_gather"] += p * (reduced if stage < 3 else full + again)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
-    d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size) in pools.items())
+    d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
+    if opt is not None:  # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
+        d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if job.world_size > 1:
         d["all_reduce"] = 4 * (HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
     else:
@@ -246,8 +253,9 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
     optimizer = d["master"] + d["exp_avg"] + d["exp_avg_sq"]
     comm = d["reduce_scatter"] + d["all_gather"] + d["all_reduce"]
+    host = d["host_states"] + d["host_params"] + d["host_grads"] + d["host_scratch"] + d["host_staging"]
     return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
-                         offload=tier(opt, par), host=d["host_states"] + d["host_params"] + d["host_staging"],
+                         offload=tier(opt, par), host=host,
                          nvme=d["nvme_states"] + d["nvme_params"], staging=d["device_staging"])
 
 
@@ -290,7 +298,8 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)
     detail.update(device_staging=staging, host_staging=chunks * units + (staging if par == "nvme" else 0),
                   partitions=detail["partitions"] * units)
-    host = detail["host_states"] + detail["host_params"] + detail["host_staging"]
+    host = (detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_scratch"]
+            + detail["host_staging"])
     return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail,
                    host=host, staging=detail["device_staging"])
 

@@ -90,14 +90,15 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
         if host_usable is not None and node_host > host_usable:
             host_short = host_short or s
             continue
-        where = "on NVMe" if depth(s) == 2 else "in host memory"
-        moved = "the optimizer states" + (" and the parameter shards" if s.offload_params else "")
+        moved = "the optimizer states" + (", the parameter shards" if s.offload_params else "")
+        moved = (f"{moved} and the gradient shard in host memory" if depth(s) == 1 else
+                 f"{moved.replace(', ', ' and ')} on NVMe, the gradient shard in host memory")
         host = (f"host {human(node_host)} per node of {human(host_usable)} usable" if host_usable is not None else
                 f"host {human(node_host)} per node, not checked (pass --host-memory)")
         nvme = f", NVMe {human(s.nvme * ranks_per_node)} per node" if s.nvme else ""
         return Recommendation(s.stage, s.offload, True, usable,
                               f"stage {s.stage} with {options(s)}: {human(s.total)} per rank {within}, {moved} "
-                              f"{where} ({host}{nvme}); without offload stage 3 needs {human(by[3].total)}",
+                              f"({host}{nvme}); without offload stage 3 needs {human(by[3].total)}",
                               host_usable)
     if not allowed:
         return Recommendation(None, "none", False, usable, f"does not fit: {on_device}; --max-offload none rules "

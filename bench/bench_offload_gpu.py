@@ -1,0 +1,159 @@
+"""Optimizer-state offload on one GPU: the step of a 1B-parameter GPT in bf16 with the states on the host,
+against the same step without offload, and the largest GPT each tier trains (skipped without CUDA).
+
+    python -m pytest bench/bench_offload_gpu.py --benchmark-only -s
+    FUSED_ZERO_BENCH_LARGEST=1 python -m pytest bench/bench_offload_gpu.py --benchmark-only -s   # + the search
+
+The model: examples/gpt.py with d_model 2048, 16 heads, vocab 32000 (tied), seq 1024; 20 layers is
+1.07B parameters. World size 1, stage 2 (stage 3 for offload_params), bf16 parameters with fp32
+masters. A step is FUSED_ZERO_BENCH_ACCUM micro-batches (default 4) of FUSED_ZERO_BENCH_MICRO
+sequences (default 8), then step(): 32k tokens per step. The host update waits for step()
+(store_host.py says why), so the ratio depends on how long backward runs against the host's
+AdamW over the shard: the tokens per step are printed with it.
+
+Each configuration runs in a fresh process (peak device memory is per process); none and cpu
+(and nvme, where FUSED_ZERO_OFFLOAD_DIR names a folder on a local disk) alternate over two rounds;
+a figure is the median over its runs of the median step after two warm-up steps, timed from a
+synchronize to a synchronize. The largest-model search doubles n_layer from 8 until a step fails
+(CUDA out of memory, or the plan says the host cannot hold it), then bisects; each trial is one
+process running two steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MICRO = int(os.environ.get("FUSED_ZERO_BENCH_MICRO", "8"))
+ACCUM = int(os.environ.get("FUSED_ZERO_BENCH_ACCUM", "4"))
+STEPS, ROUNDS, LAYERS_1B = 6, 2, 20
+FOLDER = os.environ.get("FUSED_ZERO_OFFLOAD_DIR")
+TIERS = {"none": dict(stage=2), "cpu": dict(stage=2, offload_optimizer="cpu"),
+         "cpu+params": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+         "nvme": dict(stage=2, offload_optimizer="nvme")}
+
+_CHILD = r"""
+import json, resource, statistics, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from gpt import GPT, GPTConfig, synthetic_batch
+from fused_zero import ShardedOptimizer
+layers, steps, micro, accum, kw = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6])
+cfg = GPTConfig(vocab=32000, d_model=2048, n_layer=layers, n_head=16, seq_len=1024, tie_weights=True)
+GPT.reset_parameters = lambda self, seed: None  # drawn on the device below: the CPU draw of billions is slow
+try:
+    with torch.device("cuda"):
+        model = GPT(cfg).to(torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    params = model.num_params()  # before stage 3 releases them
+    opt = ShardedOptimizer(model if kw["stage"] == 3 else model.parameters(), lr=1e-4, **kw)
+    batches = [synthetic_batch(cfg, micro, step=0, rank=m, device="cuda") for m in range(accum)]  # made once
+    times = []
+    for t in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad()
+        for idx, tgt in batches:
+            _, loss = model(idx, tgt)
+            (loss / accum).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    out = {"ok": True, "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
+           "params": params, "peak_device": torch.cuda.max_memory_allocated(),
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "mem": opt.memory_bytes(),
+           "loss": loss.item()}
+    opt.close()
+except torch.OutOfMemoryError as e:
+    out = {"ok": False, "why": "CUDA out of memory"}
+print(json.dumps(out))
+"""
+
+
+def _run(tier: str, layers: int, steps: int) -> dict:
+    kw = dict(TIERS[tier])
+    if tier == "nvme":
+        kw["nvme_path"] = FOLDER
+    argv = [sys.executable, "-c", _CHILD, os.path.join(HERE, "..", "examples"), str(layers), str(steps), str(MICRO),
+            str(ACCUM), json.dumps(kw)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"ok": False, "why": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
+    return json.loads(lines[-1])
+
+
+def _timed_tiers() -> list[str]:
+    return ["none", "cpu"] + (["nvme"] if FOLDER else [])
+
+
+@pytest.fixture(scope="module")
+def step_results():
+    runs = {t: [] for t in _timed_tiers()}
+    for _ in range(ROUNDS):
+        for t in runs:
+            runs[t].append(_run(t, LAYERS_1B, STEPS))
+    for t, rs in runs.items():
+        bad = [r for r in rs if not r["ok"]]
+        assert not bad, (t, bad)
+    res = {t: dict(rs[0], step_s=statistics.median(r["step_s"] for r in rs)) for t, rs in runs.items()}
+    tokens = MICRO * ACCUM * 1024
+    print(f"\noffload on {torch.cuda.get_device_name()}: GPT {res['none']['params'] / 1e9:.2f}B bf16, world 1, "
+          f"{tokens} tokens per step ({ACCUM} x {MICRO} x 1024)")
+    for t, r in res.items():
+        print(f"  {t:5s} step {r['step_s']:.3f} s ({r['step_s'] / res['none']['step_s']:.2f}x)  peak device "
+              f"{r['peak_device'] / 2**30:.1f} GiB  peak host RSS {r['peak_rss'] / 2**30:.1f} GiB")
+    return res
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
+def test_offload_step_gpu(benchmark, step_results, tier):
+    if tier not in step_results:
+        pytest.skip("set FUSED_ZERO_OFFLOAD_DIR to a folder on a local disk to time the nvme tier")
+    r = step_results[tier]
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # the figures come from the child processes
+    benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), step_s=r["step_s"],
+                                step_ratio=r["step_s"] / step_results["none"]["step_s"], params=r["params"],
+                                peak_device=r["peak_device"], peak_rss=r["peak_rss"],
+                                tokens_per_step=MICRO * ACCUM * 1024)
+
+
+def _largest(tier: str) -> tuple[int, dict]:
+    """The most layers (and that run's figures) with which ``tier`` trains two steps."""
+    fits, fails, best = 0, None, {}
+    layers = 8
+    while fails is None:
+        r = _run(tier, layers, 2)
+        if r["ok"]:
+            fits, best, layers = layers, r, layers * 2
+        else:
+            fails = layers
+    while fails - fits > max(1, fits // 16):  # bisect to within ~6%
+        mid = (fits + fails) // 2
+        r = _run(tier, mid, 2)
+        if r["ok"]:
+            fits, best = mid, r
+        else:
+            fails = mid
+    return fits, best
+
+
+@pytest.mark.skipif(os.environ.get("FUSED_ZERO_BENCH_LARGEST") != "1", reason="set FUSED_ZERO_BENCH_LARGEST=1")
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_largest_model_per_tier(benchmark, tier):
+    if tier == "nvme" and not FOLDER:
+        pytest.skip("set FUSED_ZERO_OFFLOAD_DIR to a folder on a local disk")
+    layers, r = _largest(tier)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\n  largest with {tier}: {layers} layers, {r.get('params', 0) / 1e9:.2f}B params")
+    benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), layers=layers, **r)

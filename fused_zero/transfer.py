@@ -1,0 +1,129 @@
+"""Copies between the parameters' device and host memory, off the compute stream.
+
+The offload tiers move each bucket's reduced gradient shard down to the host while backward
+goes on, and the updated narrow params back up while the host updates the next chunk. On a
+GPU those copies run on a side stream of their own (``Transfers``, one per device), each
+answered by a ``Ticket``: ``done()`` asks without blocking, ``wait()`` blocks the host until
+the copy is over (before the host reads what came down, or rewrites a staging buffer that
+went up), ``order_before()`` makes later work on the compute stream wait for it on the GPU
+(before anything reads what went up, or overwrites what went down). With the parameters on
+the host every copy is synchronous and every ticket done: the same calls, so the CPU tests
+run this code path.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Ticket(NamedTuple):
+    """A copy in flight; ``event`` is None when it is already complete."""
+
+    event: Any = None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def order_before(self) -> None:
+        """Work queued later on the current stream starts after the copy (a GPU-side wait)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+
+
+DONE = Ticket()
+
+
+class Transfers:
+    """The copy stream of one device (None on the host: copies run in place, synchronously)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Ticket:
+        """``dst`` <- ``src`` once ``after`` (a collective's Handle, or None) is complete.
+
+        On a GPU, queued on the copy stream behind everything queued so far on the compute stream
+        (which may still read ``dst`` or write ``src``) and behind ``after``; the host does not wait.
+        Host memory on either side must be pinned for the copy not to block.
+        """
+        if self.stream is None:
+            if after is not None:
+                after.wait()
+            dst.copy_(src)
+            return DONE
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                after.wait()  # an NCCL Work's wait() orders the current (copy) stream after it
+            dst.copy_(src, non_blocking=True)
+            return Ticket(self.stream.record_event())
+
+
+_PER_DEVICE: dict[torch.device, Transfers] = {}
+
+
+def transfers(device: torch.device) -> Transfers:
+    """The one ``Transfers`` of ``device`` (a stream per device is enough: copies queue in order)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = _PER_DEVICE.get(device)
+    if t is None:
+        t = _PER_DEVICE[device] = Transfers(device)
+    return t
+
+
+def host_buffer(numel: int, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+    """A host tensor, pinned where CUDA runs (so that copies to and from it do not block)."""
+    make = torch.zeros if zeros else torch.empty
+    return make(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class Uploads:
+    """Pinned host buffers, used in turn, that the host update writes narrow params into; each is copied
+    up to its place on the device while the host goes on with the next chunk.
+
+    ``buffer(n)`` hands out the next one (waiting, on the host, for the copy that last used it),
+    ``send(dst)`` copies it up to ``dst``, and ``finish()`` makes the compute stream wait for every
+    copy (before the all-gather reads what went up). With ``depth`` buffers, ``depth - 1`` copies
+    overlap the update of the next chunk.
+    """
+
+    def __init__(self, dtype: torch.dtype, chunk_numel: int, depth: int = 2) -> None:
+        self.dtype, self.chunk_numel, self.depth = dtype, chunk_numel, depth
+        self._buffers: list[torch.Tensor] = []
+        self._tickets: list[Ticket] = [DONE] * depth
+        self._next = 0
+        self._current: torch.Tensor | None = None
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        if numel > self.chunk_numel:
+            raise ValueError(f"a chunk of {numel} elements does not fit the {self.chunk_numel}-element staging buffers")
+        i = self._next
+        if len(self._buffers) <= i:
+            self._buffers.append(host_buffer(self.chunk_numel, self.dtype))
+        self._tickets[i].wait()
+        self._current = self._buffers[i][:numel]
+        return self._current
+
+    def send(self, dst: torch.Tensor) -> None:
+        if self._current is None:
+            raise RuntimeError("Uploads.send() without a buffer() to send")
+        self._tickets[self._next] = transfers(dst.device).copy(dst, self._current)
+        self._current = None
+        self._next = (self._next + 1) % self.depth
+
+    def finish(self) -> None:
+        """Work queued from now on the compute stream sees every copy sent."""
+        for t in self._tickets:
+            t.order_before()
+        self._current = None
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
