@@ -32,6 +32,7 @@ from .partition import Partition
 from .stage3 import ParamGatherer
 from .store import DeviceStore
 from .store_host import HostStore
+from .staging import Staging
 from .store_nvme import NvmeStore, check_nvme_path
 from .units import plan_units
 
@@ -48,6 +49,7 @@ class Stage1:
         self.comm = comm
         self.config = config
         self.sync = ParamSync(comm)
+        self.staging = Staging(config.offload_chunk_numel)  # shared by the offloaded stores of every partition
 
     # -- construction -----------------------------------------------------
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
@@ -81,7 +83,7 @@ class Stage1:
         """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config),
+                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config, self.staging),
                          param_shard=param_shard_factory(self.config) if self.shards_params else None)
         if self.comm.world_size > 1:
             self.comm.broadcast(part.flat, src=0)
@@ -209,12 +211,12 @@ class Stage3(Stage2):
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
 
 
-def store_factory(config: ZeroConfig):
-    """The ShardStore class (or a factory) for ``config.offload_optimizer``."""
+def store_factory(config: ZeroConfig, staging: Staging):
+    """The ShardStore class (or a factory) for ``config.offload_optimizer``; offloaded stores share ``staging``."""
     if config.offload_optimizer == "cpu":
-        return functools.partial(HostStore, chunk_numel=config.offload_chunk_numel)
+        return functools.partial(HostStore, staging=staging)
     if config.offload_optimizer == "nvme":
-        return functools.partial(NvmeStore, path=config.nvme_path, chunk_numel=config.offload_chunk_numel)
+        return functools.partial(NvmeStore, path=config.nvme_path, staging=staging)
     return DeviceStore
 
 

@@ -84,10 +84,6 @@ class ShardStore(ABC):
     def nbytes(self) -> dict[str, int]:
         """Bytes held per kind (where they live is the store's ``tier``)."""
 
-    def staging_bytes(self) -> int:
-        """Host memory the store stages chunks through (beyond ``nbytes()``)."""
-        return 0
-
     def close(self) -> None:
         """Give back what the store holds outside the process's tensors (files)."""
 

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .config import ALIGN
 from .store import ShardStore, StateChunk, _chunks_of
-from .transfer import Uploads, host_buffer
+from .staging import Staging
+from .transfer import host_buffer
 
 
 class HostStore(ShardStore):
@@ -29,12 +29,14 @@ class HostStore(ShardStore):
 
     tier = "host"
 
-    def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, chunk_numel: int = 1 << 20) -> None:
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, chunk_numel: int = 1 << 20,
+                 staging: Staging | None = None) -> None:
+        """``staging``: the buffers shared with the optimizer's other stores (its chunk size wins)."""
         super().__init__(numel, amsgrad)
         self.device = device
-        self.chunk_numel = -(-max(1, chunk_numel) // ALIGN) * ALIGN  # whole lanes: see store_nvme.py
+        self.staging = staging or Staging(chunk_numel)
+        self.chunk_numel = self.staging.chunk_numel
         self.tensors = {kind: host_buffer(numel, torch.float32, zeros=True) for kind in self.kinds}
-        self._uploads: Uploads | None = None  # with the parameters on a GPU
 
     def read(self, kind: str, start: int, end: int) -> torch.Tensor:
         self._check(kind, start, end)
@@ -52,9 +54,6 @@ class HostStore(ShardStore):
         yield from staged_chunks(self, ranges, grad, param_out,
                                  lambda a, b: next(_chunks_of(self.tensors, [(a, b)], grad, None)))
 
-    def staging_bytes(self) -> int:
-        return 0 if self._uploads is None else self._uploads.nbytes()
-
     def gather_source(self) -> None:
         return None  # the master is on the host: the partition keeps a device param shard to gather
 
@@ -65,7 +64,7 @@ class HostStore(ShardStore):
 def staged_chunks(store, ranges, grad: torch.Tensor, param_out: torch.Tensor, states_of) -> Iterator[StateChunk]:
     """Chunks of at most ``store.chunk_numel`` whose narrow params go up to ``param_out`` (on a GPU) through
     ``store``'s uploads, pipelined; ``states_of(a, b)`` is the chunk's states (and host gradient) on the host."""
-    uploads = uploads_of(store, param_out.dtype, store.chunk_numel)
+    uploads = store.staging.uploads(param_out.dtype)
     try:
         for start, end in ranges:
             for a in range(start, end, store.chunk_numel):
@@ -77,9 +76,3 @@ def staged_chunks(store, ranges, grad: torch.Tensor, param_out: torch.Tensor, st
     finally:
         uploads.finish()  # the gather reads the params after they are up (a failed step rewrites them after)
 
-
-def uploads_of(store, dtype: torch.dtype, chunk_numel: int) -> Uploads:
-    """``store``'s staging buffers for params going up (made on first use: only a GPU needs them)."""
-    if store._uploads is None or store._uploads.dtype != dtype:
-        store._uploads = Uploads(dtype, chunk_numel)
-    return store._uploads

@@ -7,7 +7,8 @@ its live slot into a host staging buffer (the next block is read ahead on a thre
 runs on it, and the block is written to its *other* slot behind (on a thread). Only ``commit()``
 -- once every partition of the step succeeded -- makes the written slots live: a full disk or an
 I/O error midway leaves every state as it was before the step. The process's memory stays at
-three staging blocks per kind whatever the model size. The file goes through the page cache: the
+three staging blocks per kind whatever the model size (``staging.Staging``: one set for all of an
+optimizer's stores). The file goes through the page cache: the
 kernel keeps what free memory allows (reclaimable, never the process's) and writes the rest back.
 (Dropping written pages with posix_fadvise(DONTNEED), as this store first did, measured worse on
 every count: dirty pages are not dropped, and the call starts their writeback in the I/O thread.)
@@ -26,7 +27,7 @@ import torch
 
 from .config import ALIGN
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
-from .store_host import uploads_of
+from .staging import Staging
 
 _F32 = 4
 
@@ -61,13 +62,14 @@ class NvmeStore(ShardStore):
     tier = "nvme"
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, *, path: str,
-                 chunk_numel: int = 1 << 20) -> None:
+                 chunk_numel: int = 1 << 20, staging: Staging | None = None) -> None:
+        """``staging``: the buffers shared with the optimizer's other stores (its chunk size wins)."""
         super().__init__(numel, amsgrad)
         self.device = device
-        # Blocks are whole multiples of ALIGN: every run of the update starts at one, so a run cut at a block
-        # edge keeps each element in the same vector lane of torch's fused CPU AdamW (its scalar tail
-        # rounds differently): the results stay bitwise those of the uncut update.
-        self.block = -(-max(1, chunk_numel) // ALIGN) * ALIGN
+        self.staging = staging or Staging(chunk_numel)
+        # Blocks are whole multiples of ALIGN (staging.whole_lanes): a run cut at a block edge stays bitwise
+        # the uncut update.
+        self.block = self.staging.chunk_numel
         self.path = os.path.join(path, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.states")
         self._fd_box = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fd_box)
@@ -75,8 +77,6 @@ class NvmeStore(ShardStore):
         self._live = np.zeros(n_blocks, dtype=np.int8)  # which slot of each block holds the states
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
-        self._buffers = [self._new_buffer() for _ in range(3)]
-        self._uploads = None  # staging for params going up to a GPU (store_host.uploads_of)
         try:
             os.ftruncate(self._fd, 2 * len(self.kinds) * numel * _F32)  # sparse: reads as zeros
         except OSError as e:
@@ -88,9 +88,6 @@ class NvmeStore(ShardStore):
         if not self._fd_box:
             raise RuntimeError(f"the NVMe store {self.path} is closed")
         return self._fd_box[0]
-
-    def _new_buffer(self) -> dict[str, torch.Tensor]:
-        return {kind: torch.zeros(self.block, dtype=torch.float32) for kind in self.kinds}
 
     def _error(self, what: str, e: OSError) -> OSError:
         return OSError(e.errno, f"fused_zero NVMe offload: {what} {self.path} failed ({e.strerror}); free space "
@@ -153,9 +150,9 @@ class NvmeStore(ShardStore):
         blocks = sorted(pieces)
         writes = []
         # with the parameters on a GPU the new narrow params go up through pinned buffers, pipelined
-        uploads = None if param_out is None or param_out.device.type == "cpu" else uploads_of(
-            self, param_out.dtype, self.block)
-        reading = self._pool.submit(self._read_block, blocks[0], self._buffers[0]) if blocks else None
+        uploads = None if param_out is None or param_out.device.type == "cpu" else self.staging.uploads(param_out.dtype)
+        buffers = self.staging.blocks(self.kinds)  # shared with the optimizer's other stores, one update at a time
+        reading = self._pool.submit(self._read_block, blocks[0], buffers[0]) if blocks else None
         # The reads and writes behind are CPU work too (copies to and from the page cache): the update
         # leaves them a core. Every kernel call is one OpenMP parallel region; with as many threads as
         # cores, each waits at its barrier for a thread the I/O has descheduled (one 2**20-element
@@ -166,7 +163,7 @@ class NvmeStore(ShardStore):
             for i, b in enumerate(blocks):
                 buf = reading.result()
                 if i + 1 < len(blocks):  # read ahead into the buffer no write still needs
-                    nxt = self._buffers[(i + 1) % 3]
+                    nxt = buffers[(i + 1) % 3]
                     if len(writes) >= 2:
                         writes[-2].result()
                     reading = self._pool.submit(self._read_block, blocks[i + 1], nxt)
@@ -176,7 +173,7 @@ class NvmeStore(ShardStore):
                     out = uploads.buffer(z - a) if uploads is not None else (
                         None if param_out is None else param_out[a:z])
                     yield StateChunk(a, z, *(buf[k][a - lo:z - lo] for k in STATE_KINDS),
-                                     buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in buf else None, g, out)
+                                     buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in self.kinds else None, g, out)
                     if uploads is not None:
                         uploads.send(param_out[a:z])
                 writes.append(self._pool.submit(self._write_block, b, buf))
@@ -206,11 +203,6 @@ class NvmeStore(ShardStore):
 
     def nbytes(self) -> dict[str, int]:
         return {kind: self.numel * _F32 for kind in self.kinds}  # on disk, one slot each
-
-    def staging_bytes(self) -> int:
-        """Host memory of the staging buffers (the blocks read and written, the params going up)."""
-        blocks = sum(t.numel() * t.element_size() for buf in self._buffers for t in buf.values())
-        return blocks + (0 if self._uploads is None else self._uploads.nbytes())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -45,7 +45,7 @@ def _run(stage, folder, **kw):
     with opt.full_parameters():
         params = [p.detach().float().cpu() for p in model.parameters()]
     info = {"mem": opt.memory_bytes(), "pinned": all(part.grad_shard.is_pinned() for part in opt.partitions),
-            "staging": sum(part.store.staging_bytes() for part in opt.partitions)}
+            "staging": opt._stage.staging.nbytes()}
     opt.close()
     return masters, params, info
 

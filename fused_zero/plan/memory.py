@@ -28,13 +28,14 @@ device, as the stores do (store_host.py, store_nvme.py, param_store.py):
                        at stage 3 every partition keeps one (fp32 ones too: the master is gone)
     offload_params     stage 3: the narrow param shard P*S goes to "host" (cpu) or "nvme" (fp32
                        partitions whose master stays on the device have none to move)
-    staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, per
-                       partition with C = offload_chunk_numel rounded up to 64:
-                       host, optimizer "cpu": two pinned chunks of params going up, 2*C*P (with
-                       a GPU; on the host the update writes the params in place); "nvme": three
-                       blocks per state kind, 3*3*4*C, besides; and per reduce dtype, the host
-                       scratch accumulating backwards land in, one per pool buffer, of the
-                       largest bucket shard; offload_params: the shards of the units in flight
+    staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, once per
+                       optimizer (staging.Staging: the partitions update one after another and
+                       share it), with C = offload_chunk_numel rounded up to 64:
+                       host, optimizer "cpu": two pinned chunks of params going up per param
+                       dtype, 2*C*P (with a GPU; on the host the update writes the params in
+                       place); "nvme": three blocks per state kind, 3*3*4*C, besides; and per
+                       reduce dtype, the host scratch accumulating backwards land in, one per pool
+                       buffer, of the largest bucket shard; offload_params: the shards of the units in flight
                        (max_live_units + 1 of the largest) staged on the device, and for "nvme"
                        read into host memory first
 
@@ -223,9 +224,6 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                 d[kind] += 4 * shard
         else:
             d[WHERE[opt] + "_states"] += 3 * 4 * shard
-            # the uploads (transfer.Uploads: two pinned chunks of params going up to a GPU); NvmeStore
-            # also three blocks per state kind
-            d["host_staging"] += 2 * job.chunk * p + (3 * 3 * 4 * job.chunk if opt == "nvme" else 0)
         pool = pools.setdefault(reduce, [0, 0, 0])
         pool[0] += len(launched)
         pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
@@ -237,7 +235,13 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         d["all_gather"] += p * (reduced if stage < 3 else full + again)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
-    if opt is not None:  # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
+    if opt is not None:
+        # the optimizer's staging.Staging, shared by every partition: two pinned chunks of params going up to a
+        # GPU per param dtype (transfer.Uploads), and for NvmeStore three blocks per state kind
+        dtypes = {part.dtype for part in parts}
+        d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + (3 * 3 * 4 * job.chunk if opt == "nvme"
+                                                                              else 0)
+        # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if job.world_size > 1:
         d["all_reduce"] = 4 * (HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
@@ -295,8 +299,8 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         gathered = p * live * -(-count.numel() // layers)
         staging = _in_flight({u: -(-moved // layers) for u in range(layers)}, job) if moved else 0
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
-    chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)
-    detail.update(device_staging=staging, host_staging=chunks * units + (staging if par == "nvme" else 0),
+    chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)  # shared by the units
+    detail.update(device_staging=staging, host_staging=chunks + (staging if par == "nvme" else 0),
                   partitions=detail["partitions"] * units)
     host = (detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_scratch"]
             + detail["host_staging"])

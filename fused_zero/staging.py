@@ -1,0 +1,54 @@
+"""Staging: the host buffers one optimizer's offloaded stores stream their chunks through, shared.
+
+The update runs the partitions one after another (update.py), so one set of staging buffers serves
+them all: host memory for staging stays bounded by the chunk size, however many partitions there
+are (stage 3 has one per unit and dtype). Two kinds, made on first use:
+
+- ``blocks(kinds)``: NvmeStore's three sets of fp32 blocks (one block per state kind each), the
+  one being updated, the one read ahead and the one written behind;
+- ``uploads(dtype)``: the pinned buffers new narrow params go up to a GPU through
+  (``transfer.Uploads``; unused when the parameters live on the host).
+
+A store borrows them only inside ``update_chunks``; stores of two optimizers never share.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ALIGN
+from .transfer import Uploads
+
+
+def whole_lanes(chunk_numel: int) -> int:
+    """``chunk_numel`` rounded up to a multiple of ALIGN: a run of the update cut at a chunk edge keeps each
+    element in the same vector lane of torch's fused CPU AdamW, so the result stays bitwise the uncut one."""
+    return -(-max(1, chunk_numel) // ALIGN) * ALIGN
+
+
+class Staging:
+    """The staging buffers of one optimizer's stores (chunks of ``chunk_numel`` elements)."""
+
+    def __init__(self, chunk_numel: int = 1 << 20) -> None:
+        self.chunk_numel = whole_lanes(chunk_numel)
+        self._blocks: list[dict[str, torch.Tensor]] = []
+        self._uploads: dict[torch.dtype, Uploads] = {}
+
+    def blocks(self, kinds: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+        """Three dicts of an fp32 block per kind in ``kinds`` (more kinds, amsgrad's, are added when asked)."""
+        if not self._blocks:
+            self._blocks = [{} for _ in range(3)]
+        for buf in self._blocks:
+            for kind in kinds:
+                if kind not in buf:
+                    buf[kind] = torch.zeros(self.chunk_numel, dtype=torch.float32)
+        return self._blocks
+
+    def uploads(self, dtype: torch.dtype) -> Uploads:
+        up = self._uploads.get(dtype)
+        if up is None:
+            up = self._uploads[dtype] = Uploads(dtype, self.chunk_numel)
+        return up
+
+    def nbytes(self) -> int:
+        blocks = sum(t.numel() * t.element_size() for buf in self._blocks for t in buf.values())
+        return blocks + sum(up.nbytes() for up in self._uploads.values())
