@@ -42,6 +42,11 @@ class ZeroConfig:
         ``offload_params="nvme"`` (checked writable when the optimizer is built).
     offload_chunk_numel: elements per staged chunk of the offloaded states
         (host staging memory is a few chunks per state kind).
+    nvme_direct: ``offload_optimizer="nvme"``: stream the state files with
+        O_DIRECT, bypassing the page cache (every step then reads and writes
+        the whole state from the disk); False goes through the page cache,
+        which serves states that fit in free memory from RAM. Checked when
+        built: a file system without O_DIRECT (tmpfs) is refused.
     """
 
     stage: int = 2
@@ -56,6 +61,7 @@ class ZeroConfig:
     offload_params: str | None = None
     nvme_path: str | None = None
     offload_chunk_numel: int = 1 << 20
+    nvme_direct: bool = False
 
     @property
     def needs_module(self) -> bool:
@@ -87,6 +93,12 @@ class ZeroConfig:
         for option in ("offload_optimizer", "offload_params"):
             if getattr(self, option) == "nvme" and self.nvme_path is None:
                 raise ValueError(f'{option}="nvme" needs nvme_path=, a folder on a fast local disk')
+        if not isinstance(self.nvme_direct, bool):
+            raise TypeError(f"nvme_direct must be True or False, got {self.nvme_direct!r}")
+        if self.nvme_direct and self.offload_optimizer != "nvme":
+            raise ValueError('nvme_direct=True applies to offload_optimizer="nvme" (the state files); got '
+                             f"offload_optimizer={self.offload_optimizer!r}: pass offload_optimizer=\"nvme\", "
+                             "or drop nvme_direct")
         if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel < 1:
             raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

@@ -34,9 +34,11 @@ import torch
 
 from .layout import FlatLayout
 from .store_nvme import _remove  # one way to drop a scratch file and its descriptor
+from .transfer import host_buffer
 
 
 def _host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A short-lived pinned buffer (an NVMe read for one gather): torch's pinned allocator caches and reuses it."""
     return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
@@ -177,7 +179,7 @@ class HostParamShard(ParamShard):
 
     def __init__(self, numel, dtype, device, kernel_device, chunk_numel=1 << 20) -> None:
         super().__init__(numel, dtype, device, kernel_device, chunk_numel)
-        self.tensor = _host_tensor(numel, dtype)
+        self.tensor = host_buffer(numel, dtype)  # page-locked at its exact size (transfer.host_buffer)
         self._staged: torch.Tensor | None = None
         self._sink: _Sink | None = None
 

@@ -49,7 +49,8 @@ class Stage1:
         self.comm = comm
         self.config = config
         self.sync = ParamSync(comm)
-        self.staging = Staging(config.offload_chunk_numel)  # shared by the offloaded stores of every partition
+        # shared by the offloaded stores of every partition
+        self.staging = Staging(config.offload_chunk_numel, direct=config.nvme_direct)
 
     # -- construction -----------------------------------------------------
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
@@ -93,7 +94,7 @@ class Stage1:
     def check_offload(self) -> None:
         """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
         if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
-            self.comm.agree(lambda: check_nvme_path(self.config.nvme_path))
+            self.comm.agree(lambda: check_nvme_path(self.config.nvme_path, self.config.nvme_direct))
 
     # -- the training loop --------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -216,7 +217,7 @@ def store_factory(config: ZeroConfig, staging: Staging):
     if config.offload_optimizer == "cpu":
         return functools.partial(HostStore, staging=staging)
     if config.offload_optimizer == "nvme":
-        return functools.partial(NvmeStore, path=config.nvme_path, staging=staging)
+        return functools.partial(NvmeStore, path=config.nvme_path, staging=staging, direct=config.nvme_direct)
     return DeviceStore
 
 

@@ -16,20 +16,28 @@ from __future__ import annotations
 import torch
 
 from .config import ALIGN
-from .transfer import Uploads
+from .transfer import Uploads, aligned_empty
 
 
-def whole_lanes(chunk_numel: int) -> int:
+#: O_DIRECT blocks: whole 4 KiB units (a multiple of ALIGN: the lanes argument below still holds)
+DIRECT_ELEMENTS = 1024
+
+
+def whole_lanes(chunk_numel: int, multiple: int = ALIGN) -> int:
     """``chunk_numel`` rounded up to a multiple of ALIGN: a run of the update cut at a chunk edge keeps each
     element in the same vector lane of torch's fused CPU AdamW, so the result stays bitwise the uncut one."""
-    return -(-max(1, chunk_numel) // ALIGN) * ALIGN
+    return -(-max(1, chunk_numel) // multiple) * multiple
+
+
 
 
 class Staging:
     """The staging buffers of one optimizer's stores (chunks of ``chunk_numel`` elements)."""
 
-    def __init__(self, chunk_numel: int = 1 << 20) -> None:
-        self.chunk_numel = whole_lanes(chunk_numel)
+    def __init__(self, chunk_numel: int = 1 << 20, direct: bool = False) -> None:
+        """``direct``: blocks for O_DIRECT (whole 4 KiB units, page-aligned)."""
+        self.direct = direct
+        self.chunk_numel = whole_lanes(chunk_numel, DIRECT_ELEMENTS if direct else ALIGN)
         self._blocks: list[dict[str, torch.Tensor]] = []
         self._uploads: dict[torch.dtype, Uploads] = {}
 
@@ -40,7 +48,7 @@ class Staging:
         for buf in self._blocks:
             for kind in kinds:
                 if kind not in buf:
-                    buf[kind] = torch.zeros(self.chunk_numel, dtype=torch.float32)
+                    buf[kind] = aligned_empty(self.chunk_numel, torch.float32)  # zeros, like any fresh mapping
         return self._blocks
 
     def uploads(self, dtype: torch.dtype) -> Uploads:

@@ -36,7 +36,8 @@ class HostStore(ShardStore):
         self.device = device
         self.staging = staging or Staging(chunk_numel)
         self.chunk_numel = self.staging.chunk_numel
-        self.tensors = {kind: host_buffer(numel, torch.float32, zeros=True) for kind in self.kinds}
+        # never copied to or from a GPU as they are (the update stages chunks): not page-locked
+        self.tensors = {kind: host_buffer(numel, torch.float32, pinned=False) for kind in self.kinds}
 
     def read(self, kind: str, start: int, end: int) -> torch.Tensor:
         self._check(kind, start, end)

@@ -27,13 +27,17 @@ import torch
 
 from .config import ALIGN
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
-from .staging import Staging
+from .staging import DIRECT_ELEMENTS, Staging
+from .transfer import aligned_empty
 
 _F32 = 4
+#: O_DIRECT transfers start, and are sized, at multiples of this many bytes (the usual logical block size and
+#: page: 4 KiB), from page-aligned host buffers (staging.aligned_empty).
+DIRECT_BYTES = DIRECT_ELEMENTS * _F32
 
 
-def check_nvme_path(path) -> None:
-    """``path`` is a folder this process can create files in (raises naming it otherwise)."""
+def check_nvme_path(path, direct: bool = False) -> None:
+    """``path`` is a folder this process can create files in, with O_DIRECT if ``direct`` (raises naming it)."""
     if path is None:
         raise ValueError('offload_optimizer="nvme" needs nvme_path=, a folder on a fast local disk')
     if not os.path.isdir(path):
@@ -42,13 +46,35 @@ def check_nvme_path(path) -> None:
     try:
         with open(probe, "wb") as f:
             f.write(b"\0")
-        os.remove(probe)
     except OSError as e:
         raise ValueError(f"nvme_path {path!r} is not writable ({e.strerror}): pass a folder you can write") from None
+    try:
+        if direct:
+            _probe_direct(probe, path)
+    finally:
+        os.remove(probe)
+
+
+def _probe_direct(probe: str, path: str) -> None:
+    """One aligned O_DIRECT write and read of ``probe``; a ValueError naming the fix if the file system refuses."""
+    buf = aligned_empty(DIRECT_ELEMENTS, torch.float32)
+    try:
+        fd = os.open(probe, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        try:
+            view = memoryview(buf.numpy()).cast("B")
+            if not hasattr(os, "O_DIRECT") or os.pwritev(fd, [view], 0) != DIRECT_BYTES or \
+                    os.preadv(fd, [view], 0) != DIRECT_BYTES:
+                raise OSError(22, "short transfer")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ValueError(f"nvme_direct=True, but the file system of nvme_path {path!r} does not take O_DIRECT "
+                         f"I/O ({e.strerror}; tmpfs and some network file systems do not): pass a folder on a local "
+                         "disk, or nvme_direct=False to go through the page cache") from None
 
 
 def _remove(path: str, fd_box: list) -> None:
-    if fd_box:
+    while fd_box:
         os.close(fd_box.pop())
     try:
         os.remove(path)
@@ -62,14 +88,21 @@ class NvmeStore(ShardStore):
     tier = "nvme"
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, *, path: str,
-                 chunk_numel: int = 1 << 20, staging: Staging | None = None) -> None:
-        """``staging``: the buffers shared with the optimizer's other stores (its chunk size wins)."""
+                 chunk_numel: int = 1 << 20, staging: Staging | None = None, direct: bool = False) -> None:
+        """``staging``: the buffers shared with the optimizer's other stores (its chunk size wins).
+        ``direct``: the update streams the blocks with O_DIRECT (no page cache)."""
         super().__init__(numel, amsgrad)
         self.device = device
-        self.staging = staging or Staging(chunk_numel)
+        self.staging = staging or Staging(chunk_numel, direct=direct)
         # Blocks are whole multiples of ALIGN (staging.whole_lanes): a run cut at a block edge stays bitwise
         # the uncut update.
         self.block = self.staging.chunk_numel
+        self.direct = direct
+        if direct and (self.block % DIRECT_ELEMENTS or not self.staging.direct):
+            raise ValueError(f"O_DIRECT needs staging.Staging(direct=True) blocks of whole {DIRECT_BYTES}-byte "
+                             f"units, got {self.block} elements")
+        # Each (slot, kind) region starts at a multiple of DIRECT_BYTES: O_DIRECT offsets must be aligned.
+        self.stride = -(-numel // DIRECT_ELEMENTS) * DIRECT_ELEMENTS
         self.path = os.path.join(path, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.states")
         self._fd_box = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fd_box)
@@ -78,7 +111,12 @@ class NvmeStore(ShardStore):
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
         try:
-            os.ftruncate(self._fd, 2 * len(self.kinds) * numel * _F32)  # sparse: reads as zeros
+            os.ftruncate(self._fd, 2 * len(self.kinds) * self.stride * _F32)  # sparse: reads as zeros
+            # the update's stream bypasses the page cache; read()/write() (checkpoints, loads) keep the buffered
+            # descriptor: Linux writes cached pages back before a direct read of the range and drops them on a
+            # direct write, so the two views of the file agree
+            if direct:
+                self._fd_box.append(os.open(self.path, os.O_RDWR | os.O_DIRECT))
         except OSError as e:
             self.close()
             raise self._error("sizing", e) from None
@@ -95,13 +133,14 @@ class NvmeStore(ShardStore):
 
     # -- file I/O ---------------------------------------------------------
     def _offset(self, slot: int, kind: str, element: int) -> int:
-        return ((slot * len(self.kinds) + self.kinds.index(kind)) * self.numel + element) * _F32
+        return ((slot * len(self.kinds) + self.kinds.index(kind)) * self.stride + element) * _F32
 
-    def _io(self, write: bool, slot: int, kind: str, element: int, t: torch.Tensor) -> None:
+    def _io(self, write: bool, slot: int, kind: str, element: int, t: torch.Tensor, direct: bool = False) -> None:
         view = memoryview(t.numpy()).cast("B")
         offset = self._offset(slot, kind, element)
+        fd = self._fd if not direct else self._fd_box[1]
         try:
-            done = (os.pwritev if write else os.preadv)(self._fd, [view], offset)
+            done = (os.pwritev if write else os.preadv)(fd, [view], offset)
         except OSError as e:
             raise self._error("writing" if write else "reading", e) from None
         if done != len(view):
@@ -110,16 +149,22 @@ class NvmeStore(ShardStore):
     def _span(self, b: int) -> tuple[int, int]:
         return b * self.block, min(self.numel, (b + 1) * self.block)
 
-    def _read_block(self, b: int, buf: dict) -> dict:
+    def _block_len(self, b: int) -> int:
+        """Elements a block transfers: its span, rounded up to whole O_DIRECT units when direct (the last block
+        of a region then reads and writes the region's padding too)."""
         lo, hi = self._span(b)
+        return hi - lo if not self.direct else -(-(hi - lo) // DIRECT_ELEMENTS) * DIRECT_ELEMENTS
+
+    def _read_block(self, b: int, buf: dict) -> dict:
+        lo, n = self._span(b)[0], self._block_len(b)
         for kind in self.kinds:
-            self._io(False, int(self._live[b]), kind, lo, buf[kind][:hi - lo])
+            self._io(False, int(self._live[b]), kind, lo, buf[kind][:n], self.direct)
         return buf
 
     def _write_block(self, b: int, buf: dict) -> None:
-        lo, hi = self._span(b)
+        lo, n = self._span(b)[0], self._block_len(b)
         for kind in self.kinds:
-            self._io(True, 1 - int(self._live[b]), kind, lo, buf[kind][:hi - lo])
+            self._io(True, 1 - int(self._live[b]), kind, lo, buf[kind][:n], self.direct)
 
     # -- the store's verbs ----------------------------------------------------
     def read(self, kind: str, start: int, end: int) -> torch.Tensor:

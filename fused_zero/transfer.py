@@ -12,6 +12,9 @@ run this code path.
 """
 from __future__ import annotations
 
+import mmap
+import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -79,10 +82,41 @@ def transfers(device: torch.device) -> Transfers:
     return t
 
 
-def host_buffer(numel: int, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
-    """A host tensor, pinned where CUDA runs (so that copies to and from it do not block)."""
-    make = torch.zeros if zeros else torch.empty
-    return make(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A tensor of zeros over anonymous memory of its own, and that mapping (alive while any view is)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(1, numel) * itemsize)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of zeros at a page boundary (as O_DIRECT transfers need)."""
+    return _mapped(numel, dtype)[0]
+
+
+def host_buffer(numel: int, dtype: torch.dtype, zeros: bool = True, pinned: bool = True) -> torch.Tensor:
+    """A host tensor of zeros; page-locked where CUDA runs and ``pinned`` (copies to and from it then run
+    asynchronously). Locked at its exact size with cudaHostRegister: torch's pinned allocator rounds every
+    block up to a power of two, up to twice the bytes for a multi-GB gradient shard. (``zeros`` is for the
+    callers' clarity: fresh anonymous memory is always zero.)"""
+    t, mapping = _mapped(numel, dtype)
+    if pinned and numel and torch.cuda.is_available():
+        _page_lock(t, mapping)
+    return t
+
+
+def _page_lock(t: torch.Tensor, mapping: mmap.mmap) -> None:
+    """Register ``t``'s memory with CUDA until ``mapping`` goes (a warning, and pageable copies, if refused)."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        warnings.warn(f"fused_zero: could not page-lock {nbytes} bytes of host memory (cudaHostRegister: {err}); "
+                      "copies to and from it will not overlap with the GPU's work: raise the locked-memory limit "
+                      "(ulimit -l) or free host memory", RuntimeWarning, stacklevel=3)
+        return
+    # the finalizer runs when the last view is gone, before the memory is unmapped
+    weakref.finalize(mapping, cudart.cudaHostUnregister, ptr)
 
 
 class Uploads:

@@ -15,6 +15,7 @@
 import errno
 import gc
 import os
+import tempfile
 
 import pytest
 import torch
@@ -23,9 +24,21 @@ from _dist import run_ranks
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
+from fused_zero.store_nvme import check_nvme_path
 
+def _direct_ok(folder) -> bool:
+    try:
+        check_nvme_path(folder, direct=True)
+        return True
+    except ValueError:
+        return False
+
+
+#: nvme_direct=True joins where the temporary folder's file system takes O_DIRECT (not tmpfs)
+DIRECT = _direct_ok(tempfile.gettempdir())
 TIERS = [dict(), dict(offload_optimizer="cpu", offload_chunk_numel=700),
-         dict(offload_optimizer="nvme", offload_chunk_numel=700)]
+         dict(offload_optimizer="nvme", offload_chunk_numel=700)] + \
+    ([dict(offload_optimizer="nvme", offload_chunk_numel=700, nvme_direct=True)] if DIRECT else [])
 
 
 def _build(model, stage, folder=None, **kw):
@@ -78,7 +91,7 @@ def _lockstep(rank, world_size, stage, folder):
         for m, o, sc in zip(models, opts, scalers):
             _step(m, o, t, rank, sc)
         ref = _params(models[0], opts[0])
-        for i in (1, 2):
+        for i in range(1, len(TIERS)):
             if not all(torch.equal(a, b) for a, b in zip(ref, _params(models[i], opts[i]))):
                 unequal.append((t, i))
     mem = [o.memory_bytes() for o in opts]
@@ -93,14 +106,15 @@ def _lockstep(rank, world_size, stage, folder):
 def test_offload_is_bitwise_the_run_without(stage, tmp_path):
     for r in run_ranks(_lockstep, 2, stage, str(tmp_path), timeout=240):
         assert r["unequal"] == []
-        device, host, nvme = r["mem"]
+        device, host, nvme = r["mem"][:3]
+        assert all(m == nvme for m in r["mem"][3:])  # O_DIRECT changes how, not where
         states = device["master"] + device["exp_avg"] + device["exp_avg_sq"]
         # the reduced gradient shard moves to the host with the states (stage 1 keeps the full .grad)
         shard = device["grads"] - host["grads"]
         assert shard > 0 and host["grads"] == nvme["grads"] and (host["grads"] > 0) == (stage == 1)
         assert host["master"] == host["exp_avg"] == 0 and host["host"] == states + shard
         assert nvme["master"] == nvme["exp_avg"] == 0 and nvme["nvme"] == states and nvme["host"] == shard
-        assert len(r["files"]) == r["partitions"] and all(f.endswith(".states") for f in r["files"])
+        assert len(r["files"]) == r["partitions"] * (len(TIERS) - 2) and all(f.endswith(".states") for f in r["files"])
         assert r["files_after_close"] == []
 
 
@@ -193,3 +207,21 @@ def test_bad_offload_options_are_refused(tmp_path):
         ShardedOptimizer(ps, offload_optimizer="gpu")
     with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3"):
         ShardedOptimizer(ps, stage=2, offload_params="cpu")
+    with pytest.raises(ValueError, match='nvme_direct=True applies to offload_optimizer="nvme"'):
+        ShardedOptimizer(ps, offload_optimizer="cpu", nvme_direct=True)
+    with pytest.raises(TypeError, match="nvme_direct must be True or False"):
+        ShardedOptimizer(ps, offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_direct="yes")
+
+
+def test_nvme_direct_refuses_a_file_system_without_o_direct(tmp_path, monkeypatch):
+    """tmpfs before Linux 6.6 and some network file systems refuse O_DIRECT with EINVAL: faked here."""
+    real = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args)
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(ValueError, match="does not take O_DIRECT.*nvme_direct=False"):
+        ShardedOptimizer(PlainNet().parameters(), offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_direct=True)
+    assert os.listdir(tmp_path) == []  # the probe is gone too
