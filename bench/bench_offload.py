@@ -4,10 +4,13 @@
 
 A 60M-parameter fp32 MLP (8 layers of 2736 x 2736, world size 1, stage 2), 6 steps per run.
 Each configuration runs in a fresh process (peak RSS is per process: ru_maxrss), and the
-configurations alternate (none, nvme, cpu, none, nvme, cpu), so drift hits them alike; each
+configurations alternate (none, nvme, cpu, none, nvme, cpu, ...; three rounds), so drift hits them alike; each
 figure is the median over its runs of the median step time. The optimizer state is 12 bytes
 per parameter (fp32 master, exp_avg, exp_avg_sq); the acceptance: NVMe offload lowers peak
-RSS by at least 70% of it, at no more than 1.5x the in-memory step time.
+RSS by at least 70% of it, at no more than 1.5x the in-memory step time. ``nvme_direct`` streams the
+state files with O_DIRECT: no page cache, so every step reads and writes the whole state from the
+disk and its time is the disk's; FUSED_ZERO_BENCH_DIRECT=1 adds it to the rotation (its disk traffic
+then slows the runs after it: measure the acceptance without it).
 FUSED_ZERO_OFFLOAD_DIR picks the folder for the NVMe files (default: a temporary folder).
 """
 from __future__ import annotations
@@ -21,8 +24,9 @@ import tempfile
 
 import pytest
 
-WIDTH, LAYERS, STEPS, ROUNDS = 2736, 8, 6, 2
-CONFIGS = ("none", "nvme", "cpu")
+WIDTH, LAYERS, STEPS, ROUNDS = 2736, 8, 6, 3
+# nvme_direct only on request: its disk traffic (1.4 GB a step here) slows the runs that follow it
+CONFIGS = ("none", "nvme", "cpu") + (("nvme_direct",) if os.environ.get("FUSED_ZERO_BENCH_DIRECT") == "1" else ())
 
 _CHILD = r"""
 import json, resource, sys, time, torch
@@ -30,9 +34,9 @@ from fused_zero import ShardedOptimizer
 torch.manual_seed(0)
 width, layers, steps, tier, folder = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-kw = {} if tier == "none" else {"offload_optimizer": tier}
-if tier == "nvme":
-    kw["nvme_path"] = folder
+kw = {} if tier == "none" else {"offload_optimizer": tier.split("_")[0]}
+if tier.startswith("nvme"):
+    kw.update(nvme_path=folder, nvme_direct=tier == "nvme_direct")
 opt = ShardedOptimizer(model.parameters(), lr=1e-4, stage=2, **kw)
 x = torch.randn(16, width)
 times = []
@@ -78,8 +82,10 @@ def offload_results():
     return res
 
 
-@pytest.mark.parametrize("tier", CONFIGS)
+@pytest.mark.parametrize("tier", ("none", "nvme", "cpu", "nvme_direct"))
 def test_offload_step(benchmark, offload_results, tier):
+    if tier not in offload_results:
+        pytest.skip("set FUSED_ZERO_BENCH_DIRECT=1 to time nvme_direct=True")
     r = offload_results[tier]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # the figures come from the child processes
     state = 12 * offload_results["none"]["params"]
