@@ -387,7 +387,7 @@ class GradSync:
         s = self._scratch.get(id(base))
         if s is None:
             size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
-            s = self._scratch[id(base)] = host_buffer(size, base.dtype)
+            s = self._scratch[id(base)] = host_buffer(size, base.dtype, pinned=base.device.type == "cuda")
         return s[:numel]
 
 

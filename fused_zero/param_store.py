@@ -179,7 +179,8 @@ class HostParamShard(ParamShard):
 
     def __init__(self, numel, dtype, device, kernel_device, chunk_numel=1 << 20) -> None:
         super().__init__(numel, dtype, device, kernel_device, chunk_numel)
-        self.tensor = host_buffer(numel, dtype)  # page-locked at its exact size (transfer.host_buffer)
+        # page-locked at its exact size (transfer.host_buffer) when it is copied to a GPU
+        self.tensor = host_buffer(numel, dtype, pinned=device.type == "cuda")
         self._staged: torch.Tensor | None = None
         self._sink: _Sink | None = None
 

@@ -69,7 +69,7 @@ class Partition:
         # are offloaded (GradSync copies each bucket's shard down as soon as it is reduced).
         self.grad_tier = "device" if self.store.tier == "device" else "host"
         self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier == "device"
-                           else host_buffer(n, reduce_dtype, zeros=True))
+                           else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         # Narrow params are written back by the fused kernel into a narrow param shard, then

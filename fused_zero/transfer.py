@@ -96,7 +96,8 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_buffer(numel: int, dtype: torch.dtype, zeros: bool = True, pinned: bool = True) -> torch.Tensor:
     """A host tensor of zeros; page-locked where CUDA runs and ``pinned`` (copies to and from it then run
-    asynchronously). Locked at its exact size with cudaHostRegister: torch's pinned allocator rounds every
+    asynchronously; callers pass ``pinned=False`` when it is never copied to a GPU, which also keeps a
+    CPU-only run on a GPU machine from creating a CUDA context). Locked at its exact size with cudaHostRegister: torch's pinned allocator rounds every
     block up to a power of two, up to twice the bytes for a multi-GB gradient shard. (``zeros`` is for the
     callers' clarity: fresh anonymous memory is always zero.)"""
     t, mapping = _mapped(numel, dtype)
