@@ -135,7 +135,8 @@ class ZeroStrategy(DDPStrategy):
         stage: 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
         **zero_options: ShardedOptimizer options (``bucket_numel``, ``reduce_dtype``, ``overlap``,
             ``units``, ``max_live_units``, ``reshard_after_forward``, ``offload_optimizer``,
-            ``nvme_path``, ``offload_chunk_numel``); the clip norm is ``Trainer(gradient_clip_val=)``.
+            ``offload_params``, ``nvme_path``, ``offload_chunk_numel``, ``nvme_direct``); the clip norm is
+            ``Trainer(gradient_clip_val=)``.
 
     The remaining arguments are DDPStrategy's (``start_method``, ``timeout``, ...); DDP's own
     arguments (``find_unused_parameters``, communication hooks) have no meaning here.
