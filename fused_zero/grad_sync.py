@@ -138,7 +138,7 @@ class GradSync:
         # pool buffers per reduce dtype: MAX_INFLIGHT, or fewer when fewer buckets are ever reduced
         self._pool_cap: dict[torch.dtype, int] = {}
         for pi, k in self.order:
-            if any(s.param is not None and s.param.requires_grad for s in self.segments[(pi, k)]):
+            if _trainable(self.segments[(pi, k)]):
                 dtype = partitions[pi].reduce_dtype
                 self._pool_cap[dtype] = min(MAX_INFLIGHT, self._pool_cap.get(dtype, 0) + 1)
         self._written = False  # the shards hold reductions: the next round adds
@@ -272,10 +272,6 @@ class GradSync:
         """Bytes of the pool buffers (on the parameters' device)."""
         return sum(t.numel() * t.element_size() for bufs in self._pool.values() for t in bufs)
 
-    def host_buffer_bytes(self) -> int:
-        """Bytes of the host scratch buffers accumulating rounds land in (host tier)."""
-        return sum(t.numel() * t.element_size() for t in self._scratch.values())
-
     # -- internals --------------------------------------------------------
     def _launch(self, key, free_grads: bool, block: bool) -> bool:
         """Pack bucket ``key`` and start its reduce-scatter; False if no buffer is free and not ``block``."""
@@ -283,7 +279,7 @@ class GradSync:
         part = self.partitions[pi]
         b = part.layout.buckets[k]
         segs = self.segments[key]
-        if not any(s.param is not None and s.param.requires_grad for s in segs):
+        if not _trainable(segs):
             return True  # frozen bucket: same decision on every rank
         base = self._acquire(part.reduce_dtype, b.numel, block)
         if base is None:
@@ -373,8 +369,7 @@ class GradSync:
         ``buffer``, at least every one that came from that pool buffer."""
         while self._landing:
             first = self._landing[0]
-            needed = buffer is not None and any(x.buffer is buffer for x in self._landing)
-            if not (block or needed or first.ticket.done()):
+            if not (block or first.ticket.done() or any(x.buffer is buffer for x in self._landing)):
                 return
             self._landing.popleft()
             first.ticket.wait()
@@ -389,6 +384,11 @@ class GradSync:
             size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
             s = self._scratch[id(base)] = host_buffer(size, base.dtype, pinned=base.device.type == "cuda")
         return s[:numel]
+
+
+def _trainable(segs: tuple[_Segment, ...]) -> bool:
+    """Whether a bucket holds a trainable parameter (a bucket of frozen ones is never reduced)."""
+    return any(s.param is not None and s.param.requires_grad for s in segs)
 
 
 def _check_dense(p: torch.nn.Parameter) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from .layout import FlatLayout
 from .store_nvme import _remove  # one way to drop a scratch file and its descriptor
+from .staging import whole_lanes
 from .transfer import host_buffer
 
 
@@ -55,7 +56,7 @@ class ParamShard:
         self.dtype = dtype
         self.device = device
         self.kernel_device = kernel_device  # where the update kernel writes the new values
-        self.chunk_numel = -(-max(1, chunk_numel) // 64) * 64  # ALIGN: see update_ranges
+        self.chunk_numel = whole_lanes(chunk_numel)  # cut where the update keeps bitwise: see update_ranges
 
     def edges(self) -> list[int]:
         """Shard offsets at which the update must cut its chunks (none by default)."""

@@ -29,8 +29,6 @@ def whole_lanes(chunk_numel: int, multiple: int = ALIGN) -> int:
     return -(-max(1, chunk_numel) // multiple) * multiple
 
 
-
-
 class Staging:
     """The staging buffers of one optimizer's stores (chunks of ``chunk_numel`` elements)."""
 

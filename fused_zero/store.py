@@ -25,7 +25,7 @@ class StateChunk(NamedTuple):
     """Elements [start, end) of a shard's states, as tensors the update kernel may write.
 
     ``grad`` and ``param_out`` are the gradient shard and the narrow param shard over the same
-    range, where the states live (the store stages them when they live elsewhere).
+    range, where the states live (the store stages ``param_out`` when the parameters live elsewhere).
     """
 
     start: int
@@ -65,6 +65,8 @@ class ShardStore(ABC):
     def update_chunks(self, ranges: list[tuple[int, int]], grad: torch.Tensor,
                       param_out: torch.Tensor | None) -> Iterator[StateChunk]:
         """The states over each range in turn, with ``grad`` and ``param_out`` over the same range.
+
+        ``grad`` lives where the states do (``Partition.grad_tier``: the host for an offloaded store).
 
         What the caller writes into a chunk is kept once the generator resumes (into
         ``param_out`` as well); a store that stages may make it final only at ``commit()``.

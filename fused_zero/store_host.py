@@ -49,31 +49,23 @@ class HostStore(ShardStore):
 
     def update_chunks(self, ranges, grad: torch.Tensor, param_out: torch.Tensor | None) -> Iterator[StateChunk]:
         if param_out is None or param_out.device.type == "cpu":  # the kernel writes the params in place
-            for chunk in _chunks_of(self.tensors, ranges, grad, param_out):
-                yield chunk if grad.device.type == "cpu" else chunk._replace(grad=chunk.grad.cpu())
+            yield from _chunks_of(self.tensors, ranges, grad, param_out)
             return
-        yield from staged_chunks(self, ranges, grad, param_out,
-                                 lambda a, b: next(_chunks_of(self.tensors, [(a, b)], grad, None)))
+        # the parameters are on a GPU: chunks of at most chunk_numel, their new params going up pipelined
+        uploads = self.staging.uploads(param_out.dtype)
+        try:
+            for start, end in ranges:
+                for a in range(start, end, self.chunk_numel):
+                    b = min(end, a + self.chunk_numel)
+                    chunk = next(_chunks_of(self.tensors, [(a, b)], grad, None))
+                    yield chunk._replace(param_out=uploads.buffer(b - a))
+                    uploads.send(param_out[a:b])
+        finally:
+            uploads.finish()  # the gather reads the params after they are up (a failed step rewrites them after)
 
     def gather_source(self) -> None:
         return None  # the master is on the host: the partition keeps a device param shard to gather
 
     def nbytes(self) -> dict[str, int]:
         return {kind: t.numel() * t.element_size() for kind, t in self.tensors.items()}
-
-
-def staged_chunks(store, ranges, grad: torch.Tensor, param_out: torch.Tensor, states_of) -> Iterator[StateChunk]:
-    """Chunks of at most ``store.chunk_numel`` whose narrow params go up to ``param_out`` (on a GPU) through
-    ``store``'s uploads, pipelined; ``states_of(a, b)`` is the chunk's states (and host gradient) on the host."""
-    uploads = store.staging.uploads(param_out.dtype)
-    try:
-        for start, end in ranges:
-            for a in range(start, end, store.chunk_numel):
-                b = min(end, a + store.chunk_numel)
-                chunk = states_of(a, b)
-                g = chunk.grad if chunk.grad.device.type == "cpu" else chunk.grad.cpu()
-                yield chunk._replace(grad=g, param_out=uploads.buffer(b - a))
-                uploads.send(param_out[a:b])
-    finally:
-        uploads.finish()  # the gather reads the params after they are up (a failed step rewrites them after)
 

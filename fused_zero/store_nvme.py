@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .config import ALIGN
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
 from .staging import DIRECT_ELEMENTS, Staging
 from .transfer import aligned_empty
@@ -98,7 +97,7 @@ class NvmeStore(ShardStore):
         # the uncut update.
         self.block = self.staging.chunk_numel
         self.direct = direct
-        if direct and (self.block % DIRECT_ELEMENTS or not self.staging.direct):
+        if direct and not self.staging.direct:
             raise ValueError(f"O_DIRECT needs staging.Staging(direct=True) blocks of whole {DIRECT_BYTES}-byte "
                              f"units, got {self.block} elements")
         # Each (slot, kind) region starts at a multiple of DIRECT_BYTES: O_DIRECT offsets must be aligned.
@@ -214,11 +213,11 @@ class NvmeStore(ShardStore):
                     reading = self._pool.submit(self._read_block, blocks[i + 1], nxt)
                 lo, _ = self._span(b)
                 for a, z in pieces[b]:
-                    g = grad[a:z] if grad.device.type == "cpu" else grad[a:z].to("cpu")
                     out = uploads.buffer(z - a) if uploads is not None else (
                         None if param_out is None else param_out[a:z])
                     yield StateChunk(a, z, *(buf[k][a - lo:z - lo] for k in STATE_KINDS),
-                                     buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in self.kinds else None, g, out)
+                                     buf[AMSGRAD_KIND][a - lo:z - lo] if AMSGRAD_KIND in self.kinds else None,
+                                     grad[a:z], out)
                     if uploads is not None:
                         uploads.send(param_out[a:z])
                 writes.append(self._pool.submit(self._write_block, b, buf))

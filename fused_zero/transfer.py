@@ -94,12 +94,12 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return _mapped(numel, dtype)[0]
 
 
-def host_buffer(numel: int, dtype: torch.dtype, zeros: bool = True, pinned: bool = True) -> torch.Tensor:
+def host_buffer(numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
     """A host tensor of zeros; page-locked where CUDA runs and ``pinned`` (copies to and from it then run
     asynchronously; callers pass ``pinned=False`` when it is never copied to a GPU, which also keeps a
-    CPU-only run on a GPU machine from creating a CUDA context). Locked at its exact size with cudaHostRegister: torch's pinned allocator rounds every
-    block up to a power of two, up to twice the bytes for a multi-GB gradient shard. (``zeros`` is for the
-    callers' clarity: fresh anonymous memory is always zero.)"""
+    CPU-only run on a GPU machine from creating a CUDA context). Locked at its exact size with
+    cudaHostRegister: torch's pinned allocator rounds every block up to a power of two, up to twice the
+    bytes for a multi-GB gradient shard."""
     t, mapping = _mapped(numel, dtype)
     if pinned and numel and torch.cuda.is_available():
         _page_lock(t, mapping)

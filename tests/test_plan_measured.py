@@ -80,6 +80,18 @@ def _id(cfg):
     return f"{m}-stage{s}-bucket{b}-reduce_{str(r).replace('torch.', '')}"
 
 
+def _two_steps(name, model, opt, rank) -> dict:
+    """Two training steps; what ``memory_bytes()`` reports after the second backward (before its step)."""
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(*_batch(name, rank, step))
+        loss.backward()
+        if step == 1:
+            mem = opt.memory_bytes()
+        opt.step()
+    return mem
+
+
 def _measure(rank, ws):
     out = {}
     for cfg in CONFIGS:
@@ -87,14 +99,7 @@ def _measure(rank, ws):
         model = MODELS[name]()
         opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, bucket_numel=bucket,
                                reduce_dtype=reduce)
-        for step in range(2):
-            opt.zero_grad(set_to_none=True)
-            _, loss = model(*_batch(name, rank, step))
-            loss.backward()
-            if step == 1:
-                mem = opt.memory_bytes()
-            opt.step()
-        out[_id(cfg)] = {"mem": mem, "comm": opt.comm_bytes()}
+        out[_id(cfg)] = {"mem": _two_steps(name, model, opt, rank), "comm": opt.comm_bytes()}
     return out
 
 
@@ -161,13 +166,7 @@ def _measure_offload(rank, ws, folder):
         sharded = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, bucket_numel=1000,
                                    offload_optimizer=opt, offload_params=par, nvme_path=folder,
                                    offload_chunk_numel=CHUNK)
-        for step in range(2):
-            sharded.zero_grad(set_to_none=True)
-            _, loss = model(*_batch(name, rank, step))
-            loss.backward()
-            if step == 1:
-                mem = sharded.memory_bytes()
-            sharded.step()
+        mem = _two_steps(name, model, sharded, rank)
         blocks = sharded._stage.staging.nbytes()  # the stores' shared staging (no uploads: the params are on the host)
         out[_offload_id(cfg)] = {"mem": mem, "comm": sharded.comm_bytes(), "blocks": blocks,
                                  "partitions": len(sharded.partitions)}
