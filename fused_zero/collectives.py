@@ -22,10 +22,29 @@ own collectives (see reduce_scatter and _all_gather_by_broadcast).
 Traffic is counted per rank as the ZeRO paper counts volume: a reduce_scatter
 counts its input's bytes, an all_gather its output's, an all_reduce its tensor's.
 Broadcast and object collectives are set-up only and are not counted.
+
+Why every tensor a collective is given is a pinned alias (a clean exit). A torch Work
+holds the tensors it was given, and in torch >= 2.10 a tensor whose C++ reference count
+falls from 2 to 1 releases its Python object, which takes the GIL. gloo runs each Work on a
+thread of its own and lets go of it just after marking it complete; when Python already
+dropped the Work, that thread is the last owner and takes the GIL to free the tensors'
+Python objects. A thread that asks for the GIL while the interpreter exits is ended inside
+a C++ destructor: "terminate called without an active exception", SIGABRT, in about one
+run in five when the last step's collectives were released just before the script ended.
+So ``_launch`` hands torch.distributed fresh aliases of the caller's tensors (views that no
+other object references) and pins each alias with one more C++ reference (``_Pin``) before
+the collective starts: whoever destroys the Work then takes the aliases' counts down to 2,
+never to 1, and needs no GIL. A pin is released on this thread (it holds the GIL) once every
+alias's count is back to 2 (the Work is gone); at exit (an ``atexit`` hook, which runs
+before the interpreter finalizes) the pins still held are kept for good.
 """
 from __future__ import annotations
 
+import atexit
 import copy
+import ctypes
+import pickle
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -88,6 +107,53 @@ def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
     return _DONE
 
 
+class _Pin(NamedTuple):
+    """Aliases handed to one collective and one more C++ reference to each (see "pinned alias")."""
+
+    aliases: tuple[torch.Tensor, ...]
+    pin: Any  # a torch.ScriptList of the aliases: a C++ reference, so a Work's release never frees them
+
+    def released(self) -> bool:
+        """The collective's Work is gone: only the alias's Python object and the pin hold each alias."""
+        return all(a._use_count() == 2 for a in self.aliases)
+
+
+_PINS: deque[_Pin] = deque()  # oldest first, for every communicator of this process
+_pin_scan_at = 64  # the deque's length that triggers a full pass
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A view of all of ``t`` that no other object references (its own C++ reference count)."""
+    return t.view(t.shape)
+
+
+def _reap() -> None:
+    """Release the pins whose collectives' Works are gone (here, on the thread that holds the GIL).
+
+    Oldest first; and once the deque doubled since the last full pass, also those behind a Work
+    still held (a unit's gathers in flight), so one long-held Work never keeps later aliases
+    and their storages alive (amortised O(1) a launch).
+    """
+    global _pin_scan_at
+    while _PINS and _PINS[0].released():
+        _PINS.popleft()
+    if len(_PINS) > _pin_scan_at:
+        held = [p for p in _PINS if not p.released()]
+        _PINS.clear()
+        _PINS.extend(held)
+        _pin_scan_at = 2 * len(held) + 64
+
+
+@atexit.register
+def _keep_pins_at_exit() -> None:
+    """The interpreter is exiting: keep the pins still held for good (see "pinned alias").
+
+    atexit runs before finalization. One extra reference on the deque survives the clearing of
+    this module's globals, so no alias in it ever reaches a count of 1 on any thread.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PINS))
+
+
 class Comm:
     """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
 
@@ -131,6 +197,13 @@ class Comm:
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+    def _launch(self, collective: Callable, *tensors: torch.Tensor, **kwargs):
+        """``collective(*aliases, group=, async_op=True, **kwargs)`` on pinned aliases of ``tensors``; its Work."""
+        _reap()
+        aliases = tuple(_alias(t) for t in tensors)
+        _PINS.append(_Pin(aliases, torch.ScriptList(list(aliases))))  # before the Work can exist
+        return collective(*aliases, group=self.group, async_op=True, **kwargs)
 
     # ---- traffic accounting -------------------------------------------------
     def traffic(self) -> dict[str, int]:
@@ -197,16 +270,17 @@ class Comm:
         if scratch_input and self.backend == "gloo":
             n = output.numel()
             mine = input.view(-1)[self.rank * n:(self.rank + 1) * n]
-            work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            work = self._launch(dist.all_reduce, input, op=dist.ReduceOp.SUM)
             # in place (output is this rank's slice of input, checked above): the sum is already there
             handle = Handle(work, None if overlaps(output, input) else lambda: output.view(-1).copy_(mine))
             if not async_op:
                 handle.wait()
             return handle
         # flat views: gloo checks shapes (output.shape[0] * world_size == input.shape[0]), not numels
-        work = _reduce_scatter(output.view(-1), input.view(-1), op=dist.ReduceOp.SUM, group=self.group,
-                               async_op=async_op)
-        return Handle(work)
+        handle = Handle(self._launch(_reduce_scatter, output.view(-1), input.view(-1), op=dist.ReduceOp.SUM))
+        if not async_op:
+            handle.wait()
+        return handle
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
         """``output`` receives every rank's ``input`` in rank order (``input`` may be its own slice of it)."""
@@ -216,8 +290,10 @@ class Comm:
         self._count("all_gather", output)
         if self.backend == "gloo":
             return self._all_gather_by_broadcast(output.view(-1), input.view(-1), async_op)
-        work = _all_gather(output.view(-1), input.view(-1), group=self.group, async_op=async_op)
-        return Handle(work)
+        handle = Handle(self._launch(_all_gather, output.view(-1), input.view(-1)))
+        if not async_op:
+            handle.wait()
+        return handle
 
     def _all_gather_by_broadcast(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Handle:
         """gloo: one broadcast per rank into its slice of ``output``.
@@ -229,7 +305,7 @@ class Comm:
         own = output[self.rank * n:(self.rank + 1) * n]
         if own.data_ptr() != input.data_ptr():
             own.copy_(input)
-        works = [dist.broadcast(output[r * n:(r + 1) * n], src=self._global(r), group=self.group, async_op=True)
+        works = [self._launch(dist.broadcast, output[r * n:(r + 1) * n], src=self._global(r))
                  for r in range(self.world_size)]
         handle = Handle(_AllWorks(works))
         if not async_op:
@@ -248,7 +324,10 @@ class Comm:
         if self._local:
             return _DONE
         self._count("all_reduce", tensor)
-        return Handle(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op))
+        handle = Handle(self._launch(dist.all_reduce, tensor, op=_OPS[op]))
+        if not async_op:
+            handle.wait()
+        return handle
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank (synchronous)."""
@@ -258,7 +337,7 @@ class Comm:
         self._check_tensor("broadcast tensor", tensor)
         if self._local:
             return
-        dist.broadcast(tensor, src=self._global(src), group=self.group)
+        self._launch(dist.broadcast, tensor, src=self._global(src)).wait()
 
     @torch.no_grad()
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -273,16 +352,30 @@ class Comm:
 
     # ---- object collectives (set-up and checks) ------------------------------
     def all_gather_object(self, obj: Any) -> list:
-        """``[obj of rank 0, ..., obj of rank world_size-1]``; on nccl the current CUDA device must be set."""
+        """``[obj of rank 0, ..., obj of rank world_size-1]`` (pickled; on nccl through the current CUDA device).
+
+        Runs on pinned tensors of its own rather than torch's all_gather_object, whose tensors are
+        not (see "pinned alias").
+        """
         if self._local:
             return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._launch(_all_gather, sizes, mine).wait()
+        sizes = sizes.tolist()
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[:data.numel()] = data.to(device)
+        out = torch.empty(self.world_size * longest, dtype=torch.uint8, device=device)
+        self._launch(_all_gather, out, padded).wait()
+        out = out.cpu()
+        return [pickle.loads(out[r * longest: r * longest + n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
     def barrier(self) -> None:
         if not self._local:
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.group)  # no tensor of ours
 
     def agree(self, fn: Callable[[], Any], share: Callable[[Any], Any] | None = None,
               errors: tuple[type, ...] = ()) -> tuple[Any, list]:

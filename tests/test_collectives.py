@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import RanksFailed, free_port, run_ranks
+from fused_zero import collectives
 from fused_zero.collectives import Comm, Handle
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -172,6 +173,34 @@ def _subgroup_checks(rank: int, ws: int) -> None:
         comm.check_same(rank, "group ranks")
 
 
+def _check_pins(comm: Comm, rank: int, ws: int) -> None:
+    """What a collective's Work holds is a pinned alias: a Work destroyed on gloo's thread never takes
+    an alias's count to 1 (which would need the GIL: the exit abort, tests/test_clean_exit.py)."""
+    if ws == 1:
+        return
+    collectives._reap()
+    buf = torch.ones(ws * 4)
+    out = torch.empty(4)
+    for launch in (lambda: comm.all_reduce(buf, async_op=True),
+                   lambda: comm.reduce_scatter(out, buf.clone(), async_op=True, scratch_input=True),
+                   lambda: comm.all_gather(buf, out, async_op=True)):
+        handle = launch()
+        pins = list(collectives._PINS)
+        assert pins, "the collective pinned nothing"
+        for pin in pins:
+            assert all(a._base is not None and a._use_count() >= 2 for a in pin.aliases)
+        handle.wait()
+        del handle
+    comm.barrier()
+    for _ in range(200):  # gloo's threads let go of the finished Works within moments
+        collectives._reap()
+        if not collectives._PINS:
+            break
+        time.sleep(0.01)
+    assert not collectives._PINS, "pins were never released after their Works were gone"
+    assert comm.all_gather_object("x" * (rank * 1000)) == ["x" * (r * 1000) for r in range(ws)]
+
+
 def _all_checks(rank: int, ws: int) -> dict:
     warnings.simplefilter("error", FutureWarning)  # no deprecated torch.distributed names
     comm = Comm()
@@ -180,6 +209,7 @@ def _all_checks(rank: int, ws: int) -> dict:
     counted = _check_traffic(comm, ws)
     _check_bad_arguments(comm, ws)
     messages = _check_same(comm, rank, ws)
+    _check_pins(comm, rank, ws)
     if ws >= 3:
         _subgroup_checks(rank, ws)
     return {"traffic": counted, "messages": messages, "threads": torch.get_num_threads()}
