@@ -36,7 +36,9 @@ other object references) and pins each alias with one more C++ reference (``_Pin
 the collective starts: whoever destroys the Work then takes the aliases' counts down to 2,
 never to 1, and needs no GIL. A pin is released on this thread (it holds the GIL) once every
 alias's count is back to 2 (the Work is gone); at exit (an ``atexit`` hook, which runs
-before the interpreter finalizes) the pins still held are kept for good.
+before the interpreter finalizes) the pins still held are kept for good, and the hook lets go
+of the GIL for a moment, so that a thread finishing a collective fused_zero did not issue (a
+framework's loss gather: Accelerate's, Trainer's) takes it while it still can.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ import atexit
 import copy
 import ctypes
 import pickle
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -144,14 +147,25 @@ def _reap() -> None:
         _pin_scan_at = 2 * len(held) + 64
 
 
+#: Seconds the exit hook releases the GIL for, so that a collective's thread waiting for it can finish.
+EXIT_GRACE_S = 0.05
+_ranks_met = False  # a Comm over more than one rank was built in this process
+
+
 @atexit.register
 def _keep_pins_at_exit() -> None:
     """The interpreter is exiting: keep the pins still held for good (see "pinned alias").
 
     atexit runs before finalization. One extra reference on the deque survives the clearing of
-    this module's globals, so no alias in it ever reaches a count of 1 on any thread.
+    this module's globals, so no alias in it ever reaches a count of 1 on any thread. Collectives
+    that fused_zero did not issue (a framework's loss gather, the user's own all_reduce) hand torch
+    unpinned tensors; a thread finishing one of those may be waiting for the GIL right now, so while
+    a process group is up the hook also lets go of the GIL for ``EXIT_GRACE_S``: a thread that
+    waits for it takes it while the interpreter can still give it, instead of after.
     """
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PINS))
+    if _ranks_met or (dist.is_available() and dist.is_initialized()):
+        time.sleep(EXIT_GRACE_S)
 
 
 class Comm:
@@ -175,6 +189,9 @@ class Comm:
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._local = self.world_size == 1
+        if not self._local:
+            global _ranks_met
+            _ranks_met = True
         self.reset_traffic()
 
     def duplicate(self) -> "Comm":

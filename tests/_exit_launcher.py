@@ -4,7 +4,8 @@
 
 Each entry of the list is one launch: ``stage``, ``destroy`` (the script ends with
 ``dist.destroy_process_group()``), ``offload`` (None, "cpu" or "nvme"), ``state_dict``
-(the script ends with the collective ``optimizer.state_dict()``) and ``switch``. Prints one
+(the script ends with the collective ``optimizer.state_dict()``), ``framework_gather`` (it ends
+with torch.distributed's own all-gather, as Accelerate's loss logging does) and ``switch``. Prints one
 JSON list: per launch, the exit status of each rank (negative: killed by that signal) and
 the output of a launch that did not exit 0. Used by tests/test_clean_exit.py.
 
@@ -49,6 +50,10 @@ def train(rank: int, world_size: int, store: str, case: dict) -> None:
         opt.zero_grad()
     if case.get("state_dict"):  # a collective that ends the script: the checkpoint habit
         opt.state_dict()
+    if case.get("framework_gather"):  # a framework's own collective ends the script (Accelerate's gather)
+        loss = torch.ones(1)
+        out = torch.empty(world_size)
+        dist.all_gather_into_tensor(out, loss)
     if case["destroy"]:
         dist.destroy_process_group()
 

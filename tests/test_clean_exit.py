@@ -6,7 +6,9 @@ C++ destructor ("terminate called without an active exception", exit -6). Every 
 test ends its ranks with ``os._exit``; here each launch is two fresh processes that fall
 off the end of a 2-rank training script (tests/_exit_launcher.py), at stages 1-3, with and
 without ``dist.destroy_process_group()``, with the states offloaded to host memory and to
-NVMe, and ending with the collective ``optimizer.state_dict()``. The ranks run with a
+NVMe, and ending with the collective ``optimizer.state_dict()`` or with a collective of
+torch.distributed's own that a framework issues (Accelerate gathers the loss for its log,
+then ``end_training()`` destroys the group). The ranks run with a
 long GIL switch interval, so a thread that waits for the GIL at exit is still waiting
 when the interpreter finalizes: before the fix (collectives.py, "pinned alias") about half
 of these launches at stages 1-2 aborted.
@@ -21,8 +23,8 @@ import sys
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_launcher.py")
 
 #: Ten launches per stage: each ending of the script, in turn.
-ENDINGS = [dict(destroy=False), dict(destroy=True), dict(destroy=False, offload="cpu"),
-           dict(destroy=True, offload="nvme"), dict(destroy=False, state_dict=True)]
+ENDINGS = [dict(destroy=False), dict(destroy=True, framework_gather=True), dict(destroy=False, offload="cpu"),
+           dict(destroy=True, offload="nvme"), dict(destroy=False, state_dict=True, framework_gather=True)]
 LAUNCHES = [dict(stage=stage, switch=1.0, **ending) for stage in (1, 2, 3) for ending in ENDINGS * 2]
 
 
