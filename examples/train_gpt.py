@@ -170,9 +170,9 @@ def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> 
             print_planned_vs_measured(args, cfg, world, mem)
         if variant == "sharded":
             hist["comm"] = optimizer.comm_bytes()
-        if rank == 0:
+        if rank == 0:  # the memory split once (it does not change), then one short line a step
             print(f"[{variant}] step {step + 1:4d}/{args.steps} loss {loss_val:.4f} lr {lr:.2e} "
-                  f"tok/s {tokens_per_step / dt:9.0f} {fmt_memory(mem)}", flush=True)
+                  f"tok/s {tokens_per_step / dt:9.0f}" + (f" {fmt_memory(mem)}" if step == 0 else ""), flush=True)
     return hist
 
 

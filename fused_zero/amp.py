@@ -1,14 +1,18 @@
 """How step() learns the loss scale and the overflow verdict of a torch.amp.GradScaler.
 
-GradScaler passes itself to ``step(grad_scaler=...)`` when ``step`` takes that
-argument (``_step_supports_amp_scaling = True``): that is how the optimizer
-reaches the scaler's per-optimizer state, to report the overflow verdict every
-rank agreed on (``found_inf_per_device``, which ``scaler.update()`` reads).
-Without a scaler, the attribute protocol (``optimizer.grad_scale`` and
-``optimizer.found_inf``) is honoured as torch's own fused optimizers do.
+With ``_step_supports_amp_scaling = True`` the scaler's ``step(optimizer)`` sets
+``optimizer.grad_scale`` and ``optimizer.found_inf`` and calls ``optimizer.step()``
+(torch's current protocol; a ``grad_scaler=`` argument of step() is deprecated and
+makes torch warn). The optimizer still needs the scaler itself: the verdict every
+rank agreed on (this rank's ``.grad`` is None at stages 2-3, so the scaler's own
+check finds nothing) goes into the scaler's per-optimizer ``found_inf_per_device``,
+which ``scaler.update()`` reads, and a ``scaler.unscale_(opt)`` before step() is
+known only from that state. ``calling_scaler`` finds the GradScaler whose ``step``
+is on the stack (it is the caller, through the step wrappers of torch.optim).
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -36,6 +40,32 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     if state["stage"] is OptState.UNSCALED and grads_unscaled_in_place:
         return ScalerInputs(None, None, state)
     return ScalerInputs(grad_scaler._scale.double().reciprocal().float().to(device), None, state)
+
+
+_CALLER_DEPTH = 6  # frames above calling_scaler: optimizer.step, its no_grad and torch.optim wrappers, the scaler
+
+
+def calling_scaler(optimizer):
+    """The enabled torch.amp.GradScaler stepping ``optimizer`` right now (its ``step`` called ours), or None.
+
+    Looked for only when the scaler set ``optimizer.grad_scale`` or ``found_inf`` (the attribute
+    protocol), so a step without AMP reads no frame.
+    """
+    if getattr(optimizer, "grad_scale", None) is None and getattr(optimizer, "found_inf", None) is None:
+        return None
+    from torch.amp import GradScaler
+
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "step" and "self" in frame.f_code.co_varnames:
+            scaler = frame.f_locals.get("self")  # the scaler's own frame: it ends with this call
+            if isinstance(scaler, GradScaler) and scaler.is_enabled() \
+                    and id(optimizer) in scaler._per_optimizer_states:
+                return scaler
+    return None
 
 
 def scaler_unscaled(scaler: ScalerInputs) -> bool:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .amp import PendingClip, ScalerInputs, scaler_inputs, scaler_unscaled, unscaling_scaler
+from .amp import PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler
 from .collectives import Comm
 from .config import ZeroConfig
 from .grad_sync import GradSync
@@ -296,8 +296,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):
+    def step(self, closure=None):
+        """One AdamW step of every parameter that got a gradient on some rank (every rank calls it).
+
+        Under a ``torch.amp.GradScaler`` (``scaler.step(optimizer)``), the scaler's loss scale and
+        the overflow verdict every rank agrees on are taken from it (``amp.py``).
+        """
         self._check_open()
+        grad_scaler = calling_scaler(self)
         if not self._framework_checked:  # once, on every rank, before any collective
             self._framework_checked = True
             message = framework_without_integration(self)

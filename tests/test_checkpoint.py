@@ -380,7 +380,7 @@ def test_torch_adamw_checkpoint_into_sharded(torch_run, reshard4, tmp_path):
     assert all(torch.equal(model_sd[n], p) for n, p in model.named_parameters())
 
 
-def test_cli_consolidate(root, tmp_path):
+def test_cli_consolidate(root, source, tmp_path):
     out = str(tmp_path / "full.pt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(ckpt.__file__)),
                                                       os.environ.get("PYTHONPATH", "")]))
@@ -396,6 +396,21 @@ def test_cli_consolidate(root, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fused_zero.checkpoint", "consolidate", str(tmp_path / "nope"), out],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "no checkpoint" in bad.stderr
+
+
+def test_cli_finds_a_frameworks_checkpoint_and_names_its_flags(root, source, tmp_path, capsys):
+    """An HF Trainer checkpoint-N (or Accelerate save_state folder) holds the fused_zero checkpoint in
+    fused_zero/: the CLI finds it there; its messages name --tag, the command line's flag."""
+    trainer_dir = tmp_path / "checkpoint-40"
+    shutil.copytree(os.path.join(root, "A2"), trainer_dir / "fused_zero")
+    (trainer_dir / "trainer_state.json").write_text("{}")
+    out = str(tmp_path / "full.pt")
+    assert ckpt.main(["consolidate", str(trainer_dir), out]) == 0
+    model_sd, _ = ckpt.consolidate(os.path.join(root, "A2"))
+    assert all(torch.equal(torch.load(out, weights_only=True)["model"][k], v) for k, v in model_sd.items())
+    os.remove(trainer_dir / "fused_zero" / "latest")  # a tag must now be named
+    assert ckpt.main(["consolidate", str(trainer_dir), out]) == 1
+    assert "--tag" in capsys.readouterr().err
 
 
 # -- crash safety, corruption, wrong models -------------------------------------------------------

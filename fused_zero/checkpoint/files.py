@@ -18,6 +18,11 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"  # rank 0's persistent buffers and parameters the optimizer does not train
 TMP_PREFIX = ".tmp-"  # a save in progress (or one that died): never loaded
 OLD_PREFIX = ".old-"  # a tag being overwritten, kept until its replacement is in place
+#: the folder the framework integrations write their checkpoint into, inside the framework's own
+#: (HF Trainer's checkpoint-N/, Accelerate's save_state folder, Lightning's); found by ``resolve``
+FRAMEWORK_DIR = "fused_zero"
+#: how the messages name the tag argument: ``tag=`` in Python, ``--tag`` on the command line
+PASS_TAG = "pass the tag (tag= in Python, --tag on the command line)"
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -89,20 +94,28 @@ def _tags(directory: str) -> list[str]:
 def _read_latest(directory: str) -> str:
     latest = os.path.join(directory, LATEST)
     if not os.path.isfile(latest):
-        raise FileNotFoundError(f"no checkpoint in {directory}: it has no {LATEST!r} file; check the path, "
-                                "or pass tag= to name one")
+        raise FileNotFoundError(f"no checkpoint in {directory}: it has no {LATEST!r} file (and no {FRAMEWORK_DIR}/ "
+                                f"folder of a framework's checkpoint); check the path, or {PASS_TAG} to name one")
     with open(latest, "rb") as f:
         text = f.read().decode("utf-8", errors="replace").strip()
     try:
         return check_tag(text)
     except (TypeError, ValueError):
         raise CheckpointError(f"{latest} holds {text[:60]!r}, which is not a tag: the file is corrupted; "
-                              f"pass tag= to load one of {_tags(directory)}, or write that tag into it") from None
+                              f"{PASS_TAG} to load one of {_tags(directory)}, or write that tag into it") from None
 
 
 def resolve(directory, tag: str | None) -> str:
-    """The folder of checkpoint ``tag`` (default: the one ``latest`` names, or ``directory`` itself)."""
+    """The folder of checkpoint ``tag`` (default: the one ``latest`` names, or ``directory`` itself).
+
+    ``directory`` may also be a framework's checkpoint folder (an HF Trainer ``checkpoint-N``, an
+    Accelerate ``save_state`` folder) that holds the fused_zero checkpoint in ``FRAMEWORK_DIR``.
+    """
     directory = os.fspath(directory)
+    inner = os.path.join(directory, FRAMEWORK_DIR)
+    if not os.path.isfile(os.path.join(directory, LATEST)) and not os.path.isfile(os.path.join(directory, METADATA)) \
+            and os.path.isdir(inner):
+        directory = inner
     from_latest = tag is None
     if from_latest:
         if os.path.isfile(os.path.join(directory, METADATA)):
@@ -119,7 +132,7 @@ def resolve(directory, tag: str | None) -> str:
         return os.path.join(directory, olds[-1])
     if from_latest:
         raise CheckpointError(f"{os.path.join(directory, LATEST)} names tag {tag!r}, but {path} does not exist (or "
-                              f"has no {METADATA}): pass tag= to load one of {_tags(directory)}, or write that tag "
+                              f"has no {METADATA}): {PASS_TAG} to load one of {_tags(directory)}, or write that tag "
                               f"into {LATEST}")
     raise FileNotFoundError(f"checkpoint {path} does not exist (or has no {METADATA}); tags in {directory}: "
                             f"{_tags(directory)}")

@@ -81,7 +81,7 @@ def sharded_from_torch(optimizer: torch.optim.Optimizer, config: ZeroConfig, mod
 def track_step_called(optimizer) -> None:
     """What torch's LRScheduler does to the optimizer it is built with: mark ``optimizer.step`` as called.
 
-    The wrapper keeps step()'s signature visible (GradScaler looks for its ``grad_scaler=``).
+    The wrapper keeps step()'s signature visible (functools.wraps).
     """
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return

@@ -40,6 +40,7 @@ import os
 import torch
 from torch import nn
 
+from ..checkpoint.files import FRAMEWORK_DIR
 from ..config import ZeroConfig
 from ..optimizer import ShardedOptimizer
 from . import require
@@ -49,8 +50,6 @@ _accelerate = require("accelerate", "hf")
 Accelerator = _accelerate.Accelerator
 DistributedType = _accelerate.utils.DistributedType
 
-#: where save_state puts the fused_zero checkpoint of model i (i > 0 gets a suffix)
-CHECKPOINT_DIR = "fused_zero"
 
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 
@@ -68,7 +67,7 @@ def _same_device(model: nn.Module, device: torch.device) -> bool:
 
 
 def checkpoint_dir(output_dir: str, index: int) -> str:
-    return os.path.join(output_dir, CHECKPOINT_DIR if index == 0 else f"{CHECKPOINT_DIR}_{index}")
+    return os.path.join(output_dir, FRAMEWORK_DIR if index == 0 else f"{FRAMEWORK_DIR}_{index}")
 
 
 class ZeroAccelerator(Accelerator):

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from ..checkpoint.files import FRAMEWORK_DIR
 from ..config import ZeroConfig
 from ..optimizer import ShardedOptimizer
 from . import require
@@ -42,8 +43,6 @@ from .accelerate import ZeroAccelerator  # noqa: E402  (needs accelerate, which 
 
 Trainer = _transformers.Trainer
 
-#: the checkpoint-N subfolder that holds the fused_zero checkpoint
-CHECKPOINT_DIR = "fused_zero"
 _TAG = "trainer"
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
 
@@ -115,7 +114,7 @@ class ZeroTrainer(Trainer):
         from .. import checkpoint
 
         opt = self.sharded_optimizer
-        checkpoint.save(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt, tag=_TAG)
+        checkpoint.save(os.path.join(output_dir, FRAMEWORK_DIR), self.model, opt, tag=_TAG)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
@@ -124,7 +123,7 @@ class ZeroTrainer(Trainer):
 
         if checkpoint_dir is None:
             return
-        folder = os.path.join(checkpoint_dir, CHECKPOINT_DIR)
+        folder = os.path.join(checkpoint_dir, FRAMEWORK_DIR)
         if os.path.isdir(folder):
             checkpoint.load(folder, self.model, self.sharded_optimizer, tag=_TAG)
         elif os.path.isfile(os.path.join(checkpoint_dir, "optimizer.pt")):  # a plain Trainer's checkpoint
