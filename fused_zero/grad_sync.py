@@ -127,6 +127,8 @@ class GradSync:
         self.frees = {key: [] for key in self.order}
         for p, keys_of_p in self.buckets_of.items():
             self.frees[max(keys_of_p, key=self.order.index)].append(p)
+        # zero-element parameters: in no bucket; they only count as having a gradient (torch steps them)
+        self._empty = [p for part in partitions for p in part.params if p not in self.buckets_of]
         self.present: set[torch.nn.Parameter] = set()  # params whose gradient is not None
         self._last_present: set[torch.nn.Parameter] = set()  # present at the last step
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -153,7 +155,7 @@ class GradSync:
     # -- backward ---------------------------------------------------------
     def on_grad(self, p: torch.nn.Parameter) -> None:
         """``p``'s gradient was accumulated (the optimizer's hook)."""
-        _check_dense(p)
+        _check_grad(p)
         if not self.sync:
             self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
         if not self.policy.in_backward:
@@ -166,6 +168,11 @@ class GradSync:
         if p in self._seen:
             return
         self._seen.add(p)
+        if p not in self.buckets_of:  # zero elements: in no bucket, nothing to reduce; it still got a gradient
+            self.present.add(p)
+            if self.policy.free_grads:
+                p.grad = None
+            return
         for key in self.buckets_of[p]:
             self._remaining[key] -= 1
         if self.overlap:
@@ -213,10 +220,14 @@ class GradSync:
                     "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
                     "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
         elif not self._reduced:
+            for p in self.buckets_of:  # the kept .grad is read flat: it must be the parameter's own shape
+                if p.grad is not None:
+                    _check_grad(p)
             self.present.clear()
             self._written = False
             for key in self.order:
                 self._launch(key, free_grads=False, block=True)
+            self.present.update(p for p in self._empty if p.grad is not None)
             self._reduced = True
         self.wait()
 
@@ -289,7 +300,6 @@ class GradSync:
         for s in segs:
             g = None if s.param is None else s.param.grad
             if g is not None:
-                _check_dense(s.param)
                 self.present.add(s.param)
                 g = g.reshape(-1)[s.start: s.start + s.numel]
             tensors.append(g)
@@ -391,9 +401,19 @@ def _trainable(segs: tuple[_Segment, ...]) -> bool:
     return any(s.param is not None and s.param.requires_grad for s in segs)
 
 
-def _check_dense(p: torch.nn.Parameter) -> None:
-    if p.grad is not None and p.grad.layout != torch.strided:
+def _check_grad(p: torch.nn.Parameter) -> None:
+    """``p.grad`` is what the flat buffers can take: dense, of ``p``'s shape and dtype (torch's update would
+    fail on a wrong shape; read flat here, it would be silently wrong: a ``.grad.data =`` assignment)."""
+    g = p.grad
+    if g is None:
+        return
+    if g.layout != torch.strided:
         raise RuntimeError(
             f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "
-            f"got a {p.grad.layout} gradient); use dense gradients, e.g. nn.Embedding(sparse=False)"
+            f"got a {g.layout} gradient); use dense gradients, e.g. nn.Embedding(sparse=False)"
         )
+    if g.shape != p.shape or g.dtype != p.dtype:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} and dtype {p.dtype} holds a .grad of shape {tuple(g.shape)} "
+            f"and dtype {g.dtype}: a gradient must match its parameter (assign .grad a tensor like the parameter, "
+            "not through .grad.data)")

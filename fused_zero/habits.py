@@ -12,6 +12,15 @@ import sys
 import torch
 
 
+_DDP = ("the model is wrapped in DistributedDataParallel: do not wrap the model in "
+        "DistributedDataParallel, ShardedOptimizer averages gradients itself (DDP would reduce "
+        "them a second time and fight over .grad). Pass the bare model. HF Trainer, Lightning "
+        "and Accelerate wrap it in DDP themselves: use their fused_zero integration instead, "
+        "fused_zero.integrations.transformers.ZeroTrainer, "
+        "L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)), or "
+        "fused_zero.integrations.accelerate.ZeroAccelerator in place of accelerate.Accelerator")
+
+
 def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
     """A message if a live DistributedDataParallel reduces any of ``params``.
 
@@ -24,13 +33,7 @@ def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
     for obj in gc.get_objects():
         # type(), not isinstance(): the heap holds weak proxies, whose isinstance() raises once dead
         if issubclass(type(obj), ddp_type) and any(id(p) in mine for p in getattr(obj, "_module_parameters", ())):
-            return ("the model is wrapped in DistributedDataParallel: do not wrap the model in "
-                    "DistributedDataParallel, ShardedOptimizer averages gradients itself (DDP would reduce "
-                    "them a second time and fight over .grad). Pass the bare model. HF Trainer, Lightning "
-                    "and Accelerate wrap it in DDP themselves: use their fused_zero integration instead, "
-                    "fused_zero.integrations.transformers.ZeroTrainer, "
-                    "L.Trainer(strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...)), or "
-                    "fused_zero.integrations.accelerate.ZeroAccelerator in place of accelerate.Accelerator")
+            return _DDP
     return None
 
 
@@ -87,6 +90,41 @@ def lightning_without_strategy() -> str | None:
     return None
 
 
+def _trainer_on_stack(frames) -> bool:
+    return any(path.endswith("/transformers/trainer.py") for path, _ in frames)
+
+
+_PLAIN_TRAINER = ("a plain transformers.Trainer steps this ShardedOptimizer: Trainer clips .grad (None at stages "
+                  "2-3, each rank's own at stage 1), so it would train silently wrong. Use fused_zero.integrations."
+                  "transformers.ZeroTrainer(..., zero=fused_zero.ZeroConfig(stage=...)) (it builds the optimizer "
+                  "from TrainingArguments, or takes yours through optimizers=)")
+_PLAIN_ACCELERATOR = ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
+                      "(None at stages 2-3) and its no_sync does not reach the optimizer, so it would train silently "
+                      "wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig("
+                      "stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")
+
+
+def stage3_model_wrapped(optimizer, module) -> str | None:
+    """A message if DDP, or a plain Accelerator (an HF Trainer's included), drives the model that
+    ``optimizer`` shards at stage 3 (called at the model's first training forward, before any gather).
+
+    Such a run fails in its first backward with an autograd shape error naming nothing (DDP's
+    reducer and the frameworks' clipping read full-size .grad of parameters that are released
+    placeholders), at any world size: with a process group, Accelerate wraps even one rank in DDP.
+    ZeroAccelerator (under ZeroTrainer too) marks its optimizers and never wraps in DDP.
+    """
+    if getattr(optimizer, "_fused_zero_integration", False):
+        return None
+    frames = list(_calling_code())
+    ddp = any(path.endswith("/torch/nn/parallel/distributed.py") for path, _ in frames)
+    prepared = "accelerate" in sys.modules and getattr(module, "_is_accelerate_prepared", False)
+    if _trainer_on_stack(frames) and (ddp or prepared):
+        return _PLAIN_TRAINER
+    if prepared or (ddp and any("/accelerate/" in path for path, _ in frames)):
+        return _PLAIN_ACCELERATOR
+    return _DDP if ddp else None
+
+
 def framework_without_integration(optimizer) -> str | None:
     """A message if Accelerate's AcceleratedOptimizer, as a plain Accelerator or HF Trainer made it,
     is stepping ``optimizer`` (called from ``step()``, once).
@@ -102,12 +140,4 @@ def framework_without_integration(optimizer) -> str | None:
     frames = list(_calling_code())
     if not any(name == "step" and path.endswith("/accelerate/optimizer.py") for path, name in frames):
         return None
-    if any(path.endswith("/transformers/trainer.py") for path, _ in frames):
-        return ("a plain transformers.Trainer steps this ShardedOptimizer: Trainer clips .grad (None at stages "
-                "2-3, each rank's own at stage 1), so it would train silently wrong. Use fused_zero.integrations."
-                "transformers.ZeroTrainer(..., zero=fused_zero.ZeroConfig(stage=...)) (it builds the optimizer "
-                "from TrainingArguments, or takes yours through optimizers=)")
-    return ("a plain accelerate.Accelerator prepared this ShardedOptimizer: its clip_grad_norm_ clips .grad "
-            "(None at stages 2-3) and its no_sync does not reach the optimizer, so it would train silently "
-            "wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig("
-            "stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")
+    return _PLAIN_TRAINER if _trainer_on_stack(frames) else _PLAIN_ACCELERATOR

@@ -29,7 +29,8 @@ from .config import ZeroConfig
 from .grad_sync import GradSync
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
-from .habits import ddp_wrapping, framework_without_integration, lightning_without_strategy
+from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
+                     stage3_model_wrapped)
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
@@ -161,7 +162,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hooks is not None:
             self._hooks.remove()
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
-                                                       Relay(self, "_begin_backward"), self.partitions)
+                                                       Relay(self, "_begin_backward"), self.partitions,
+                                                       Relay(self, "_first_forward"))
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
@@ -235,6 +237,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._in_backward = False
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
         self.grad_sync.close_round()
+
+    def _first_forward(self) -> None:
+        """Stage 3, the model's first training forward, before any gather: refuse what wraps the model."""
+        message = stage3_model_wrapped(self, self.module)
+        if message is not None:
+            raise RuntimeError(message)
 
     def _check_habits(self) -> None:
         """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""

@@ -75,7 +75,8 @@ class ParamGatherer:
 
     def __init__(self, root: nn.Module, modules: tuple[nn.Module, ...], parts: list[list[Partition]],
                  sync: ParamSync, max_live_units: int, reshard_after_forward: bool,
-                 begin_backward: Callable[[], None], names: dict) -> None:
+                 begin_backward: Callable[[], None], names: dict,
+                 first_forward: Callable[[], None] | None = None) -> None:
         self.sync = sync
         self.names = names
         self._holding = False  # inside full_parameters(): nothing is released
@@ -92,6 +93,7 @@ class ParamGatherer:
         self.peak_bytes = 0  # the most gathered bytes seen since the last step
         self._placeholders: dict = {}
         self._begin_backward = begin_backward
+        self._first_forward = first_forward  # the optimizer's checks at the first training forward (once)
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
         # parameters gathered on use, for as long as it lives; close() gives them back for good.
         self._handles = []
@@ -235,6 +237,9 @@ class ParamGatherer:
         u = self._unit_of[id(module)]
         if u.index == 0 and self.state is TrainingState.IDLE:
             self._grad_forward = torch.is_grad_enabled()
+            if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
+                check, self._first_forward = self._first_forward, None
+                check()
             self._start(TrainingState.FORWARD, list(self.schedule))
         elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None \
                 and u.index and u.index not in self._record:

@@ -54,8 +54,8 @@ class Stage1:
 
     # -- construction -----------------------------------------------------
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
-              begin_backward: Callable[[], None], previous: list[Partition]
-              ) -> tuple[list[Partition], list[list[int]]]:
+              begin_backward: Callable[[], None], previous: list[Partition],
+              first_forward: Callable[[], None] | None = None) -> tuple[list[Partition], list[list[int]]]:
         """One partition per (param group, dtype), and each parameter's position (for bucket order).
 
         Partitions in ``previous`` (a rebuild after add_param_group) are kept with their states.
@@ -143,7 +143,7 @@ class Stage3(Stage2):
         super().__init__(comm, config)
         self.gatherer: ParamGatherer | None = None
 
-    def build(self, groups, names, module, units, begin_backward, previous):
+    def build(self, groups, names, module, units, begin_backward, previous, first_forward=None):
         """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""
         self.names = names
         self.check_offload()
@@ -178,7 +178,7 @@ class Stage3(Stage2):
         # embedding's gradient, which backward produces at the very end.
         self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
-                                      names)
+                                      names, first_forward)
         return [part for parts in unit_parts for part in parts], positions
 
     def on_grad(self, p: nn.Parameter) -> None:

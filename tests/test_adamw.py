@@ -218,6 +218,8 @@ BAD = [
     (dict(lr=float("nan")), ValueError, r"lr must be >= 0"),
     (dict(lr=torch.tensor(1, dtype=torch.int32)), TypeError, "lr must have dtype float32, float64"),
     (dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "lr must hold one element"),
+    (dict(lr=torch.tensor(-1e-3)), ValueError, r"lr must be >= 0"),  # as the optimizer refuses it
+    (dict(lr=torch.tensor(float("nan"), dtype=torch.float64)), ValueError, r"lr must be >= 0"),
     (dict(beta1=1.0), ValueError, r"beta1 must be in \[0.0, 1.0\)"),
     (dict(beta2=-0.1), ValueError, r"beta2 must be in \[0.0, 1.0\)"),
     (dict(beta1=torch.tensor(0.9)), TypeError, "beta1 must be a Python number"),

@@ -64,3 +64,58 @@ def test_grad_scaler_steps_without_futurewarning_and_backs_off_as_torch(stage):
     assert all(a == b for a, b in scales), scales
     assert scales[2][0] < scales[1][0]  # backed off at the overflow
     assert _max_error(model, opt, ref) < TOL
+
+
+# --- zero-element parameters train as torch's (they do nothing but count steps) -----------------
+
+class WithEmpty(nn.Module):
+    """A Linear beside two zero-element parameters that take part in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.empty2d = nn.Parameter(torch.zeros(3, 0))
+
+    def forward(self, x):
+        return self.lin(x).square().mean() + self.empty.sum() + self.empty2d.sum()
+
+
+def _state_summary(sd):
+    return {k: {n: (tuple(v.shape), float(v) if n == "step" else None) for n, v in s.items()}
+            for k, s in sd["state"].items()}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_element_parameters_train_as_torch(stage):
+    model, ref = WithEmpty(), WithEmpty()
+    opt = _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for t in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(t))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    assert _max_error(model, opt, ref) == 0
+    assert _state_summary(opt.state_dict()) == _state_summary(ref_opt.state_dict())
+
+
+# --- a hand-made gradient of the wrong shape ------------------------------------------------------
+
+def test_stage1_grad_of_the_wrong_shape_is_refused_as_torch_refuses_it():
+    """A .grad.data assignment can give a gradient of the right numel and the wrong shape: torch's
+    default update fails on it; read flat here it would be silently wrong, so it is refused by name."""
+    model = nn.Linear(3, 2)
+    opt = _build(model, 1)
+    model(torch.ones(1, 3)).sum().backward()
+    model.weight.grad.data = torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match=r"shape \(2, 3\).*holds a \.grad of shape \(3, 2\)"):
+        opt.step()
+    ref = nn.Linear(3, 2)
+    ref(torch.ones(1, 3)).sum().backward()
+    ref.weight.grad.data = torch.ones(3, 2)
+    with pytest.raises(RuntimeError):
+        torch.optim.AdamW(ref.parameters()).step()

@@ -29,7 +29,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     makes the call a no-op, decided on device. ``step`` (the count after increment,
     1 on the first update) and ``lr`` may be numbers or 0-d tensors on the params'
     device (no host sync: the bias corrections are then computed on device; a
-    tensor step must hold a value >= 1, which is not checked). ``amsgrad=True``
+    tensor step must hold a value >= 1 and a tensor lr one >= 0, checked only where
+    the tensor is on the CPU). ``amsgrad=True``
     needs ``max_exp_avg_sq`` (fp32, zeros at the start, updated in place): it
     becomes max(max_exp_avg_sq, exp_avg_sq) after exp_avg_sq's update and replaces
     it in the denominator. Numerics follow ``torch.optim.AdamW`` / ``Adam``
@@ -54,6 +55,8 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     step = _check_step(_host_scalar("step", step, device), device)
     if isinstance(lr, torch.Tensor):
         check_scalar_tensor("lr", lr, (torch.float32, torch.float64), device)
+        if lr.device.type == "cpu":  # read for free on the host; a device lr is not read (no sync), as step
+            check_real("lr", lr.item(), 0.0)
     else:
         check_real("lr", lr, 0.0)
         lr = float(lr)

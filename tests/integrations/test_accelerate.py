@@ -112,7 +112,7 @@ def test_save_state_resumes_at_world_size_1(zero_runs, stage):
     assert os.path.isdir(os.path.join(folder, "fused_zero"))
 
 
-def _plain_accelerator_with_sharded(rank, world_size, prepare_model):
+def _plain_accelerator_with_sharded(rank, world_size, prepare_model, stage):
     launcher_env(rank, world_size)
     from accelerate import Accelerator
 
@@ -120,7 +120,7 @@ def _plain_accelerator_with_sharded(rank, world_size, prepare_model):
 
     acc = Accelerator(cpu=True)
     model = tiny_gpt2()
-    opt = ShardedOptimizer(model, lr=1e-3, stage=2)
+    opt = ShardedOptimizer(model, lr=1e-3, stage=stage)
     if prepare_model:
         model, opt = acc.prepare(model, opt)
     else:
@@ -134,10 +134,12 @@ def _plain_accelerator_with_sharded(rank, world_size, prepare_model):
     return None
 
 
-@pytest.mark.parametrize("world_size,prepare_model", [(1, False), (2, False), (2, True)])
-def test_plain_accelerator_with_a_sharded_optimizer_is_refused(world_size, prepare_model):
-    """A plain Accelerator clips .grad and wraps the model in DDP: refused, naming the integration."""
-    results = run_ranks(_plain_accelerator_with_sharded, world_size, prepare_model, timeout=120)
+@pytest.mark.parametrize("world_size,prepare_model,stage", [(1, False, 2), (2, False, 2), (2, True, 2), (1, False, 3),
+                                                            (1, True, 3), (2, True, 3)])
+def test_plain_accelerator_with_a_sharded_optimizer_is_refused(world_size, prepare_model, stage):
+    """A plain Accelerator clips .grad and wraps the model in DDP: refused, naming the integration (at
+    stage 3 a prepared model at its first forward, before backward fails on the released parameters)."""
+    results = run_ranks(_plain_accelerator_with_sharded, world_size, prepare_model, stage, timeout=120)
     assert all(r is not None and "ZeroAccelerator" in r for r in results), results
 
 

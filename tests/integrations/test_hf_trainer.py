@@ -188,9 +188,11 @@ def _plain_trainer_with_sharded(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("world_size,stage,needle", [(1, 2, "ZeroTrainer"), (1, 1, "ZeroTrainer"),
-                                                     (2, 2, "ZeroTrainer")])
+                                                     (2, 2, "ZeroTrainer"), (1, 3, "ZeroTrainer"),
+                                                     (2, 3, "ZeroTrainer")])
 def test_plain_trainer_with_a_sharded_optimizer_is_refused(world_size, stage, needle):
-    """Trainer would clip .grad (None at stages 2-3) or wrap the model in DDP: never silently wrong."""
+    """Trainer would clip .grad (None at stages 2-3) or wrap the model in DDP: never silently wrong. At
+    stage 3 it is refused at the first forward (it would fail in backward with an autograd shape error)."""
     results = run_ranks(_plain_trainer_with_sharded, world_size, stage, timeout=120)
     assert all(r is not None and needle in r for r in results), results
 
