@@ -1,10 +1,5 @@
 from setuptools import setup
 
-# Triton ships wheels for Linux on x86_64 and aarch64 only; elsewhere (macOS, Windows)
-# fused_zero runs its CPU paths, which never import triton.
-TRITON = ('triton; platform_system == "Linux" and '
-          '(platform_machine == "x86_64" or platform_machine == "aarch64")')
-
 setup(
     name="fused_zero",
     version="0.1.0",
@@ -15,7 +10,7 @@ setup(
     packages=["fused_zero", "fused_zero.ops", "fused_zero.plan", "fused_zero.checkpoint", "fused_zero.integrations",
               "fused_zero.kernels"],
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
-    install_requires=["torch>=2.4", TRITON, "numpy", "safetensors"],
+    install_requires=["torch>=2.4", "numpy", "safetensors"],
     extras_require={
         # torch's optimizer test inputs (expecttest), the plan picture, and the frameworks the
         # integration tests train with
@@ -24,6 +19,9 @@ setup(
         "plot": ["matplotlib"],
         "hf": ["transformers>=5", "accelerate>=1.10"],   # ZeroTrainer, ZeroAccelerator
         "lightning": ["lightning>=2.5"],                  # ZeroStrategy
+        # torch's CUDA wheels on Linux already depend on triton; this is for a torch build that lacks it
+        "gpu": ['triton; platform_system == "Linux" and '
+                '(platform_machine == "x86_64" or platform_machine == "aarch64")'],
     },
 
 )
