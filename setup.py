@@ -1,5 +1,11 @@
 from setuptools import setup
 
+# Triton ships wheels for Linux on x86_64 and aarch64 only. torch's CUDA wheels there already
+# depend on it; CPU-only installs never import it, except the tests, which run the kernels
+# under Triton's interpreter.
+TRITON = ('triton; platform_system == "Linux" and '
+          '(platform_machine == "x86_64" or platform_machine == "aarch64")')
+
 setup(
     name="fused_zero",
     version="0.1.0",
@@ -14,14 +20,12 @@ setup(
     extras_require={
         # torch's optimizer test inputs (expecttest), the plan picture, and the frameworks the
         # integration tests train with
-        "test": ["pytest", "pytest-benchmark", "expecttest", "matplotlib",
+        "test": [TRITON, "pytest", "pytest-benchmark", "expecttest", "matplotlib",
                  "transformers>=5", "accelerate>=1.10", "lightning>=2.5"],
         "plot": ["matplotlib"],
         "hf": ["transformers>=5", "accelerate>=1.10"],   # ZeroTrainer, ZeroAccelerator
         "lightning": ["lightning>=2.5"],                  # ZeroStrategy
-        # torch's CUDA wheels on Linux already depend on triton; this is for a torch build that lacks it
-        "gpu": ['triton; platform_system == "Linux" and '
-                '(platform_machine == "x86_64" or platform_machine == "aarch64")'],
+        "gpu": [TRITON],   # for a torch build on a GPU machine that lacks it
     },
 
 )
