@@ -45,6 +45,8 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import datetime
+import hashlib
 import pickle
 import time
 from collections import deque
@@ -54,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import rendezvous
 from .habits import torchrun_without_process_group
 from .spans import overlaps
 
@@ -88,6 +91,40 @@ class Handle(NamedTuple):
 
 
 _DONE = Handle(None)
+
+#: How long a gloo wait blocks before it tells ``rendezvous`` (which may serve a peer's lone call).
+WAIT_SLICE = datetime.timedelta(seconds=0.25)
+
+
+class _Watched(NamedTuple):
+    """A gloo Work whose wait blocks in slices of ``WAIT_SLICE`` (see rendezvous.py)."""
+
+    work: Any
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        if not rendezvous.watching():
+            self.work.wait()
+            return
+        blocked = False
+        try:
+            while True:
+                try:
+                    self.work.wait(WAIT_SLICE)
+                    return
+                except RuntimeError as e:
+                    if self.work.is_completed():  # the collective itself failed (a peer's process ended)
+                        why = rendezvous.peer_failure()
+                        if why is not None:
+                            raise RuntimeError(why) from e
+                        raise
+                    blocked = True
+                    rendezvous.while_blocked()
+        finally:
+            if blocked:
+                rendezvous.unblocked()
 
 
 class _AllWorks(NamedTuple):
@@ -164,6 +201,7 @@ def _keep_pins_at_exit() -> None:
     waits for it takes it while the interpreter can still give it, instead of after.
     """
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PINS))
+    rendezvous.at_exit()
     if _ranks_met or (dist.is_available() and dist.is_initialized()):
         time.sleep(EXIT_GRACE_S)
 
@@ -220,7 +258,18 @@ class Comm:
         _reap()
         aliases = tuple(_alias(t) for t in tensors)
         _PINS.append(_Pin(aliases, torch.ScriptList(list(aliases))))  # before the Work can exist
-        return collective(*aliases, group=self.group, async_op=True, **kwargs)
+        work = collective(*aliases, group=self.group, async_op=True, **kwargs)
+        return _Watched(work) if self.backend == "gloo" else work
+
+    def rendezvous(self) -> "rendezvous.Rendezvous | None":
+        """The store-based meeting point of one optimizer's collective calls (every rank builds it); None alone."""
+        if self._local:
+            return None
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        key = "world" if self.group is None else hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+        timeout = _group_timeout(self.group)
+        return rendezvous.Rendezvous(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
+                                     None if timeout is None else timeout.total_seconds(), key)
 
     # ---- traffic accounting -------------------------------------------------
     def traffic(self) -> dict[str, int]:
@@ -357,15 +406,20 @@ class Comm:
         self._launch(dist.broadcast, tensor, src=self._global(src)).wait()
 
     @torch.no_grad()
-    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
-        """Every rank takes rank ``src``'s values of ``tensors`` (set-up: module buffers)."""
-        if self._local:
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Every rank takes rank ``src``'s values of ``tensors`` (module buffers): one broadcast per dtype."""
+        if self._local or not tensors:
             return
+        by_kind: dict = {}
         for t in tensors:
-            flat = t if t.is_contiguous() else t.contiguous()
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
             self.broadcast(flat, src=src)
-            if flat is not t:
-                t.copy_(flat)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     # ---- object collectives (set-up and checks) ------------------------------
     def all_gather_object(self, obj: Any) -> list:

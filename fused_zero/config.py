@@ -42,6 +42,12 @@ class ZeroConfig:
         ``offload_params="nvme"`` (checked writable when the optimizer is built).
     offload_chunk_numel: elements per staged chunk of the offloaded states
         (host staging memory is a few chunks per state kind).
+    broadcast_buffers: when the optimizer is given the model, every rank takes rank 0's
+        module buffers (BatchNorm statistics) before each forward, as DDP does with its default
+        ``broadcast_buffers=True`` (DDP skips the forward after one under ``no_sync()`` or without
+        gradients; so does this) and when the optimizer is built; False leaves them per rank
+        throughout, as DDP(broadcast_buffers=False) does.
+        Without the model (``model.parameters()`` at stages 1-2) buffers are never touched.
     nvme_direct: ``offload_optimizer="nvme"``: stream the state files with
         O_DIRECT, bypassing the page cache (every step then reads and writes
         the whole state from the disk); False goes through the page cache,
@@ -62,6 +68,7 @@ class ZeroConfig:
     nvme_path: str | None = None
     offload_chunk_numel: int = 1 << 20
     nvme_direct: bool = False
+    broadcast_buffers: bool = True
 
     @property
     def needs_module(self) -> bool:
@@ -69,6 +76,8 @@ class ZeroConfig:
         return self.stage == 3
 
     def __post_init__(self) -> None:
+        if not isinstance(self.broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
         if not isinstance(self.bucket_numel, int) or self.bucket_numel < 1:

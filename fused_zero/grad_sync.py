@@ -156,6 +156,11 @@ class GradSync:
     def on_grad(self, p: torch.nn.Parameter) -> None:
         """``p``'s gradient was accumulated (the optimizer's hook)."""
         _check_grad(p)
+        keys = self.buckets_of.get(p)
+        if keys is not None:  # the model was converted or moved since the build: the clear refusal, not packing's
+            part = self.partitions[keys[0][0]]
+            if p.dtype != part.dtype or p.device != part.device:
+                part.check_kind(p, p.shape, {})
         if not self.sync:
             self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
         if not self.policy.in_backward:

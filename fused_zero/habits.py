@@ -141,3 +141,44 @@ def framework_without_integration(optimizer) -> str | None:
     if not any(name == "step" and path.endswith("/accelerate/optimizer.py") for path, name in frames):
         return None
     return _PLAIN_TRAINER if _trainer_on_stack(frames) else _PLAIN_ACCELERATOR
+
+
+_LIBRARY = (os.sep + "torch" + os.sep, os.sep + "fused_zero" + os.sep, "site-packages", "dist-packages")
+_CLIP_CALLERS: dict = {}  # code object -> whether it calls torch.nn.utils.clip_grad_norm_
+
+
+def _calls_torch_clip(frame) -> bool:
+    """Whether the code of ``frame`` names torch's clip_grad_norm_ (read from its names, not run)."""
+    code = frame.f_code
+    found = _CLIP_CALLERS.get(code)
+    if found is None:
+        names = code.co_names
+        found = "clip_grad_norm_" in names and (
+            any(n == "utils" or n.endswith(".utils") or n.endswith(".clip_grad") for n in names)
+            or frame.f_globals.get("clip_grad_norm_") is torch.nn.utils.clip_grad_norm_)
+        _CLIP_CALLERS[code] = found
+    return found
+
+
+def torch_clip_in_loop() -> tuple[str, int] | None:
+    """(A message, the warning's stacklevel from step()) if the user code that called step() clips with
+    torch.nn.utils.clip_grad_norm_.
+
+    At stages 2-3 ``.grad`` is None after backward (the averaged gradients live in the shards), so
+    torch's clip finds nothing, returns 0 and clips nothing. The first frame outside torch,
+    fused_zero and installed packages is the training loop (a scheduler's or GradScaler's
+    wrapper sits between); its code is read once, not per step.
+    """
+    frame = sys._getframe(2)
+    for up in range(12):
+        if frame is None:
+            return None
+        if not any(part in frame.f_code.co_filename for part in _LIBRARY):
+            if not _calls_torch_clip(frame):
+                return None
+            return ("torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing at ZeRO stages 2-3: "
+                    "after backward .grad is None (the averaged gradients live in the optimizer's shards), so it "
+                    "returns 0 and the step runs unclipped. Clip with optimizer.clip_grad_norm_(max_norm) (every "
+                    "rank calls it; it returns the global norm) or build with max_grad_norm=", 2 + up)
+        frame = frame.f_back
+    return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from .grad_sync import GradSync
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
-                     stage3_model_wrapped)
+                     stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
@@ -70,13 +70,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
                  max_live_units=_UNSET, reshard_after_forward=_UNSET, offload_optimizer=_UNSET,
-                 offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET, nvme_direct=_UNSET) -> None:
+                 offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET, nvme_direct=_UNSET,
+                 broadcast_buffers=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
                                        max_live_units=max_live_units, reshard_after_forward=reshard_after_forward,
                                        offload_optimizer=offload_optimizer, offload_params=offload_params,
                                        nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
-                                       nvme_direct=nvme_direct,
+                                       nvme_direct=nvme_direct, broadcast_buffers=broadcast_buffers,
                                        ).items() if v is not _UNSET}
         if config is None:
             config = ZeroConfig(**given)
@@ -101,15 +102,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._units = units
         self.config = config
         self.comm = Comm(process_group)
+        self._rendezvous = self.comm.rendezvous()  # None alone; see rendezvous.py
+        self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
         self._stage = make_stage(self.comm, config)
         self.partitions: list[Partition] = []
         self.grad_sync: GradSync | None = None
         self._hooks: HookSet | None = None
         self._in_backward = False
         self._closed = False
+        if self._rendezvous is not None:
+            self._rendezvous.serve("state_dict()", self._serve_state_dict)
         self._habits_checked = False
         self._framework_checked = False
         self._clip: PendingClip | None = None  # clip_grad_norm_ called since the last step
+        self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
@@ -171,6 +177,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p.requires_grad:
                 self._hooks.grad(p, "_on_grad")
+        self._buffers = [] if self.module is None or self.comm.world_size == 1 else list(self.module.buffers())
+        self._buffers_due = True
+        if self._buffers and self.config.broadcast_buffers:
+            # collectives inside: kept out of torch.compile's graph, as stage 3's gathers are
+            hook = torch.compiler.disable(self._hooks.relay("_before_forward"))
+            self._hooks.add(self.module.register_forward_pre_hook(lambda module, args: hook(), prepend=True))
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""
@@ -180,9 +192,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return repr({**self.config.__dict__, "nvme_path": None}), tuple(hyper)
 
     def _sync_module_buffers(self) -> None:
-        """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics)."""
-        if self.module is not None:
-            self.comm.broadcast_tensors(list(self.module.buffers()))
+        """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics), unless
+        broadcast_buffers=False (then DDP never touches them)."""
+        if self.module is not None and self.config.broadcast_buffers:
+            self.comm.broadcast_coalesced(list(self.module.buffers()))
+
+    def _before_forward(self) -> None:
+        """DDP's broadcast_buffers=True, as DDP decides it: rank 0's buffers before a forward that follows
+        a forward whose gradients were to be reduced (with gradients enabled, outside no_sync()), and
+        before the first."""
+        if self._closed:
+            return
+        if self._buffers_due:
+            self.comm.broadcast_coalesced(self._buffers)
+        self._buffers_due = torch.is_grad_enabled() and self.grad_sync.sync
 
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this (open) optimizer holds ``p`` in its flat buffers."""
@@ -197,15 +220,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._closed:
             return
-        if self.grad_sync is not None:
-            self.grad_sync.wait()
-        if self._hooks is not None:
-            self._hooks.remove()
-        self._stage.close()
-        for part in self.partitions:
-            part.close()
-        self._closed = True
-        release(self, list(getattr(self, "_params", ())))
+        with self.collective_call("close()") if self.config.needs_module else nullcontext():
+            if self.grad_sync is not None:
+                self.grad_sync.wait()
+            if self._hooks is not None:
+                self._hooks.remove()
+            self._stage.close()
+            for part in self.partitions:
+                part.close()
+            self._closed = True
+            release(self, list(getattr(self, "_params", ())))
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+
+    def collective_call(self, name: str):
+        """A context in which every rank makes call ``name`` (see rendezvous.py); nothing alone."""
+        return nullcontext() if self._rendezvous is None else self._rendezvous.collective(name)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -262,7 +292,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         hold full parameters; there it only applies ``writeback``.
         """
         self._check_open()
-        with self._stage.full_parameters():
+        lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here
+        with nullcontext() if lone_ok else self.collective_call("full_parameters()"), self._stage.full_parameters():
             yield
             if writeback:  # stage 3: before the gathered copies are released
                 for part in self.partitions:
@@ -333,6 +364,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           "but at stage 1 .grad holds each rank's local gradient (averaged at step): a norm "
                           "clipped from it (torch.nn.utils.clip_grad_norm_) is this rank's, not the global one. "
                           "Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=", stacklevel=2)
+        if self._clip is None and not self._clip_warned and self._stage.grad_policy.free_grads \
+                and self.config.max_grad_norm is None:
+            found = torch_clip_in_loop()
+            if found is not None:
+                self._clip_warned = True
+                warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
         stats = self._stats(with_norm=need_norm or amp, site="step")
@@ -427,11 +464,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
-        sd = gather_state_dict(self)
+        with self.collective_call("state_dict()"):
+            sd = gather_state_dict(self, self._control_comm())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             sd = sd if result is None else result
         return sd
+
+    def _control_comm(self) -> Comm:
+        """The process group state_dict() gathers on: its own, so a peer can serve it while it waits in a step."""
+        if self._control is None:
+            self._control = self.comm.duplicate()
+        return self._control
+
+    def _serve_state_dict(self) -> None:
+        """A peer called state_dict() alone while this rank waits in a collective: take part in its gather.
+
+        Runs inside that wait (rendezvous.py): this rank's states are the last step's, which every
+        rank finished; the reductions it waits for touch none of them.
+        """
+        from .checkpoint.optim_state import gather_state_dict
+
+        with self.collective_call("state_dict()"):
+            gather_state_dict(self, self._control_comm(), keep=False)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -447,7 +502,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        load_state_dict(self, state_dict)
+        with self.collective_call("load_state_dict()"):
+            load_state_dict(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -456,9 +512,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's shards: one entry per partition, in partition order."""
         return tuple(part.index() for part in self.partitions)
 
-    def read_shard(self, partition: int, kind: str, start: int, end: int) -> torch.Tensor:
-        """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard."""
-        self.grad_sync.wait()
+    def read_shard(self, partition: int, kind: str, start: int, end: int, settle: bool = True) -> torch.Tensor:
+        """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard.
+
+        ``settle=False`` reads without waiting for the reductions in flight (which write gradients only).
+        """
+        if settle:
+            self.grad_sync.wait()
         return self.partitions[partition].store.read(kind, start, end)
 
     @torch.no_grad()

@@ -72,6 +72,7 @@ class Partition:
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self._versions: list[int] = []
         self._ptrs: list[int] = []
+        self._released_versions: list[int] | None = None  # stage 3: version counters at release
         # Narrow params are written back by the fused kernel into a narrow param shard, then
         # all-gathered; fp32 params whose master is on their device are gathered from the master.
         # With offloaded states and a resident flat buffer (stages 1-2) the shard is this rank's own
@@ -112,6 +113,7 @@ class Partition:
         """Free the flat buffer's memory; the parameters point at ``placeholder(p)``."""
         for p in self.params:
             p.data = placeholder(p)
+        self._released_versions = [p._version for p in self.params]
         self.flat.untyped_storage().resize_(0)
 
     def materialize(self) -> None:
@@ -161,27 +163,48 @@ class Partition:
         anything was taken in.
         """
         changed, values = [], {}
+        versions = self._released_versions
         for i, p in enumerate(self.params):
-            if p.numel() == 0:
+            if p.numel() == 0:  # the placeholder, or a zero-element parameter
+                self.check_kind(p, self.shapes[i], names)
+                if versions is not None and p._version != versions[i] and self.shapes[i].numel() > 0:
+                    versions[i] = p._version  # refused once; the write itself is lost either way
+                    raise RuntimeError(
+                        f"parameter {names.get(p, tuple(self.shapes[i]))} was written in place between steps "
+                        "(nn.init.*_, p.fill_(), p.copy_(), p.mul_(), ...) while ZeRO stage 3 held only its shard: "
+                        "the write went to an empty placeholder and changed nothing. Make such changes inside "
+                        "`with optimizer.full_parameters(writeback=True):` (every rank enters it), or assign a "
+                        "full tensor (p.data = t)")
                 continue
             if i not in skip:
                 self._check_compatible(p, self.shapes[i], names)
                 changed.append(i)
                 values[i] = p.detach().reshape(-1)
             p.data = placeholder(p)
+        self._released_versions = [p._version for p in self.params]
         if changed:
             self._reload_master(changed, values.__getitem__)
         return bool(changed)
 
     def _check_compatible(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
-        for what, now, then, call in (("shape", tuple(p.shape), tuple(shape), "a resize or p.data = t"),
-                                      ("dtype", p.dtype, self.dtype, "model.to(dtype), .half() or .bfloat16()"),
-                                      ("device", p.device, self.device, "model.to(device)")):
-            if now != then:
-                raise RuntimeError(
-                    f"parameter {names.get(p, tuple(shape))} changed {what} from {then} to {now} after the "
-                    f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
-                    f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
+        if tuple(p.shape) != tuple(shape):
+            self._refuse(p, shape, names, "shape", tuple(shape), tuple(p.shape), "a resize or p.data = t")
+        self.check_kind(p, shape, names)
+
+    def check_kind(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
+        """``p`` still has the dtype and device the optimizer was built with (else the clear refusal)."""
+        if p.dtype != self.dtype:
+            self._refuse(p, shape, names, "dtype", self.dtype, p.dtype,
+                         "model.to(dtype), .double(), .half() or .bfloat16()")
+        if p.device != self.device:
+            self._refuse(p, shape, names, "device", self.device, p.device, "model.to(device), .cuda() or .cpu()")
+
+    @staticmethod
+    def _refuse(p, shape, names, what, then, now, call) -> None:
+        raise RuntimeError(
+            f"parameter {names.get(p, tuple(shape))} changed {what} from {then} to {now} after the "
+            f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
+            f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
 
     def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
         """The master (and narrow param shard) of the parameters ``indices`` <- their given values."""

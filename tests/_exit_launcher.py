@@ -5,7 +5,10 @@
 Each entry of the list is one launch: ``stage``, ``destroy`` (the script ends with
 ``dist.destroy_process_group()``), ``offload`` (None, "cpu" or "nvme"), ``state_dict``
 (the script ends with the collective ``optimizer.state_dict()``), ``framework_gather`` (it ends
-with torch.distributed's own all-gather, as Accelerate's loss logging does) and ``switch``. Prints one
+with torch.distributed's own all-gather, as Accelerate's loss logging does), ``lone`` (rank 0
+alone makes a collective call: "state_dict" mid-training, the DDP save habit; "checkpoint.save"
+after training, while rank 1 goes on to another step; "state_dict_at_end", while rank 1 ends)
+and ``switch``. Prints one
 JSON list: per launch, the exit status of each rank (negative: killed by that signal) and
 the output of a launch that did not exit 0. Used by tests/test_clean_exit.py.
 
@@ -25,12 +28,14 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fused_zero  # noqa: E402
+from fused_zero import checkpoint  # noqa: E402
 from _models import TinyNet, batch, flags, loss_fn, param_groups  # noqa: E402
 
 
@@ -43,11 +48,23 @@ def train(rank: int, world_size: int, store: str, case: dict) -> None:
     if case.get("offload"):
         options.update(offload_optimizer=case["offload"], nvme_path=case["nvme_path"])
     opt = fused_zero.ShardedOptimizer(param_groups(model), module=model, **options)
+    lone = case.get("lone")
     for step in range(20):
         x, y = batch(step, rank)
         loss_fn(model(x, **flags(step, rank)), y).backward()
         opt.step()
         opt.zero_grad()
+        if lone == "state_dict" and step == 10 and rank == 0:  # DDP's save habit
+            torch.save(opt.state_dict(), os.path.join(os.path.dirname(store), f"sd_{os.path.basename(store)}.pt"))
+    if lone in ("checkpoint.save", "state_dict_at_end") and rank == 0:
+        if lone == "checkpoint.save":
+            checkpoint.save(os.path.join(os.path.dirname(store), "ckpt"), model, opt)
+        else:
+            opt.state_dict()
+    if lone == "checkpoint.save" and rank == 1:
+        x, y = batch(20, rank)
+        loss_fn(model(x, **flags(20, rank)), y).backward()
+        opt.step()
     if case.get("state_dict"):  # a collective that ends the script: the checkpoint habit
         opt.state_dict()
     if case.get("framework_gather"):  # a framework's own collective ends the script (Accelerate's gather)
@@ -81,13 +98,14 @@ def launch(case: dict, workdir: str, index: int) -> tuple[list[int], str]:
                 os._exit(3)  # a failed training is not an exit fault; say so distinctly
             sys.exit(0)  # unwinds to the top of this script: the interpreter finalizes as a script's does
         pids.append(pid)
-    codes = []
+    codes, start, seconds = [], time.monotonic(), []
     for pid in pids:
         _, status = os.waitpid(pid, 0)
         codes.append(os.waitstatus_to_exitcode(status))
-    output = "" if codes == [0, 0] else "\n".join(
+        seconds.append(time.monotonic() - start)
+    output = "" if codes == [0, 0] and not case.get("lone") else "\n".join(
         f"--- rank {r} ---\n" + open(log, errors="replace").read()[-3000:] for r, log in enumerate(logs))
-    return codes, output
+    return codes, output, seconds
 
 
 def warm_up() -> None:
@@ -112,8 +130,8 @@ def main() -> None:
     nvme = os.path.join(workdir, "nvme")
     os.makedirs(nvme)
     for i, case in enumerate(cases):
-        codes, output = launch({**case, "nvme_path": nvme}, workdir, i)
-        results.append({"case": case, "codes": codes, "output": output})
+        codes, output, seconds = launch({**case, "nvme_path": nvme}, workdir, i)
+        results.append({"case": case, "codes": codes, "output": output, "seconds": seconds})
     shutil.rmtree(workdir, ignore_errors=True)
     print(json.dumps(results))
 

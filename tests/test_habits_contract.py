@@ -119,3 +119,111 @@ def test_stage1_grad_of_the_wrong_shape_is_refused_as_torch_refuses_it():
     ref.weight.grad.data = torch.ones(3, 2)
     with pytest.raises(RuntimeError):
         torch.optim.AdamW(ref.parameters()).step()
+
+
+# --- dtype or device changed after building ------------------------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_a_dtype_change_after_building_is_refused_naming_the_call(stage, dtype):
+    """model.to(dtype) between steps: the clear refusal at the next backward or step, whatever the stage
+    (float64 used to fail deep in packing, naming neither the parameter nor the call)."""
+    model = TinyNet()
+    opt = _build(model, stage)
+    _step(model, opt, 0)
+    model.to(dtype)
+    with pytest.raises(RuntimeError, match=r"changed dtype from torch\.float32 to .*model\.to\(dtype\)"):
+        opt.zero_grad()
+        x, y = batch(1, 0)
+        loss_fn(model(x.to(dtype), **flags(1, 0)), y).backward()
+        opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: CUDA")
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_device_change_after_building_is_refused_naming_the_call(stage):
+    model = TinyNet()
+    opt = _build(model, stage)
+    _step(model, opt, 0)
+    model.cuda()
+    with pytest.raises(RuntimeError, match=r"changed device from cpu to cuda.*model\.to\(device\)"):
+        opt.zero_grad()
+        x, y = batch(1, 0)
+        loss_fn(model(x.cuda(), **flags(1, 0)), y.cuda()).backward()
+        opt.step()
+
+
+# --- stage 3: writes to the placeholders between steps --------------------------------------
+
+@pytest.mark.parametrize("write", ["zeros_", "fill_", "mul_"])
+def test_stage3_in_place_write_between_steps_is_refused_naming_writeback(write):
+    model = TinyNet()
+    opt = _build(model, 3)
+    _step(model, opt, 0)
+    p = model.proj.weight
+    with torch.no_grad():
+        {"zeros_": lambda: nn.init.zeros_(p), "fill_": lambda: p.fill_(1.0), "mul_": lambda: p.mul_(2.0)}[write]()
+    with pytest.raises(RuntimeError, match=r"proj\.weight was written in place between steps.*"
+                                           r"full_parameters\(writeback=True\)"):
+        _step(model, opt, 1)
+    _step(model, opt, 1)  # refused once; the optimizer goes on
+
+
+def test_stage3_write_inside_full_parameters_writeback_lands_as_torch():
+    """What the refusal names: the same write inside full_parameters(writeback=True) trains as torch does."""
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = _build(model, 3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    _step(model, opt, 0)
+    _step(ref, ref_opt, 0)
+    with opt.full_parameters(writeback=True), torch.no_grad():
+        nn.init.zeros_(model.proj.weight)
+    with torch.no_grad():
+        nn.init.zeros_(ref.proj.weight)
+    for t in (1, 2):
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    assert _max_error(model, opt, ref) < TOL
+
+
+# --- torch's clip_grad_norm_ at stages 2-3 ------------------------------------------------------
+
+def _torch_clip_loop(model, opt, steps):
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+def _own_clip_loop(model, opt, steps):
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
+    model = TinyNet()
+    opt = _build(model, stage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _torch_clip_loop(model, opt, 3)
+    clip = [w for w in caught if "clips nothing" in str(w.message)]
+    assert len(clip) == 1 and "optimizer.clip_grad_norm_(max_norm)" in str(clip[0].message)
+    assert clip[0].filename == __file__  # points at the loop
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_optimizer_clip_does_not_warn(stage):
+    model = TinyNet()
+    opt = _build(model, stage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _own_clip_loop(model, opt, 2)
+    assert not [w for w in caught if "clips nothing" in str(w.message)]

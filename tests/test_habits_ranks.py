@@ -9,6 +9,7 @@ gives DDP's result or raises the same clear error on every rank, before anything
 - module buffers taken from rank 0 when the optimizer is given the module, as DDP does;
 - a second stage-3 optimizer over the same model, and the gather group's timeout.
 """
+import copy
 import datetime
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
-from _models import HYPER, BNNet, PlainNet, TinyNet, batch, ddp_reference, flags, loss_fn, rel
+from _models import HYPER, BNNet, PlainNet, TinyNet, batch, ddp_reference, flags, loss_fn, micro_steps, rel
 
 TIMEOUT = 180
 
@@ -167,6 +168,43 @@ def test_module_buffers_come_from_rank0():
     for name in r0:
         assert torch.equal(r0[name], r1[name]), name
     assert any(float(b.float().mean()) != 0 for b in r0.values())
+
+
+def _buffers_against_ddp(rank, world_size, stage, broadcast, accumulate):
+    """BatchNorm running statistics and parameters after training on per-rank data, against DDP with
+    the same broadcast_buffers (with accumulation: DDP's no_sync() and the optimizer's)."""
+    from fused_zero import ShardedOptimizer
+
+    model = BNNet()
+    with torch.no_grad():  # buffers that differ per rank from the start (both take rank 0's when built)
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(float(rank + 1))
+    ref = DDP(copy.deepcopy(model), broadcast_buffers=broadcast)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, broadcast_buffers=broadcast, bucket_numel=500)
+    k = 2 if accumulate else 1
+    for step in range(3):
+        micro_steps(model, opt, step, rank, k=k, sync_ctx=opt.no_sync)
+        opt.step()
+        micro_steps(ref, ref_opt, step, rank, k=k, sync_ctx=ref.no_sync)
+        ref_opt.step()
+    with opt.full_parameters():
+        params = max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.module.parameters()))
+    buffers = {n: (b.clone(), r.clone()) for (n, b), (_, r) in zip(model.named_buffers(), ref.module.named_buffers())}
+    return params, buffers
+
+
+@pytest.mark.parametrize("stage,broadcast,accumulate", [(1, True, False), (2, True, True), (3, True, False),
+                                                        (2, False, False), (3, False, True)])
+def test_module_buffers_follow_ddp(stage, broadcast, accumulate):
+    """DDP's default broadcasts rank 0's buffers before every forward (not inside no_sync); with
+    broadcast_buffers=False only when built. Either way each rank's buffers equal DDP's on that rank."""
+    got = run_ranks(_buffers_against_ddp, 2, stage, broadcast, accumulate, timeout=TIMEOUT)
+    for params, buffers in got:
+        assert params < 1e-5
+        for name, (mine, ddp) in buffers.items():
+            assert torch.allclose(mine.double(), ddp.double(), rtol=1e-6, atol=1e-7), name
 
 
 def _takeover(rank, world_size):

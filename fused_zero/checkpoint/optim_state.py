@@ -33,9 +33,13 @@ def _device(opt) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_state_dict(opt) -> dict:
-    """The full optimizer state as ``torch.optim.AdamW(same groups).state_dict()`` has it."""
-    comm, index = opt.comm, opt.shard_index()
+def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
+    """The full optimizer state as ``torch.optim.AdamW(same groups).state_dict()`` has it, gathered on ``comm``.
+
+    ``keep=False`` takes part in the collectives only (a rank serving a peer's lone call, from
+    inside a wait for reductions in flight): nothing is kept, and nothing waits for those reductions.
+    """
+    index = opt.shard_index()
     params = [p for g in opt.param_groups for p in g["params"]]
     number = {id(p): i for i, p in enumerate(params)}
     shapes = shapes_of(index)
@@ -51,13 +55,17 @@ def gather_state_dict(opt) -> dict:
             targets = {}
             for j, p in enumerate(part.params):
                 if "step" in opt.state.get(p, {}) and (kind != "master" or _saves_master(p)):
-                    targets[j] = full.setdefault(number[id(p)], {})[kind] = torch.zeros(numel_of(shapes[id(p)]))
+                    targets[j] = torch.zeros(numel_of(shapes[id(p)])) if keep else None
+                    if keep:
+                        full.setdefault(number[id(p)], {})[kind] = targets[j]
             if not targets:
                 continue
             for s in range(0, n, GATHER_NUMEL):
                 e = min(n, s + GATHER_NUMEL)
                 out = torch.empty(comm.world_size * (e - s), device=device)
-                comm.all_gather(out, opt.read_shard(k, kind, s, e).to(device))
+                comm.all_gather(out, opt.read_shard(k, kind, s, e, settle=keep).to(device))
+                if not keep:
+                    continue
                 out = out.cpu()
                 for r, rank_pieces in enumerate(pieces):
                     for j, p_off, sh_off, cnt in _meeting(rank_pieces, s, e):
@@ -65,6 +73,8 @@ def gather_state_dict(opt) -> dict:
                             a, b = max(s, sh_off), min(e, sh_off + cnt)
                             src = out[r * (e - s) + a - s:r * (e - s) + b - s]
                             targets[j][p_off + a - sh_off:p_off + b - sh_off] = src
+    if not keep:
+        return None
     state = {}
     for p in params:
         i = number[id(p)]

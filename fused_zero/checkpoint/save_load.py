@@ -50,6 +50,12 @@ def save(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
     ``tag`` defaults to ``step<N>``, N the largest step count. ``extra`` may hold tensors, numbers,
     strings, lists, tuples and dicts; load returns it. Returns the tag.
     """
+    comm_of(optimizer)
+    with optimizer.collective_call("checkpoint.save()"):
+        return _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel)
+
+
+def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> str:
     directory, comm = os.fspath(directory), comm_of(optimizer)
 
     def prepare():
@@ -141,6 +147,12 @@ def load(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
     ``tag`` defaults to the one ``directory/latest`` names (``directory`` may also be a tag's
     folder). The scheduler's state is restored when one is passed.
     """
+    comm_of(optimizer)
+    with optimizer.collective_call("checkpoint.load()"):
+        return _load(directory, model, optimizer, scheduler, tag)
+
+
+def _load(directory, model, optimizer, scheduler, tag) -> Any:
     comm = comm_of(optimizer)
 
     def prepare():

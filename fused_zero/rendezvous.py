@@ -1,0 +1,268 @@
+"""Calls every rank must make, announced through the process group's store.
+
+``state_dict()``, ``load_state_dict()``, ``full_parameters()``, ``close()`` at stage 3 and the
+checkpoint calls are collective. A rank that makes one alone (``if rank == 0:
+torch.save(opt.state_dict(), path)``, DDP's habit) would wait in its collective while the others
+wait in their next step's, until the process group's timeout (30 minutes by default) says
+"Timed out waiting ... for recv", naming nothing. So each such call first meets the other ranks
+through the c10d store the process group already has (a few store operations, no collective):
+
+- every rank publishes how many of these calls it has entered, the name of each, and whether it
+  is blocked in one of fused_zero's collective waits (``collectives`` waits on gloo in one-second
+  slices and tells this module when a slice times out) or gone (closed, or the process exited);
+- a rank entering call number c waits until every rank has entered call c with the same name.
+  A peer that is blocked in the next step's collectives is where DDP's habit leaves it. For
+  ``state_dict()`` the blocked peer *serves* the call: from inside its blocked wait it runs its
+  side of the gather (on a process group of its own, so nothing queued on the training group
+  is disturbed; its states are those of the last step, which every rank finished), so the
+  habit works. For the other calls there is nothing sensible to serve (a load, a checkpoint
+  file, parameters gathered for a body the peer does not run): the caller raises at once,
+  naming the call and what to write instead, and takes its announcement back, so that once
+  every rank makes the call it works, and a caller that carries on meets the peer's pending
+  collective as if nothing had happened. If the caller's exception ends its process instead,
+  the blocked peer's collective fails with "Connection closed by peer"; that peer then reads
+  the caller's reason from the store and raises it too.
+- A peer that neither arrives nor blocks (it is still computing, evaluating, or waiting in a
+  collective fused_zero did not issue) is waited for as a collective would be, up to the
+  process group's timeout, with a warning after ``WARN_S`` seconds that names the call.
+
+NCCL waits do not block the host, so there a blocked peer is not seen: the call waits, warns
+and times out as above.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+
+#: Seconds a collective call waits for the other ranks before it warns that they have not called it.
+WARN_S = float(os.environ.get("FUSED_ZERO_COLLECTIVE_WARN_S", "30"))
+
+BUSY, BLOCKED, GONE = 0, 1, 2
+_POLL_S = (0.0005, 0.05)  # first and longest pause between two looks at the store
+
+_LIVE: "weakref.WeakSet[Rendezvous]" = weakref.WeakSet()
+
+_WHAT_INSTEAD = {
+    "state_dict()": "call it on every rank and save on one: `sd = optimizer.state_dict()` then "
+                    "`if rank == 0: torch.save(sd, path)`, or save a sharded checkpoint with "
+                    "fused_zero.checkpoint.save(dir, model, optimizer) on every rank",
+    "load_state_dict()": "call optimizer.load_state_dict(sd) on every rank (each may load rank 0's dict: "
+                         "`sd = torch.load(path)` on every rank)",
+    "full_parameters()": "enter `with optimizer.full_parameters():` on every rank and save on one inside it: "
+                         "`if rank == 0: torch.save(model.state_dict(), path)`",
+    "checkpoint.save()": "call fused_zero.checkpoint.save(dir, model, optimizer) on every rank; each writes its shard",
+    "checkpoint.load()": "call fused_zero.checkpoint.load(dir, model, optimizer) on every rank",
+    "close()": "call optimizer.close() on every rank",
+}
+
+
+def _message(name: str, why: str) -> str:
+    fix = _WHAT_INSTEAD.get(name, "call it on every rank")
+    return f"{name} is collective: every rank of the optimizer's process group must call it, but {why}; {fix}"
+
+
+class _Withdrawn(Exception):
+    """A call this rank served from a blocked wait was given up by its caller."""
+
+
+class Rendezvous:
+    """The meeting point of one optimizer's collective calls (one per optimizer over several ranks).
+
+    ``store`` is the process group's c10d store, ``rank`` and ``world_size`` the group's,
+    ``timeout_s`` the group's timeout (None: 30 minutes), ``control`` a callable that returns the
+    communicator the served calls run on (made on first use, by every rank at the same call).
+    """
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float | None, ranks_key: str):
+        prefix = f"fused_zero/{ranks_key}"
+        number = store.add(f"{prefix}/built/{rank}", 1)  # the same on every rank: optimizers build in order
+        self._prefix = f"{prefix}/{number}"
+        self._store, self.rank, self.world_size = store, rank, world_size
+        self._timeout_s = 1800.0 if timeout_s is None else timeout_s
+        self._count = 0           # calls this rank entered (and did not take back)
+        self._depth = 0           # > 0 inside one (nested calls are part of the outer one)
+        self._published = BUSY
+        self._serving = False
+        self._servers: dict[str, Callable[[], Callable[[], None] | None]] = {}
+        self._store.add(self._key(f"state/{rank}"), 0)
+        _LIVE.add(self)
+
+    # Keys, all under this optimizer's prefix (every rank reads O(1) of them per look while a call
+    # goes as it should; the per-rank ones only when it does not):
+    #   calls/<c>          ranks that entered call number c
+    #   calls/<c>/<name>   of those, ranks that entered it as <name>
+    #   name/<c>/<r>       rank r's name for call c
+    #   state/<r>          BUSY, BLOCKED or GONE
+    #   failed/<r>         the call rank r gave up on, and why
+    def _key(self, what: str) -> str:
+        return f"{self._prefix}/{what}"
+
+    def _peers(self):
+        return (q for q in range(self.world_size) if q != self.rank)
+
+    def _read(self, what: str) -> int:
+        return self._store.add(self._key(what), 0)
+
+    def _publish(self, state: int) -> None:
+        if state != self._published:
+            self._store.add(self._key(f"state/{self.rank}"), state - self._published)
+            self._published = state
+
+    def serve(self, name: str, server: Callable[[], None]) -> None:
+        """While blocked, run ``server`` (held weakly) when a peer makes call ``name`` alone."""
+        self._servers[name] = weakref.WeakMethod(server) if hasattr(server, "__self__") else (lambda: server)
+
+    # ---- the calls -----------------------------------------------------------------------
+    @contextmanager
+    def collective(self, name: str):
+        """Meet every rank at call ``name`` before running the body (nested calls meet once).
+
+        Inside a blocked wait (serving a peer's lone call), a meeting that fails raises
+        ``_Withdrawn``, which the wait swallows: the peer's call is over, this rank's wait goes on.
+        """
+        if self._depth == 0:
+            try:
+                self._meet(name)
+            except RuntimeError as e:
+                if self._serving:
+                    raise _Withdrawn() from e
+                raise
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def _meet(self, name: str) -> None:
+        c = self._count = self._count + 1
+        st = self._store
+        st.set(self._key(f"name/{c}/{self.rank}"), name)
+        st.add(self._key(f"calls/{c}/{name}"), 1)
+        st.add(self._key(f"calls/{c}"), 1)
+        start, pause, warned, looked = time.monotonic(), _POLL_S[0], False, 0.0
+        while True:
+            everyone = self._read(f"calls/{c}") == self.world_size  # read first: a rank adds to it last
+            if self._read(f"calls/{c}/{name}") == self.world_size:
+                return
+            if everyone:  # all there, not all as ``name``
+                self._fail(name, self._other_names(c, name))
+            waited = time.monotonic() - start
+            if waited - looked > 0.2:  # slow: see who is missing, and where
+                looked = waited
+                behind = [q for q in self._peers() if not st.check([self._key(f"name/{c}/{q}")])]
+                states = {q: self._read(f"state/{q}") for q in behind}
+                gone = [q for q in behind if states[q] == GONE]
+                if gone:
+                    self._fail(name, f"rank(s) {gone} closed this optimizer or exited without calling it")
+                blocked = [q for q in behind if states[q] == BLOCKED]
+                if blocked and name not in self._servers:
+                    self._fail(name, f"rank(s) {blocked} did not call it and are waiting in their next "
+                                     "collective (the next step's)")
+                if waited > self._timeout_s:
+                    self._fail(name, f"rank(s) {behind} did not call it within the process group's timeout "
+                                     f"({self._timeout_s:.0f} s)")
+                if waited > WARN_S and not warned:
+                    warned = True
+                    warnings.warn(f"rank {self.rank} has waited {waited:.0f} s in {name} for rank(s) {behind}: "
+                                  + _message(name, "they have not called it yet"), RuntimeWarning, stacklevel=4)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
+
+    def _other_names(self, c: int, name: str) -> str:
+        for q in self._peers():
+            other = self._store.get(self._key(f"name/{c}/{q}")).decode()
+            if other != name:
+                return f"rank {q} called {other} at the same point"
+        return "another rank called something else at the same point"
+
+    def _fail(self, name: str, why: str) -> None:
+        """Take this rank's announcement back, leave the reason for the others, raise."""
+        c, st = self._count, self._store
+        st.set(self._key(f"failed/{self.rank}"), f"{name}\n{why}")
+        st.add(self._key(f"calls/{c}"), -1)
+        st.add(self._key(f"calls/{c}/{name}"), -1)
+        st.delete_key(self._key(f"name/{c}/{self.rank}"))
+        self._count -= 1
+        raise RuntimeError(_message(name, why))
+
+    # ---- told by collectives' waits ------------------------------------------------------------
+    def while_blocked(self) -> None:
+        """A wait of this process has blocked for a slice: say so, and serve a peer's lone call."""
+        self._publish(BLOCKED)
+        c = self._count + 1
+        if self._depth or self._read(f"calls/{c}") == 0:
+            return
+        for name, server in self._servers.items():
+            run = server()
+            if run is None or self._read(f"calls/{c}/{name}") == 0:
+                continue
+            self._serving = True
+            try:
+                run()
+            except _Withdrawn:  # the caller gave up meanwhile (its call met another): keep waiting
+                pass
+            finally:
+                self._serving = False
+            return
+
+    def unblocked(self) -> None:
+        self._publish(BUSY)
+
+    def peer_failure(self) -> str | None:
+        """What a peer that gave up on a collective call left in the store, if anything."""
+        for q in self._peers():
+            key = self._key(f"failed/{q}")
+            if self._store.check([key]):
+                name, why = self._store.get(key).decode().split("\n", 1)
+                return f"rank {q} stopped in {name}: " + _message(name, why)
+        return None
+
+    def close(self) -> None:
+        """This optimizer will make no more calls: a peer's lone call fails at once."""
+        try:
+            self._publish(GONE)
+        except Exception:  # noqa: BLE001 - the store may be gone with the process group
+            pass
+        _LIVE.discard(self)
+
+    def __del__(self) -> None:  # the optimizer was collected (a script's end, a rebuilt optimizer)
+        self.close()
+
+
+def watching() -> bool:
+    """Whether any optimizer over several ranks is open in this process."""
+    return bool(_LIVE)
+
+
+def while_blocked() -> None:
+    for rv in list(_LIVE):
+        rv.while_blocked()
+
+
+def unblocked() -> None:
+    for rv in list(_LIVE):
+        try:
+            rv.unblocked()
+        except Exception:  # noqa: BLE001 - never turn a finished wait into an error
+            pass
+
+
+def peer_failure() -> str | None:
+    for rv in list(_LIVE):
+        try:
+            found = rv.peer_failure()
+        except Exception:  # noqa: BLE001 - the store went with the failed peer
+            found = None
+        if found is not None:
+            return found
+    return None
+
+
+def at_exit() -> None:
+    """The process is exiting: every live optimizer is gone for its peers."""
+    for rv in list(_LIVE):
+        rv.close()
