@@ -34,6 +34,7 @@ from .habits import (ddp_wrapping, framework_without_integration, lightning_with
 from .ownership import claim, release
 from .partition import Partition, PartitionIndex
 from .stages import make_stage
+from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
 from .update import update_all
 
@@ -131,8 +132,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             if len(set(map(id, group["params"]))) != len(group["params"]):
-                raise ValueError("a param group holds the same parameter twice; list each parameter once "
-                                 "(torch.optim would step it twice)")
+                raise ValueError("a param group holds the same parameter twice: list each parameter once. "
+                                 "(torch.optim warns and keeps both entries, which its state_dict() numbers "
+                                 "twice, pytorch issue 36831; a flat buffer holds each parameter once)")
             check_group(group)
             for p in group["params"]:
                 self._check_param(p)
@@ -172,6 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                        Relay(self, "_first_forward"))
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
+        attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
         self._hooks = HookSet(self)
         for p in self._params:
@@ -537,5 +540,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     part.store.write(kind, 0, t)
         for part in self.partitions:
             part.param_shard_from_master()
+        attach_all(self.state, self.partitions)
         self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
         self.comm.reset_traffic()

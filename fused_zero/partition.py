@@ -73,6 +73,7 @@ class Partition:
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
+        self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
         # Narrow params are written back by the fused kernel into a narrow param shard, then
         # all-gathered; fp32 params whose master is on their device are gathered from the master.
         # With offloaded states and a resident flat buffer (stages 1-2) the shard is this rank's own
@@ -108,6 +109,14 @@ class Partition:
         """The parameters view the (materialized) flat buffer again."""
         for p, view in self.views():
             p.data = view
+
+    def pieces_of(self, index: int) -> list:
+        """This rank's pieces of parameter ``index``, in parameter order (shard order too)."""
+        if self._pieces_of is None:
+            self._pieces_of = {}
+            for pc in self.pieces:
+                self._pieces_of.setdefault(pc.param_index, []).append(pc)
+        return sorted(self._pieces_of.get(index, []), key=lambda pc: pc.param_offset)
 
     def release(self, placeholder: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Free the flat buffer's memory; the parameters point at ``placeholder(p)``."""

@@ -17,6 +17,7 @@ import torch
 from . import ops
 from .hyper import as_float
 from .partition import Partition
+from .state_views import attach
 from .store import AMSGRAD_KIND
 
 
@@ -42,11 +43,12 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
 def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bool, ...], grad_scale,
                       adam_w_mode: bool, advanced: list) -> None:
     steps = {}
-    for p, flag in zip(part.params, flags):
+    for i, (p, flag) in enumerate(zip(part.params, flags)):
         if flag:
             s = state[p]
             if "step" not in s:
                 s["step"] = torch.tensor(0.0)
+                attach(state, part, i)  # exp_avg, exp_avg_sq: views of the flat state (state_views.py)
             s["step"] += 1
             advanced.append(p)
             steps[p] = int(s["step"])

@@ -37,10 +37,10 @@ class _WithMax(ShardedOptimizer):
         return tuple(part._replace(kinds=part.kinds + (EXTRA,)) if k in self.extra else part
                      for k, part in enumerate(super().shard_index()))
 
-    def read_shard(self, partition, kind, start, end):
+    def read_shard(self, partition, kind, start, end, settle=True):
         if kind == EXTRA:
             return self.extra[partition][start:end].clone()
-        return super().read_shard(partition, kind, start, end)
+        return super().read_shard(partition, kind, start, end, settle)
 
     def load_shards(self, staged):
         rest = []

@@ -227,3 +227,81 @@ def test_the_optimizer_clip_does_not_warn(stage):
         warnings.simplefilter("always")
         _own_clip_loop(model, opt, 2)
     assert not [w for w in caught if "clips nothing" in str(w.message)]
+
+
+# --- optimizer.state[p]: the moments, as torch's AdamW has them ------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_holds_the_moments_as_torch_adamw(stage, amsgrad):
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = _build(model, stage, amsgrad=amsgrad)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, amsgrad=amsgrad, fused=True)
+    for t in range(2):
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    names = dict(model.named_parameters())
+    kinds = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    views = {}
+    for name, q in ref.named_parameters():
+        mine, theirs = opt.state[names[name]], ref_opt.state[q]
+        assert sorted(mine) == sorted(theirs), name  # the same keys (frozen and unused ones: none)
+        for kind in kinds if theirs else ():
+            assert mine[kind].shape == q.shape and mine[kind].dtype == torch.float32
+            assert rel(mine[kind], theirs[kind]) < TOL, (name, kind)
+        if theirs:
+            views[name] = mine["exp_avg"]
+    _step(model, opt, 2)  # views, not copies: they follow the update
+    _step(ref, ref_opt, 2)
+    for name, q in ref.named_parameters():
+        if name in views:
+            assert views[name] is opt.state[names[name]]["exp_avg"]
+            assert rel(views[name], ref_opt.state[q]["exp_avg"]) < TOL
+
+
+def test_state_on_nvme_holds_step_only(tmp_path):
+    model = TinyNet()
+    opt = _build(model, 2, offload_optimizer="nvme", nvme_path=str(tmp_path))
+    _step(model, opt, 0)
+    assert all(sorted(s) == ["step"] for s in opt.state.values())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_named_param_groups_keep_their_names_as_torch(stage):
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, stage, groups=list(model.named_parameters()))
+    ref_opt = torch.optim.AdamW(list(ref.named_parameters()), **HYPER)
+    _step(model, opt, 0)
+    _step(ref, ref_opt, 0)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ref_sd["param_groups"][0]["param_names"]
+    opt.load_state_dict(ref_sd)  # and torch's named state dict loads
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_state_a_pre_hook_adds_is_kept_as_torch_keeps_it(stage):
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    for o, m in ((opt, model), (ref_opt, ref)):
+        first = next(m.parameters())
+        o.register_state_dict_pre_hook(lambda o, p=first: o.state[p].update(ema=torch.full((2,), 7.0)))
+    _step(model, opt, 0)
+    _step(ref, ref_opt, 0)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert torch.equal(sd["state"][0]["ema"], ref_sd["state"][0]["ema"])
+    assert sorted(sd["state"][0]) == sorted(ref_sd["state"][0])
+    opt.state[next(model.parameters())].pop("ema")
+    opt.load_state_dict(sd)  # torch's load puts every key back
+    assert torch.equal(opt.state[next(model.parameters())]["ema"], torch.full((2,), 7.0))
+
+
+def test_a_parameter_listed_twice_is_refused_where_torch_warns():
+    """torch.optim warns and keeps both entries (pytorch issue 36831); here the build refuses, naming the fix."""
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        torch.optim.AdamW([model.weight, model.bias, model.weight])
+    with pytest.raises(ValueError, match="holds the same parameter twice: list each parameter once"):
+        ShardedOptimizer([model.weight, model.bias, model.weight])

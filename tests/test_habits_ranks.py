@@ -241,3 +241,49 @@ def test_second_stage3_optimizer_takes_over_on_two_ranks():
         gather, default = r["timeouts"]
         assert default is not None and gather == default, r["timeouts"]
         assert default != datetime.timedelta(minutes=30)
+
+
+def _state_shards(rank, world_size, stage):
+    from fused_zero import ShardedOptimizer
+    from fused_zero.state_views import StateShard
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, bucket_numel=700)
+    for step in range(2):
+        micro_steps(model, opt, step, rank)
+        opt.step()
+    names = {p: n for n, p in model.named_parameters()}
+    mine = {}
+    for p, s in opt.state.items():
+        if "step" in s:
+            t = s["exp_avg"]
+            pieces = t.pieces if isinstance(t, StateShard) else ((0, p.numel() if stage < 3 else t.numel()),)
+            mine[names[p]] = (pieces, t.detach().clone().as_subclass(torch.Tensor).reshape(-1),
+                              isinstance(t, StateShard))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    full = {names[params[i]]: s["exp_avg"] for i, s in opt.state_dict()["state"].items()}
+    return mine, {n: t.reshape(-1) for n, t in full.items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_state_moments_are_this_ranks_shard_and_say_so(stage):
+    """At 2 ranks each rank's state[p]["exp_avg"] holds its own elements of p (a StateShard with the
+    pieces it covers where it holds part of p): together they are state_dict()'s full tensors."""
+    got = run_ranks(_state_shards, 2, stage, timeout=TIMEOUT)
+    full = got[0][1]
+    split = 0
+    for name, ref in full.items():
+        seen = torch.zeros(ref.numel(), dtype=torch.int64)
+        for mine, _ in got:
+            if name not in mine:
+                continue
+            pieces, values, sharded = mine[name]
+            split += sharded
+            at = 0
+            for offset, count in pieces:
+                assert torch.equal(values[at:at + count], ref[offset:offset + count]), name
+                seen[offset:offset + count] += 1
+                at += count
+            assert at == values.numel()
+        assert torch.equal(seen, torch.ones_like(seen)), name  # every element on exactly one rank
+    assert split > 0  # some parameters straddle the ranks

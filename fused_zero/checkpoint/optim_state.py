@@ -19,6 +19,8 @@ from .torch_format import check_torch_state, piece_of, shapes_of, slice_into_sha
 from .view import group_hyper
 
 GATHER_NUMEL = 1 << 20  # shard elements per all-gather: world_size x 4 MiB of fp32 in flight
+#: optimizer.state keys the shards hold (gathered, or sliced back in); any other key is user state
+OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"))
 
 
 def _saves_master(p) -> bool:
@@ -78,15 +80,22 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     state = {}
     for p in params:
         i = number[id(p)]
-        if "step" in opt.state.get(p, {}):
+        mine = opt.state.get(p, {})
+        if "step" in mine:
             kinds = {kind: t.view(shapes[id(p)]) for kind, t in full[i].items()}
-            state[i] = {"step": opt.state[p]["step"].detach().to("cpu", torch.float32, copy=True),
+            state[i] = {"step": mine["step"].detach().to("cpu", torch.float32, copy=True),
                         **{kind: kinds[kind] for kind in sorted(kinds, key=_kind_order)}}
+        extra = {k: v for k, v in mine.items() if k not in OWN_KEYS}
+        if extra:  # what user code or a state-dict pre-hook put there: kept as torch keeps it
+            state.setdefault(i, {}).update(extra)
     members, start = [], 0
     for g in opt.param_groups:
         members.append(range(start, start + len(g["params"])))
         start += len(g["params"])
     groups = torch_param_groups([group_hyper(g) for g in opt.param_groups], members, opt.config.adam_w_mode)
+    for g, mine in zip(groups, opt.param_groups):
+        if "param_names" in mine:  # torch's named param groups keep their names in the state dict
+            g["param_names"] = list(mine["param_names"])
     return {"state": state, "param_groups": groups}
 
 
@@ -130,14 +139,17 @@ def load_state_dict(opt, sd) -> None:
 
         staged = slice_into_shards(index, lambda part: part.kinds, source)
         steps = {p: float(s["step"]) for p, s in states.items() if "step" in s}
-        return index, staged, steps, hypers
+        extras = {p: {k: v for k, v in s.items() if k not in OWN_KEYS} for p, s in states.items()}
+        return index, staged, steps, hypers, extras
 
-    (index, staged, steps, hypers), _ = comm.agree(prepare, errors=(CheckpointError,))
+    (index, staged, steps, hypers, extras), _ = comm.agree(prepare, errors=(CheckpointError,))
     for part in index:
         for p in part.params:
             opt.state.pop(p, None)
             if p in steps:
                 opt.state[p]["step"] = torch.tensor(steps[p])
+            if extras.get(p):  # what a state-dict hook added, as torch's load keeps it
+                opt.state[p].update(extras[p])
     for group, hyper in zip(opt.param_groups, hypers):
         group.update(hyper)
     opt.load_shards(staged)
