@@ -13,8 +13,8 @@ setup(
     python_requires=">=3.10",
     # The top-level kernels/ folder ships as fused_zero.kernels: no generic
     # top-level name lands in site-packages.
-    packages=["fused_zero", "fused_zero.ops", "fused_zero.plan", "fused_zero.checkpoint", "fused_zero.integrations",
-              "fused_zero.kernels"],
+    packages=["fused_zero", "fused_zero.comm", "fused_zero.sharding", "fused_zero.tiers", "fused_zero.ops",
+              "fused_zero.plan", "fused_zero.checkpoint", "fused_zero.integrations", "fused_zero.kernels"],
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "safetensors"],
     extras_require={

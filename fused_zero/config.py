@@ -1,4 +1,5 @@
-"""Configuration of ShardedOptimizer as a frozen dataclass."""
+"""Configuration of ShardedOptimizer as a frozen dataclass, and the constants the runtime and the planner
+(``plan/``) share: the planner predicts ``memory_bytes()`` from these without importing the runtime."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,13 @@ import torch
 #: Every parameter starts at a multiple of this many elements in its flat
 #: buffer, and every bucket is a multiple of ``ALIGN * world_size``.
 ALIGN = 64
+
+#: Gradient bucket buffers in flight per reduction dtype (comm/grad_sync.py's pool).
+MAX_INFLIGHT = 2
+
+#: Scalars of step()'s all-reduce before the per-parameter has-grad flags (stats.py): sq_norm, nonfinite,
+#: and the checksum's (c1, c1**2, c2, c2**2).
+STATS_HEAD = 2 + 4
 
 _REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 

@@ -24,15 +24,17 @@ import torch
 from torch import nn
 
 from .amp import PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler
-from .collectives import Comm
+from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
+from .checkpoint.save_load import ShardOwner
+from .comm.collectives import Comm
 from .config import ZeroConfig
-from .grad_sync import GradSync
+from .comm.grad_sync import GradSync
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
-from .partition import Partition, PartitionIndex
+from .sharding.partition import Partition, PartitionIndex
 from .stages import make_stage
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
@@ -463,8 +465,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         goes under the extra state key "master"), in bounded chunks; identical on every rank.
         ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
         """
-        from .checkpoint.optim_state import gather_state_dict
-
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
         with self.collective_call("state_dict()"):
@@ -486,8 +486,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Runs inside that wait (rendezvous.py): this rank's states are the last step's, which every
         rank finished; the reductions it waits for touch none of them.
         """
-        from .checkpoint.optim_state import gather_state_dict
-
         with self.collective_call("state_dict()"):
             gather_state_dict(self, self._control_comm(), keep=False)
 
@@ -499,14 +497,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (load the model's own state dict for them), the fp32 masters come from them, or from a
         saved "master" where it rounds to them. A bad dict raises on every rank.
         """
-        from .checkpoint.optim_state import load_state_dict
-
         self._check_open()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
         with self.collective_call("load_state_dict()"):
-            load_state_dict(self, state_dict)
+            load_optim_state(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -543,3 +539,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         attach_all(self.state, self.partitions)
         self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
         self.comm.reset_traffic()
+
+
+ShardOwner.register(ShardedOptimizer)  # what fused_zero.checkpoint saves and loads

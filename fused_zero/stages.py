@@ -22,19 +22,19 @@ from contextlib import contextmanager, nullcontext
 
 from torch import nn
 
-from .collectives import Comm
+from .comm.collectives import Comm
 from .config import ALIGN, ZeroConfig
-from .grad_sync import GradPolicy
-from .layout import build_layout
-from .param_store import DeviceParamShard, HostParamShard, NvmeParamShard
-from .param_sync import ParamSync
-from .partition import Partition
-from .stage3 import ParamGatherer
-from .store import DeviceStore
-from .store_host import HostStore
-from .staging import Staging
-from .store_nvme import NvmeStore, check_nvme_path
-from .units import plan_units
+from .comm.grad_sync import GradPolicy
+from .sharding.layout import build_layout
+from .tiers.param_store import DeviceParamShard, HostParamShard, NvmeParamShard
+from .comm.param_sync import ParamSync
+from .sharding.partition import Partition
+from .comm.gatherer import ParamGatherer
+from .tiers.store import DeviceStore
+from .tiers.store_host import HostStore
+from .tiers.staging import Staging
+from .tiers.store_nvme import NvmeStore, check_nvme_path
+from .sharding.units import plan_units
 
 
 class Stage1:

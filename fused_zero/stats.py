@@ -15,15 +15,15 @@ from typing import NamedTuple
 import torch
 
 from . import ops
-from .collectives import Comm
-from .partition import Partition
+from .comm.collectives import Comm
+from .config import STATS_HEAD as HEAD
+from .sharding.partition import Partition
 
 # A checksum travels as two small integers and their squares, with as many bits as keep their
 # sums over the ranks exact in fp32 (N * (2**b)**2 <= 2**24), and N * sum(c**2) == sum(c)**2
 # holds on every rank exactly when every rank sent the same c (Cauchy-Schwarz), so every rank
 # reaches the same verdict.
-#: Scalars before the per-parameter has-grad flags: sq_norm, nonfinite, (c1, c1**2, c2, c2**2).
-HEAD = 2 + 4
+# HEAD (config.STATS_HEAD): the scalars before the per-parameter has-grad flags.
 
 
 class StepStats(NamedTuple):

@@ -16,9 +16,9 @@ import torch
 
 from . import ops
 from .hyper import as_float
-from .partition import Partition
+from .sharding.partition import Partition
 from .state_views import attach
-from .store import AMSGRAD_KIND
+from .tiers.store import AMSGRAD_KIND
 
 
 def update_all(partitions: list[Partition], groups: list[dict], state: dict,

@@ -5,7 +5,7 @@ import pytest
 
 from fused_zero.checkpoint.errors import CheckpointError
 from fused_zero.checkpoint.reshard import Chunk, check_tiling, chunks, overlapping
-from fused_zero.layout import build_layout
+from fused_zero.sharding.layout import build_layout
 
 
 @pytest.mark.parametrize("start,numel,chunk", [(0, 10, 3), (5, 9, 9), (7, 1, 4), (0, 0, 4), (3, 100, 1000)])

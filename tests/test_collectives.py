@@ -1,4 +1,4 @@
-"""fused_zero.collectives on 1-4 gloo ranks (one spawn per world size), the local path, and the harness."""
+"""fused_zero.comm.collectives on 1-4 gloo ranks (one spawn per world size), the local path, and the harness."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import RanksFailed, free_port, run_ranks
-from fused_zero import collectives
-from fused_zero.collectives import Comm, Handle
+from fused_zero.comm import collectives
+from fused_zero.comm.collectives import Comm, Handle
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

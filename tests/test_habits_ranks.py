@@ -209,7 +209,7 @@ def test_module_buffers_follow_ddp(stage, broadcast, accumulate):
 
 def _takeover(rank, world_size):
     from fused_zero import ShardedOptimizer
-    from fused_zero.collectives import _group_timeout
+    from fused_zero.comm.collectives import _group_timeout
 
     model = TinyNet()
     first = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000)

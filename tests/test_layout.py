@@ -1,9 +1,9 @@
-"""fused_zero.layout against brute-force element-by-element oracles."""
+"""fused_zero.sharding.layout against brute-force element-by-element oracles."""
 import random
 
 import pytest
 
-from fused_zero.layout import build_layout
+from fused_zero.sharding.layout import build_layout
 
 CASES = [
     # (numels, world_size, bucket_numel, align)

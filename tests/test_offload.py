@@ -24,7 +24,7 @@ from _dist import run_ranks
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
-from fused_zero.store_nvme import check_nvme_path
+from fused_zero.tiers.store_nvme import check_nvme_path
 
 def _direct_ok(folder) -> bool:
     try:

@@ -6,8 +6,8 @@ the copies run on a side stream and the same checks run against the device.
 import pytest
 import torch
 
-from fused_zero.collectives import Handle
-from fused_zero.transfer import DONE, Ticket, Transfers, Uploads, host_buffer, transfers
+from fused_zero.comm.collectives import Handle
+from fused_zero.tiers.transfer import DONE, Ticket, Transfers, Uploads, host_buffer, transfers
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

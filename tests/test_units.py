@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from _models import BNNet, PlainNet, TinyNet
-from fused_zero.units import default_units, plan_units, resolve_units
+from fused_zero.sharding.units import default_units, plan_units, resolve_units
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, Block, GPTConfig  # noqa: E402

@@ -3,6 +3,7 @@ is raised on every rank before the next collective, and the optimizer changes on
 rank has read all it needs."""
 from __future__ import annotations
 
+import abc
 import json
 import os
 import uuid
@@ -23,10 +24,15 @@ from .shards import Reader, model_tensors, shard_tensors, unblob
 from .view import ModelView
 
 
-def comm_of(optimizer):
-    from ..optimizer import ShardedOptimizer
+class ShardOwner(abc.ABC):
+    """What checkpoints save and load: ``ShardedOptimizer`` registers itself (optimizer.py), so that this
+    package never imports the optimizer (which imports ``optim_state`` for its state_dict()). Checkpoints
+    use only its public shard interface: ``comm``, ``collective_call``, ``shard_index``, ``read_shard``,
+    ``load_shards``, ``state``, ``param_groups``, ``config``."""
 
-    if not isinstance(optimizer, ShardedOptimizer):
+
+def comm_of(optimizer):
+    if not isinstance(optimizer, ShardOwner):
         raise TypeError(f"optimizer must be a fused_zero.ShardedOptimizer, got {type(optimizer).__name__}; "
                         "save a torch.optim optimizer with torch.save(optimizer.state_dict())")
     return optimizer.comm

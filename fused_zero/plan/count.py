@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fused_zero.units import plan_units
+from fused_zero.sharding.units import plan_units
 
 #: dtype names the planner accepts, and their torch dtypes (what ShardedOptimizer supports).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -46,10 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fused_zero.config import ALIGN, ZeroConfig
-from fused_zero.grad_sync import MAX_INFLIGHT
-from fused_zero.layout import FlatLayout, build_layout
-from fused_zero.stats import HEAD
+from fused_zero.config import ALIGN, MAX_INFLIGHT, STATS_HEAD, ZeroConfig
+from fused_zero.sharding.layout import FlatLayout, build_layout
 
 from .count import ModelCount, ParamSpec
 
@@ -244,7 +242,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if job.world_size > 1:
-        d["all_reduce"] = 4 * (HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
+        d["all_reduce"] = 4 * (STATS_HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
     else:
         d.update(reduce_scatter=0, all_gather=0)
     d["partitions"] = len(parts)

@@ -42,9 +42,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .collectives import Handle
-from .ownership import claim, release
+from ..ownership import claim, release
 from .param_sync import ParamSync
-from .partition import Partition
+from ..sharding.partition import Partition
 
 
 class TrainingState(enum.Enum):

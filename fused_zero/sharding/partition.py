@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 
 from .layout import Bucket, FlatLayout, ShardPiece
-from .param_store import DeviceParamShard, OwnSlices, ParamShard
-from .store import DeviceStore, ShardStore
-from .transfer import host_buffer
+from ..tiers.param_store import DeviceParamShard, OwnSlices, ParamShard
+from ..tiers.store import DeviceStore, ShardStore
+from ..tiers.transfer import host_buffer
 
 
 class PartitionIndex(NamedTuple):

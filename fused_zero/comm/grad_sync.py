@@ -45,14 +45,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import ops
+from .. import ops
+from ..config import MAX_INFLIGHT
 from .collectives import Comm, Handle
-from .partition import Partition
-from .spans import intersect
-from .transfer import Ticket, host_buffer, transfers
-
-#: Bucket buffers in flight per reduction dtype.
-MAX_INFLIGHT = 2
+from ..sharding.partition import Partition
+from ..sharding.intervals import intersect
+from ..tiers.transfer import Ticket, host_buffer, transfers
 
 
 class GradPolicy(NamedTuple):

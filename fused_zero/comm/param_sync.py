@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .collectives import Comm, Handle
-from .partition import Partition
+from ..sharding.partition import Partition
 
 
 class ParamSync:

@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
-from .habits import torchrun_without_process_group
-from .spans import overlaps
+from ..habits import torchrun_without_process_group
+from ..sharding.intervals import overlaps
 
 # torch 2.13 renamed the flat-tensor collectives and deprecates the old names
 # (FutureWarning); torch 2.11 on the GPU machines has only the old names.

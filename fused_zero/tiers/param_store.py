@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .layout import FlatLayout
+from ..sharding.layout import FlatLayout
 from .store_nvme import _remove  # one way to drop a scratch file and its descriptor
 from .staging import whole_lanes
 from .transfer import host_buffer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ALIGN
+from ..config import ALIGN
 from .transfer import Uploads, aligned_empty
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .spans import intersect
+from .intervals import intersect
 
 
 class ParamSlot(NamedTuple):
