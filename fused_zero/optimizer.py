@@ -38,6 +38,7 @@ from .sharding.partition import Partition, PartitionIndex
 from .stages import make_stage
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
+from .tiers.tier import Tier
 from .update import update_all
 
 
@@ -441,15 +442,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             totals["params"] += b["params"]
             totals["grads"] += sum(p.grad.numel() * p.grad.element_size() for p in part.params if p.grad is not None)
             # the reduced shard lives where the update runs: on the host when the states are offloaded
-            where = "grads" if part.grad_tier == "device" else "host"
+            where = "grads" if part.grad_tier is Tier.DEVICE else part.grad_tier.value
             totals[where] = totals.get(where, 0) + b["grad_shard"]
             for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
-                where = kind if part.store.tier == "device" else part.store.tier
+                where = kind if part.store.tier is Tier.DEVICE else part.store.tier.value
                 totals[where] = totals.get(where, 0) + b[kind]
             # stage 3: the narrow param shard is the resident copy of the params (offloaded: under its tier)
             totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
-            if part.param_tier != "device":
-                totals[part.param_tier] = totals.get(part.param_tier, 0) + b["param_shard_offloaded"]
+            if part.param_tier is not Tier.DEVICE:
+                totals[part.param_tier.value] = totals.get(part.param_tier.value, 0) + b["param_shard_offloaded"]
         totals["buffers"] += self.grad_sync.buffer_bytes()
         return totals
 

@@ -16,7 +16,6 @@ Nothing outside this file and config.py branches on the stage number.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -26,14 +25,11 @@ from .comm.collectives import Comm
 from .config import ALIGN, ZeroConfig
 from .comm.grad_sync import GradPolicy
 from .sharding.layout import build_layout
-from .tiers.param_store import DeviceParamShard, HostParamShard, NvmeParamShard
 from .comm.param_sync import ParamSync
 from .sharding.partition import Partition
 from .comm.gatherer import ParamGatherer
-from .tiers.store import DeviceStore
-from .tiers.store_host import HostStore
+from .tiers.factory import Tiers
 from .tiers.staging import Staging
-from .tiers.store_nvme import NvmeStore, check_nvme_path
 from .sharding.units import plan_units
 
 
@@ -51,6 +47,7 @@ class Stage1:
         self.sync = ParamSync(comm)
         # shared by the offloaded stores of every partition
         self.staging = Staging(config.offload_chunk_numel, direct=config.nvme_direct)
+        self.tiers = Tiers.from_config(config, self.staging, self.shards_params)
 
     # -- construction -----------------------------------------------------
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
@@ -84,8 +81,7 @@ class Stage1:
         """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)), store=store_factory(self.config, self.staging),
-                         param_shard=param_shard_factory(self.config) if self.shards_params else None)
+                         amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers)
         if self.comm.world_size > 1:
             self.comm.broadcast(part.flat, src=0)
             part.load_master_from_params()
@@ -93,8 +89,7 @@ class Stage1:
 
     def check_offload(self) -> None:
         """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
-        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
-            self.comm.agree(lambda: check_nvme_path(self.config.nvme_path, self.config.nvme_direct))
+        self.tiers.check(self.comm.agree)
 
     # -- the training loop --------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -210,24 +205,6 @@ class Stage3(Stage2):
 
 
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
-
-
-def store_factory(config: ZeroConfig, staging: Staging):
-    """The ShardStore class (or a factory) for ``config.offload_optimizer``; offloaded stores share ``staging``."""
-    if config.offload_optimizer == "cpu":
-        return functools.partial(HostStore, staging=staging)
-    if config.offload_optimizer == "nvme":
-        return functools.partial(NvmeStore, path=config.nvme_path, staging=staging, direct=config.nvme_direct)
-    return DeviceStore
-
-
-def param_shard_factory(config: ZeroConfig):
-    """Stage 3: the owner of each partition's narrow param shard for ``config.offload_params``."""
-    if config.offload_params == "cpu":
-        return functools.partial(HostParamShard, chunk_numel=config.offload_chunk_numel)
-    if config.offload_params == "nvme":
-        return functools.partial(NvmeParamShard, chunk_numel=config.offload_chunk_numel, path=config.nvme_path)
-    return DeviceParamShard
 
 
 def make_stage(comm: Comm, config: ZeroConfig) -> Stage1:

@@ -27,7 +27,7 @@ cannot see ``model.zero_grad()``, so it never carries gradients across steps).
 ``zero_grad(set_to_none=False)`` makes the parameters that held a gradient
 hold zeros, as torch does: they stay present, and step with zero gradients.
 
-With the optimizer states offloaded (``Partition.grad_tier == "host"``) the reduced shard lives
+With the optimizer states offloaded (``Partition.grad_tier`` is ``Tier.HOST``) the reduced shard lives
 in host memory, where the update runs: each bucket is reduce-scattered in place (this rank's
 slice of the pool buffer) and copied down as soon as its reduction completes (``transfer.py``:
 on a GPU, on a side stream, overlapping the rest of backward); a round that accumulates lands
@@ -50,6 +50,7 @@ from ..config import MAX_INFLIGHT
 from .collectives import Comm, Handle
 from ..sharding.partition import Partition
 from ..sharding.intervals import intersect
+from ..tiers.tier import Tier
 from ..tiers.transfer import Ticket, host_buffer, transfers
 
 
@@ -315,7 +316,7 @@ class GradSync:
         ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
         dst = part.shard(part.grad_shard, b)
         acc = down = None
-        if part.grad_tier == "host":  # reduce in place, copy down once reduced
+        if part.grad_tier is Tier.HOST:  # reduce in place, copy down once reduced
             out = buf[self.comm.rank * b.shard_numel:(self.comm.rank + 1) * b.shard_numel]
             down = dst
             if self._written:

@@ -21,8 +21,9 @@ from typing import NamedTuple
 import torch
 
 from .layout import Bucket, FlatLayout, ShardPiece
-from ..tiers.param_store import DeviceParamShard, OwnSlices, ParamShard
-from ..tiers.store import DeviceStore, ShardStore
+from ..tiers.factory import ON_DEVICE, Tiers
+from ..tiers.param_store import OwnSlices
+from ..tiers.tier import Tier
 from ..tiers.transfer import host_buffer
 
 
@@ -37,19 +38,12 @@ class PartitionIndex(NamedTuple):
     kinds: tuple[str, ...]  # the state kinds the shard holds (store.STATE_KINDS, + max_exp_avg_sq)
 
 
-StoreFactory = Callable[[int, torch.device, bool], ShardStore]
-#: (numel, dtype, params' device, the update kernel's device) -> the narrow param shard's owner
-ParamShardFactory = Callable[[int, torch.dtype, torch.device, torch.device], ParamShard]
-
-
 class Partition:
     """The flat buffers of the parameters of one (param group, dtype)."""
 
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], layout: FlatLayout, rank: int,
-                 reduce_dtype: torch.dtype, amsgrad: bool = False, store: StoreFactory = DeviceStore,
-                 param_shard: ParamShardFactory | None = None) -> None:
-        """``param_shard``: where the narrow param shard lives while the flat buffer is released (stage 3);
-        None keeps the flat buffer resident (stages 1-2)."""
+                 reduce_dtype: torch.dtype, amsgrad: bool = False, tiers: Tiers = ON_DEVICE) -> None:
+        """``tiers``: where the states and the narrow param shard live (``tiers/factory.py`` decides)."""
         self.group_index = group_index
         self.params = params
         # Kept: stage 3 points released parameters at empty tensors.
@@ -64,30 +58,17 @@ class Partition:
         self.reduce_dtype = reduce_dtype
         self.flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         n = layout.shard_numel
-        self.store = store(n, self.device, amsgrad)
+        # The narrow param shard: written back by the fused kernel, then all-gathered (tiers/factory.py).
+        self.store, self.pshard, self.grad_tier = tiers(n, self.device, self.dtype, amsgrad,
+                                                        lambda: OwnSlices(self.flat, layout, rank))
         # The reduced gradient shard lives where the update runs: beside the states, on the host when they
         # are offloaded (GradSync copies each bucket's shard down as soon as it is reduced).
-        self.grad_tier = "device" if self.store.tier == "device" else "host"
-        self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier == "device"
+        self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier is Tier.DEVICE
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
-        # Narrow params are written back by the fused kernel into a narrow param shard, then
-        # all-gathered; fp32 params whose master is on their device are gathered from the master.
-        # With offloaded states and a resident flat buffer (stages 1-2) the shard is this rank's own
-        # slices of the flat buffer: no copy of the parameters beside them.
-        self.pshard: ParamShard | None = None
-        offloaded = self.store.gather_source() is None
-        if self.dtype != torch.float32 or offloaded:
-            if param_shard is not None:
-                kernel_device = self.device if self.store.tier == "device" else torch.device("cpu")
-                self.pshard = param_shard(n, self.dtype, self.device, kernel_device)
-            elif offloaded:
-                self.pshard = OwnSlices(self.flat, layout, rank)
-            else:
-                self.pshard = DeviceParamShard(n, self.dtype, self.device)
         self.bind()
 
     # -- the parameters as views of the flat buffer ---------------------------
@@ -306,13 +287,13 @@ class Partition:
 
         shard = 0 if self.pshard is None else self.pshard.nbytes()
         return {"params": nbytes(self.flat), "grad_shard": nbytes(self.grad_shard),
-                "param_shard": shard if self.param_tier == "device" else 0,
-                "param_shard_offloaded": 0 if self.param_tier == "device" else shard, **self.store.nbytes()}
+                "param_shard": shard if self.param_tier is Tier.DEVICE else 0,
+                "param_shard_offloaded": 0 if self.param_tier is Tier.DEVICE else shard, **self.store.nbytes()}
 
     @property
-    def param_tier(self) -> str:
-        """Where the narrow param shard lives: "device", "host" or "nvme"."""
-        return "device" if self.pshard is None else self.pshard.tier
+    def param_tier(self) -> Tier:
+        """Where the narrow param shard lives."""
+        return Tier.DEVICE if self.pshard is None else self.pshard.tier
 
     def close(self) -> None:
         """Give back the files the states and the param shard hold."""

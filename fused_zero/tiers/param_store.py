@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import bisect
 import os
-import uuid
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..sharding.layout import FlatLayout
-from .store_nvme import _remove  # one way to drop a scratch file and its descriptor
+from .scratch import ScratchFile
 from .staging import whole_lanes
+from .tier import Tier
 from .transfer import host_buffer
 
 
@@ -46,7 +45,7 @@ def _host_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
 class ParamShard:
     """The device tier: a tensor beside the parameters. The base of the other tiers."""
 
-    tier = "device"
+    tier = Tier.DEVICE
     #: True where the shard is the parameters' own memory (nothing to copy when they change)
     is_params = False
 
@@ -176,7 +175,7 @@ class _Sink:
 class HostParamShard(ParamShard):
     """``offload_params="cpu"``: the shard in (pinned) host memory."""
 
-    tier = "host"
+    tier = Tier.HOST
 
     def __init__(self, numel, dtype, device, kernel_device, chunk_numel=1 << 20) -> None:
         super().__init__(numel, dtype, device, kernel_device, chunk_numel)
@@ -228,14 +227,14 @@ class HostParamShard(ParamShard):
 class NvmeParamShard(ParamShard):
     """``offload_params="nvme"``: the shard in a private file, read on a thread for each gather."""
 
-    tier = "nvme"
+    tier = Tier.NVME
 
     def __init__(self, numel, dtype, device, kernel_device, chunk_numel=1 << 20, *, path: str) -> None:
         super().__init__(numel, dtype, device, kernel_device, chunk_numel)
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.path = os.path.join(path, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.params")
-        self._fd_box = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._fd_box)
+        self.file = ScratchFile(path, "params", what="NVMe parameter shard", label="NVMe parameter offload",
+                                hint="free space there, or pass another nvme_path")
+        self.path = self.file.path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_zero-nvme-params")
         self._reading: Future | None = None
         self._writes: list[Future] = []
@@ -243,29 +242,13 @@ class NvmeParamShard(ParamShard):
         self._sink: _Sink | None = None
         try:  # reserve the space now: the update rewrites the shard in place and never needs more
             if numel:
-                os.posix_fallocate(self._fd_box[0], 0, numel * self.itemsize)
+                os.posix_fallocate(self.file.fd, 0, numel * self.itemsize)
         except OSError as e:
             self.close()
-            raise self._error("reserving space for", e) from None
-
-    def _error(self, what: str, e: OSError) -> OSError:
-        return OSError(e.errno, f"fused_zero NVMe parameter offload: {what} {self.path} failed ({e.strerror}); "
-                                "free space there, or pass another nvme_path")
-
-    @property
-    def _fd(self) -> int:
-        if not self._fd_box:
-            raise RuntimeError(f"the NVMe parameter shard {self.path} is closed")
-        return self._fd_box[0]
+            raise self.file.error("reserving space for", e) from None
 
     def _io(self, write: bool, start: int, t: torch.Tensor) -> None:
-        view = memoryview(t.view(torch.uint8).numpy()).cast("B")
-        try:
-            done = (os.pwritev if write else os.preadv)(self._fd, [view], start * self.itemsize)
-        except OSError as e:
-            raise self._error("writing" if write else "reading", e) from None
-        if done != len(view):
-            raise self._error("writing" if write else "reading", OSError(28 if write else 5, "short transfer"))
+        self.file.transfer(write, memoryview(t.view(torch.uint8).numpy()).cast("B"), start * self.itemsize)
 
     def _read_all(self) -> torch.Tensor:
         host = _host_tensor(self.numel, self.dtype)
@@ -355,4 +338,4 @@ class NvmeParamShard(ParamShard):
     def close(self):
         self.drop()
         self._pool.shutdown(wait=True)
-        self._finalizer()
+        self.file.close()

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from .tier import Tier
+
 #: The sharded optimizer states, in the order checkpoints and kernels take them.
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 AMSGRAD_KIND = "max_exp_avg_sq"
@@ -41,7 +43,7 @@ class StateChunk(NamedTuple):
 class ShardStore(ABC):
     """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
 
-    tier = "device"
+    tier = Tier.DEVICE
 
     def __init__(self, numel: int, amsgrad: bool) -> None:
         self.numel = numel

@@ -21,13 +21,14 @@ import torch
 
 from .store import ShardStore, StateChunk, _chunks_of
 from .staging import Staging
+from .tier import Tier
 from .transfer import host_buffer
 
 
 class HostStore(ShardStore):
     """The states in host memory; the update runs on the host, staged chunk by chunk."""
 
-    tier = "host"
+    tier = Tier.HOST
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, chunk_numel: int = 1 << 20,
                  staging: Staging | None = None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import uuid
-import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +25,9 @@ import numpy as np
 import torch
 
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
+from .scratch import ScratchFile
 from .staging import DIRECT_ELEMENTS, Staging
+from .tier import Tier
 from .transfer import aligned_empty
 
 _F32 = 4
@@ -72,19 +73,10 @@ def _probe_direct(probe: str, path: str) -> None:
                          "disk, or nvme_direct=False to go through the page cache") from None
 
 
-def _remove(path: str, fd_box: list) -> None:
-    while fd_box:
-        os.close(fd_box.pop())
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 class NvmeStore(ShardStore):
     """The states in a file, streamed block by block through a few host staging buffers."""
 
-    tier = "nvme"
+    tier = Tier.NVME
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, *, path: str,
                  chunk_numel: int = 1 << 20, staging: Staging | None = None, direct: bool = False) -> None:
@@ -102,48 +94,31 @@ class NvmeStore(ShardStore):
                              f"units, got {self.block} elements")
         # Each (slot, kind) region starts at a multiple of DIRECT_BYTES: O_DIRECT offsets must be aligned.
         self.stride = -(-numel // DIRECT_ELEMENTS) * DIRECT_ELEMENTS
-        self.path = os.path.join(path, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.states")
-        self._fd_box = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._fd_box)
+        self.file = ScratchFile(path, "states", what="NVMe store", label="NVMe offload",
+                                hint="free space there, or pass another nvme_path (the states are as before this step)")
+        self.path = self.file.path
         n_blocks = -(-numel // self.block)
         self._live = np.zeros(n_blocks, dtype=np.int8)  # which slot of each block holds the states
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
         try:
-            os.ftruncate(self._fd, 2 * len(self.kinds) * self.stride * _F32)  # sparse: reads as zeros
+            os.ftruncate(self.file.fd, 2 * len(self.kinds) * self.stride * _F32)  # sparse: reads as zeros
             # the update's stream bypasses the page cache; read()/write() (checkpoints, loads) keep the buffered
             # descriptor: Linux writes cached pages back before a direct read of the range and drops them on a
             # direct write, so the two views of the file agree
             if direct:
-                self._fd_box.append(os.open(self.path, os.O_RDWR | os.O_DIRECT))
+                self.file.open_direct()
         except OSError as e:
             self.close()
-            raise self._error("sizing", e) from None
-
-    @property
-    def _fd(self) -> int:
-        if not self._fd_box:
-            raise RuntimeError(f"the NVMe store {self.path} is closed")
-        return self._fd_box[0]
-
-    def _error(self, what: str, e: OSError) -> OSError:
-        return OSError(e.errno, f"fused_zero NVMe offload: {what} {self.path} failed ({e.strerror}); free space "
-                                "there, or pass another nvme_path (the states are as before this step)")
+            raise self.file.error("sizing", e) from None
 
     # -- file I/O ---------------------------------------------------------
     def _offset(self, slot: int, kind: str, element: int) -> int:
         return ((slot * len(self.kinds) + self.kinds.index(kind)) * self.stride + element) * _F32
 
     def _io(self, write: bool, slot: int, kind: str, element: int, t: torch.Tensor, direct: bool = False) -> None:
-        view = memoryview(t.numpy()).cast("B")
-        offset = self._offset(slot, kind, element)
-        fd = self._fd if not direct else self._fd_box[1]
-        try:
-            done = (os.pwritev if write else os.preadv)(fd, [view], offset)
-        except OSError as e:
-            raise self._error("writing" if write else "reading", e) from None
-        if done != len(view):
-            raise self._error("writing" if write else "reading", OSError(28 if write else 5, "short transfer"))
+        self.file.transfer(write, memoryview(t.numpy()).cast("B"), self._offset(slot, kind, element),
+                           self.file.direct_fd if direct else None)
 
     def _span(self, b: int) -> tuple[int, int]:
         return b * self.block, min(self.numel, (b + 1) * self.block)
@@ -250,4 +225,4 @@ class NvmeStore(ShardStore):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._finalizer()
+        self.file.close()

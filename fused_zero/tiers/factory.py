@@ -1,0 +1,95 @@
+"""Tiers: the one tier decision. Built once per optimizer from its config, it gives each partition its
+optimizer-state store and its narrow param shard together (``PartitionMemory``), and says where the
+reduced gradient shard lives. Nothing else compares tiers: a new tier is a store and a param shard
+registered here.
+
+The narrow param shard (``param_store.py``): stage 3 (``shards_params``) keeps it in the
+``offload_params`` tier; at stages 1-2 offloaded states use the flat buffer's own slices
+(``OwnSlices``: the update writes the parameters in place, the all-gather is in place), and narrow
+(bf16/fp16) parameters with the states on the device a device tensor; fp32 parameters with their
+master on the device need none (they are gathered from the master).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .param_store import DeviceParamShard, HostParamShard, NvmeParamShard, ParamShard
+from .staging import Staging
+from .store import DeviceStore, ShardStore
+from .store_host import HostStore
+from .store_nvme import NvmeStore, check_nvme_path
+from .tier import Tier
+
+
+class PartitionMemory(NamedTuple):
+    """Where one partition's shards live."""
+
+    store: ShardStore  # fp32 master and Adam moments
+    param_shard: ParamShard | None  # the narrow param shard, or None (fp32 gathered from the master)
+    grad: Tier  # the reduced gradient shard: where the update runs (beside the states)
+
+
+class Tiers:
+    """The tiers of one optimizer's partitions (``offload_optimizer``, and ``offload_params`` at stage 3)."""
+
+    def __init__(self, states: Tier = Tier.DEVICE, params: Tier | None = None, *, staging: Staging | None = None,
+                 nvme_path: str | None = None, nvme_direct: bool = False, chunk_numel: int = 1 << 20) -> None:
+        """``params``: the narrow param shard's tier when the stage shards parameters, else None."""
+        self.states = states
+        self.params = params
+        self.staging = staging
+        self.nvme_path = nvme_path
+        self.nvme_direct = nvme_direct
+        self.chunk_numel = chunk_numel
+
+    @classmethod
+    def from_config(cls, config, staging: Staging, shards_params: bool) -> Tiers:
+        return cls(Tier.of(config.offload_optimizer), Tier.of(config.offload_params) if shards_params else None,
+                   staging=staging, nvme_path=config.nvme_path, nvme_direct=config.nvme_direct,
+                   chunk_numel=config.offload_chunk_numel)
+
+    def check(self, agree: Callable[[Callable[[], None]], object]) -> None:
+        """The NVMe folder is usable on every rank (``agree``: every rank raises, before any collective)."""
+        if Tier.NVME in (self.states, self.params):
+            agree(lambda: check_nvme_path(self.nvme_path, self.nvme_direct))
+
+    def _store(self, numel: int, device: torch.device, amsgrad: bool) -> ShardStore:
+        if self.states is Tier.HOST:
+            return HostStore(numel, device, amsgrad, staging=self.staging)
+        if self.states is Tier.NVME:
+            return NvmeStore(numel, device, amsgrad, path=self.nvme_path, staging=self.staging,
+                             direct=self.nvme_direct)
+        return DeviceStore(numel, device, amsgrad)
+
+    def _param_shard(self, numel: int, dtype: torch.dtype, device: torch.device,
+                     kernel_device: torch.device) -> ParamShard:
+        if self.params is Tier.HOST:
+            return HostParamShard(numel, dtype, device, kernel_device, chunk_numel=self.chunk_numel)
+        if self.params is Tier.NVME:
+            return NvmeParamShard(numel, dtype, device, kernel_device, chunk_numel=self.chunk_numel,
+                                  path=self.nvme_path)
+        return DeviceParamShard(numel, dtype, device)
+
+    def __call__(self, numel: int, device: torch.device, dtype: torch.dtype, amsgrad: bool,
+                 own_slices: Callable[[], ParamShard]) -> PartitionMemory:
+        """A partition's store and narrow param shard (``numel`` elements each); ``own_slices()`` makes the
+        shard that is the partition's own slices of its resident flat buffer."""
+        store = self._store(numel, device, amsgrad)
+        offloaded = self.states is not Tier.DEVICE  # the master is not on the device: nothing to gather from
+        kernel_device = device if not offloaded else torch.device("cpu")  # where the update runs
+        shard = None
+        if dtype != torch.float32 or offloaded:
+            if self.params is not None:
+                shard = self._param_shard(numel, dtype, device, kernel_device)
+            elif offloaded:
+                shard = own_slices()
+            else:
+                shard = DeviceParamShard(numel, dtype, device)
+        return PartitionMemory(store, shard, Tier.DEVICE if not offloaded else Tier.HOST)
+
+
+#: No offload: the states and param shards beside the parameters.
+ON_DEVICE = Tiers()
