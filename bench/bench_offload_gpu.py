@@ -8,7 +8,7 @@ The model: examples/gpt.py with d_model 2048, 16 heads, vocab 32000 (tied), seq 
 1.07B parameters. World size 1, stage 2 (stage 3 for offload_params), bf16 parameters with fp32
 masters. A step is FUSED_ZERO_BENCH_ACCUM micro-batches (default 4) of FUSED_ZERO_BENCH_MICRO
 sequences (default 8), then step(): 32k tokens per step. The host update waits for step()
-(store_host.py says why), so the ratio depends on how long backward runs against the host's
+(tiers/store_host.py says why), so the ratio depends on how long backward runs against the host's
 AdamW over the shard: the tokens per step are printed with it.
 
 Each configuration runs in a fresh process (peak device memory is per process); none and cpu

@@ -1,5 +1,6 @@
 """fused_zero: ZeRO stages 1-3 with fused Triton AdamW, a drop-in for torch.optim."""
 from .config import ZeroConfig
 from .optimizer import ShardedOptimizer
+from .state_views import StateShard
 
-__all__ = ["ShardedOptimizer", "ZeroConfig"]
+__all__ = ["ShardedOptimizer", "StateShard", "ZeroConfig"]

@@ -8,6 +8,9 @@ import torch
 
 #: Every parameter starts at a multiple of this many elements in its flat
 #: buffer, and every bucket is a multiple of ``ALIGN * world_size``.
+#: The chunk-edge rule: wherever the update is cut into runs (a bucket edge, an offload chunk, an
+#: NVMe block: ``tiers.staging.whole_lanes``), the cut falls on a multiple of ALIGN, so each element
+#: stays in the same vector lane of torch's fused CPU AdamW and the cut update is bitwise the uncut one.
 ALIGN = 64
 
 #: Gradient bucket buffers in flight per reduction dtype (comm/grad_sync.py's pool).

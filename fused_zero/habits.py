@@ -113,7 +113,7 @@ def stage3_model_wrapped(optimizer, module) -> str | None:
     placeholders), at any world size: with a process group, Accelerate wraps even one rank in DDP.
     ZeroAccelerator (under ZeroTrainer too) marks its optimizers and never wraps in DDP.
     """
-    if getattr(optimizer, "_fused_zero_integration", False):
+    if optimizer.integrated:
         return None
     frames = list(_calling_code())
     ddp = any(path.endswith("/torch/nn/parallel/distributed.py") for path, _ in frames)
@@ -135,7 +135,7 @@ def framework_without_integration(optimizer) -> str | None:
     ZeroAccelerator (under ZeroTrainer too) marks the optimizers it prepares. Costs nothing unless
     accelerate is imported; then a walk up the calling frames.
     """
-    if getattr(optimizer, "_fused_zero_integration", False) or "accelerate" not in sys.modules:
+    if optimizer.integrated or "accelerate" not in sys.modules:
         return None
     frames = list(_calling_code())
     if not any(name == "step" and path.endswith("/accelerate/optimizer.py") for path, name in frames):

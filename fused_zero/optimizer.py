@@ -8,7 +8,7 @@ step() has three phases:
    a GradScaler needs them), then the fused AdamW kernel over this rank's
    fp32 master shard, writing the narrow param shard in the same pass;
 3. gather: all-gather every updated bucket back into the full param buffer
-   (stage 3 gathers nothing here: each unit's next forward does, see stage3.py).
+   (stage 3 gathers nothing here: each unit's next forward does, see comm/gatherer.py).
 
 Semantics follow torch.optim.AdamW: a parameter whose gradient is None on
 every rank is not updated and its step count does not advance; a step that a
@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from .amp import PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler
-from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm
 from .config import ZeroConfig
@@ -34,8 +33,10 @@ from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
-from .sharding.partition import Partition, PartitionIndex
+from .sharding.partition import Partition
+from .profiling import UPDATE, label
 from .stages import make_stage
+from .state_io import StateAccess
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
 from .tiers.tier import Tier
@@ -52,7 +53,7 @@ class _Unset:
 _UNSET = _Unset()
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     """AdamW (or Adam) with ZeRO-sharded states, grads and fused kernels.
 
     Replace ``torch.optim.AdamW(model.parameters(), ...)`` with
@@ -106,7 +107,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._units = units
         self.config = config
         self.comm = Comm(process_group)
-        self._rendezvous = self.comm.rendezvous()  # None alone; see rendezvous.py
+        self._rendezvous = self.comm.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
         self._stage = make_stage(self.comm, config)
         self.partitions: list[Partition] = []
@@ -114,6 +115,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks: HookSet | None = None
         self._in_backward = False
         self._closed = False
+        self._integrated = False  # a framework integration drives it (mark_integrated)
         if self._rendezvous is not None:
             self._rendezvous.serve("state_dict()", self._serve_state_dict)
         self._habits_checked = False
@@ -173,8 +175,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hooks is not None:
             self._hooks.remove()
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
-                                                       Relay(self, "_begin_backward"), self.partitions,
-                                                       Relay(self, "_first_forward"))
+                                                       Relay(self._begin_backward), self.partitions,
+                                                       Relay(self._first_forward))
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
@@ -182,12 +184,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks = HookSet(self)
         for p in self._params:
             if p.requires_grad:
-                self._hooks.grad(p, "_on_grad")
+                self._hooks.grad(p, self._on_grad)
         self._buffers = [] if self.module is None or self.comm.world_size == 1 else list(self.module.buffers())
         self._buffers_due = True
         if self._buffers and self.config.broadcast_buffers:
             # collectives inside: kept out of torch.compile's graph, as stage 3's gathers are
-            hook = torch.compiler.disable(self._hooks.relay("_before_forward"))
+            hook = torch.compiler.disable(self._hooks.relay(self._before_forward))
             self._hooks.add(self.module.register_forward_pre_hook(lambda module, args: hook(), prepend=True))
 
     def _agreed(self) -> tuple:
@@ -217,6 +219,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether this (open) optimizer holds ``p`` in its flat buffers."""
         return not self._closed and p in getattr(self, "_params", ())
 
+    @property
+    def closed(self) -> bool:
+        """Whether this optimizer stepped aside: ``close()`` ran, or a newer one took its parameters over."""
+        return self._closed
+
+    @property
+    def integrated(self) -> bool:
+        """Whether a framework integration drives this optimizer (``mark_integrated``)."""
+        return self._integrated
+
+    def mark_integrated(self) -> None:
+        """For a framework integration (ZeroAccelerator, ZeroTrainer) that drives this optimizer: its clipping,
+        accumulation and model wrapping go through the optimizer, so the refusals of a plain framework
+        (habits.py) stand aside."""
+        self._integrated = True
+
+    @property
+    def state_tier(self) -> Tier:
+        """Where the optimizer states live (``offload_optimizer``): ``Tier.NVME`` states are gone once closed."""
+        return self._stage.tiers.states
+
     def close(self) -> None:
         """Step aside: remove the hooks and, at stage 3, give the parameters their full values back.
 
@@ -240,7 +263,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._rendezvous.close()
 
     def collective_call(self, name: str):
-        """A context in which every rank makes call ``name`` (see rendezvous.py); nothing alone."""
+        """A context in which every rank makes call ``name`` (see comm/rendezvous.py); nothing alone."""
         return nullcontext() if self._rendezvous is None else self._rendezvous.collective(name)
 
     def _check_open(self) -> None:
@@ -267,7 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _begin_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay("_end_backward"))
+            torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay(self._end_backward))
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -422,7 +445,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return stats
 
     def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None) -> None:
-        update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, self.config.adam_w_mode)
+        with label(UPDATE):
+            update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, self.config.adam_w_mode)
 
     def _end_step(self) -> None:
         self.grad_sync.end_step()
@@ -431,115 +455,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.comm.reset_traffic()
         for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers
             self._last_traffic[kind] += n
-
-    # -- accounting and state ---------------------------------------------
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the model state, by kind; offloaded states and stage-3 parameter shards
-        under their tier, "host" or "nvme" (on disk)."""
-        totals = dict.fromkeys(["params", "grads", "master", "exp_avg", "exp_avg_sq", "buffers"], 0)
-        for part in self.partitions:
-            b = part.shard_bytes()
-            totals["params"] += b["params"]
-            totals["grads"] += sum(p.grad.numel() * p.grad.element_size() for p in part.params if p.grad is not None)
-            # the reduced shard lives where the update runs: on the host when the states are offloaded
-            where = "grads" if part.grad_tier is Tier.DEVICE else part.grad_tier.value
-            totals[where] = totals.get(where, 0) + b["grad_shard"]
-            for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
-                where = kind if part.store.tier is Tier.DEVICE else part.store.tier.value
-                totals[where] = totals.get(where, 0) + b[kind]
-            # stage 3: the narrow param shard is the resident copy of the params (offloaded: under its tier)
-            totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
-            if part.param_tier is not Tier.DEVICE:
-                totals[part.param_tier.value] = totals.get(part.param_tier.value, 0) + b["param_shard_offloaded"]
-        totals["buffers"] += self.grad_sync.buffer_bytes()
-        return totals
-
-    def comm_bytes(self) -> dict[str, int]:
-        """Bytes per collective in the last step, counted as the ZeRO paper does."""
-        return dict(self._last_traffic)
-
-    def state_dict(self) -> dict:
-        """torch.optim.AdamW's state_dict of the whole optimizer. COLLECTIVE: every rank calls it.
-
-        As FSDP's optim_state_dict, it all-gathers the full fp32 state into every rank's CPU
-        memory (8 bytes per trained element, 12 for bf16/fp16 parameters, whose fp32 master
-        goes under the extra state key "master"), in bounded chunks; identical on every rank.
-        ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
-        """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
-            pre_hook(self)
-        with self.collective_call("state_dict()"):
-            sd = gather_state_dict(self, self._control_comm())
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            sd = sd if result is None else result
-        return sd
-
-    def _control_comm(self) -> Comm:
-        """The process group state_dict() gathers on: its own, so a peer can serve it while it waits in a step."""
-        if self._control is None:
-            self._control = self.comm.duplicate()
-        return self._control
-
-    def _serve_state_dict(self) -> None:
-        """A peer called state_dict() alone while this rank waits in a collective: take part in its gather.
-
-        Runs inside that wait (rendezvous.py): this rank's states are the last step's, which every
-        rank finished; the reductions it waits for touch none of them.
-        """
-        with self.collective_call("state_dict()"):
-            gather_state_dict(self, self._control_comm(), keep=False)
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict() (or a torch.optim.AdamW one) at any world size and stage; every rank calls it.
-
-        Hyperparameters and step counts come from the dict; the parameters keep their values
-        (load the model's own state dict for them), the fp32 masters come from them, or from a
-        saved "master" where it rounds to them. A bad dict raises on every rank.
-        """
-        self._check_open()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            state_dict = state_dict if result is None else result
-        with self.collective_call("load_state_dict()"):
-            load_optim_state(self, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    # -- the shards, for checkpoints ---------------------------------------
-    def shard_index(self) -> tuple[PartitionIndex, ...]:
-        """This rank's shards: one entry per partition, in partition order."""
-        return tuple(part.index() for part in self.partitions)
-
-    def read_shard(self, partition: int, kind: str, start: int, end: int, settle: bool = True) -> torch.Tensor:
-        """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard.
-
-        ``settle=False`` reads without waiting for the reductions in flight (which write gradients only).
-        """
-        if settle:
-            self.grad_sync.wait()
-        return self.partitions[partition].store.read(kind, start, end)
-
-    @torch.no_grad()
-    def load_shards(self, staged) -> None:
-        """Write whole shards, then make the parameters what the masters say (every rank joins).
-
-        ``staged`` holds one mapping per partition (shard_index() order) from a state
-        kind to a tensor of the shard's size, or None to keep that kind as it is.
-        """
-        if len(staged) != len(self.partitions):
-            raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
-        self.grad_sync.wait()
-        for part, new in zip(self.partitions, staged):
-            for kind, t in new.items():
-                if t is not None:
-                    part.store.write(kind, 0, t)
-        for part in self.partitions:
-            part.param_shard_from_master()
-        attach_all(self.state, self.partitions)
-        self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
-        self.comm.reset_traffic()
 
 
 ShardOwner.register(ShardedOptimizer)  # what fused_zero.checkpoint saves and loads

@@ -4,8 +4,8 @@
   updated shards all-gathered back into the full parameters after the update.
 - ``Stage2``: also gradients: each bucket reduce-scattered during backward and
   ``.grad`` freed once packed.
-- ``Stage3``: also parameters: the model is cut into units (units.py) whose
-  parameters are gathered just in time (stage3.py) and released after use;
+- ``Stage3``: also parameters: the model is cut into units (sharding/units.py) whose
+  parameters are gathered just in time (comm/gatherer.py) and released after use;
   the update gathers nothing.
 
 The optimizer calls ``build`` (lay out partitions), ``on_grad`` and

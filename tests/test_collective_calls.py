@@ -1,4 +1,4 @@
-"""Collective calls made on some ranks only (rendezvous.py), on 2-3 gloo processes.
+"""Collective calls made on some ranks only (comm/rendezvous.py), on 2-3 gloo processes.
 
 DDP users save with ``if rank == 0: torch.save(opt.state_dict(), path)``. Here ``state_dict()``
 is collective, so the other ranks serve it from their next step's wait: the lone call returns

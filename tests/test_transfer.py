@@ -1,4 +1,4 @@
-"""transfer.py: the copies between the parameters' device and the host, and the upload staging.
+"""tiers/transfer.py: the copies between the parameters' device and the host, and the upload staging.
 
 On the host every copy is synchronous (the path the CPU tests of the offload tiers run); with CUDA
 the copies run on a side stream and the same checks run against the device.

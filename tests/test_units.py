@@ -1,4 +1,4 @@
-"""Stage-3 unit planning (fused_zero/units.py): which modules are units, which unit owns each parameter.
+"""Stage-3 unit planning (fused_zero/sharding/units.py): which modules are units, which unit owns each parameter.
 
 Pure module-tree tests: no process group, no optimizer, no tensor data touched.
 """

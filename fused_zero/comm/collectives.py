@@ -45,7 +45,6 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
-import datetime
 import hashlib
 import pickle
 import time
@@ -57,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
+from .works import _DONE, Handle, _AllWorks, _copy_local, _Watched
 from ..habits import torchrun_without_process_group
 from ..sharding.intervals import overlaps
 
@@ -67,84 +67,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
-
-
-class Handle(NamedTuple):
-    """An in-flight collective; ``work`` is None once complete (local or synchronous).
-
-    ``then`` runs after the wait (a copy that finishes an emulated collective);
-    it may run more than once, so it must be idempotent.
-    """
-
-    work: Any = None
-    then: Callable[[], None] | None = None
-
-    def done(self) -> bool:
-        """True when ``wait()`` would not block."""
-        return self.work is None or self.work.is_completed()
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()  # a torch Work may be waited on more than once
-        if self.then is not None:
-            self.then()
-
-
-_DONE = Handle(None)
-
-#: How long a gloo wait blocks before it tells ``rendezvous`` (which may serve a peer's lone call).
-WAIT_SLICE = datetime.timedelta(seconds=0.25)
-
-
-class _Watched(NamedTuple):
-    """A gloo Work whose wait blocks in slices of ``WAIT_SLICE`` (see rendezvous.py)."""
-
-    work: Any
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> None:
-        if not rendezvous.watching():
-            self.work.wait()
-            return
-        blocked = False
-        try:
-            while True:
-                try:
-                    self.work.wait(WAIT_SLICE)
-                    return
-                except RuntimeError as e:
-                    if self.work.is_completed():  # the collective itself failed (a peer's process ended)
-                        why = rendezvous.peer_failure()
-                        if why is not None:
-                            raise RuntimeError(why) from e
-                        raise
-                    blocked = True
-                    rendezvous.while_blocked()
-        finally:
-            if blocked:
-                rendezvous.unblocked()
-
-
-class _AllWorks(NamedTuple):
-    """Several torch Works waited on as one."""
-
-    works: list
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
-
-def _copy_local(output: torch.Tensor, input: torch.Tensor) -> Handle:
-    """World size 1: a reduce-scatter or all-gather is a copy (none when in place)."""
-    if output.data_ptr() != input.data_ptr():
-        output.view(-1).copy_(input.view(-1))
-    return _DONE
 
 
 class _Pin(NamedTuple):

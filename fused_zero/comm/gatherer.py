@@ -1,6 +1,6 @@
 """Stage 3: gather each unit's parameters just before use, prefetch, release after.
 
-Each unit (see units.py) owns partitions whose full flat buffer exists only
+Each unit (see sharding/units.py) owns partitions whose full flat buffer exists only
 while the unit is gathered. Released, the buffer's storage is resized to zero
 bytes and every parameter of the unit points at an empty placeholder (so a
 stray read sees a 0-element tensor, never freed memory). Gathering resizes the
@@ -42,7 +42,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .collectives import Handle
+from ..lifecycle import expect
 from ..ownership import claim, release
+from ..profiling import ALL_GATHER, label
 from .param_sync import ParamSync
 from ..sharding.partition import Partition
 
@@ -55,6 +57,14 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
+class UnitState(enum.Enum):
+    """Where a unit's full buffers are in the gather cycle."""
+
+    RELEASED = "released"  # 0 bytes; the parameters point at empty placeholders
+    GATHERING = "gathering"  # all-gathers in flight into the materialized buffers (``handles``)
+    GATHERED = "gathered"  # the parameters view the full buffers
+
+
 class _Unit:
     """One unit's partitions and where it is in the gather cycle."""
 
@@ -64,10 +74,14 @@ class _Unit:
         self.parts = parts
         self.trainable = {p for part in parts for p in part.params if p.requires_grad}
         self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
-        self.handles: list[Handle] | None = None  # in flight
-        self.gathered = False
+        self.state = UnitState.RELEASED
+        self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
         self.grads_seen: set[nn.Parameter] = set()
         self.backward_started = False
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
 
 
 class ParamGatherer:
@@ -140,7 +154,7 @@ class ParamGatherer:
                 for p, view in part.views():
                     p.data = view.clone()
                 part.release(lambda p: p.data)
-            u.gathered = False
+            u.state = UnitState.RELEASED
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -160,7 +174,7 @@ class ParamGatherer:
 
     # -- gather and release -------------------------------------------------
     def _issue(self, u: _Unit) -> None:
-        if u.gathered or u.handles is not None:
+        if u.state is not UnitState.RELEASED:
             return
         handles = []
         for part in u.parts:  # an offloaded param shard: start every read before the first gather waits
@@ -169,28 +183,30 @@ class ParamGatherer:
             part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
             part.materialize()
             handles += self.sync.gather(part)
-        u.handles = handles
+        u.handles, u.state = handles, UnitState.GATHERING
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
 
     def _wait(self, u: _Unit) -> None:
-        if u.handles is None:
+        if u.state is not UnitState.GATHERING:
             return
-        for h in u.handles:
-            h.wait()
+        with label(ALL_GATHER):
+            for h in u.handles:
+                h.wait()
         u.handles = None
         for part in u.parts:
             part.drop_fetched()  # an offloaded param shard's staged copy
             part.point_params()
             part.mark_synced()
-        u.gathered = True
+        u.state = UnitState.GATHERED
 
     def _release(self, u: _Unit) -> None:
         self._wait(u)  # never free a buffer a collective still writes into
         if self._holding:
             return
+        expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
         for part in u.parts:
             part.release(self._placeholder)
-        u.gathered = False
+        u.state = UnitState.RELEASED
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.dtype, p.device)
@@ -199,7 +215,7 @@ class ParamGatherer:
         return self._placeholders[key]
 
     def _live(self) -> int:
-        return sum(1 for u in self.units[1:] if u.gathered or u.handles is not None)
+        return sum(1 for u in self.units[1:] if u.state is not UnitState.RELEASED)
 
     # -- schedule ---------------------------------------------------------
     def _start(self, state: TrainingState, order: list[int]) -> None:
@@ -208,12 +224,13 @@ class ParamGatherer:
     def _require(self, u: _Unit) -> None:
         """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
         if u.index in self._order[self._cursor:]:
-            while not (u.gathered or u.handles is not None):
+            while u.state is UnitState.RELEASED:
                 self._issue(self.units[self._order[self._cursor]])
                 self._cursor += 1
         else:
             self._issue(u)
         self._wait(u)
+        expect(u.state, UnitState.GATHERED, what=f"stage-3 unit {u.index} about to run")
 
     def _prefetch(self) -> None:
         while self._cursor < len(self._order) and self._live() < self.max_live_units:
@@ -338,12 +355,12 @@ class ParamGatherer:
     def adopt_assigned(self) -> None:
         """Take in full values user code assigned to released parameters (``p.data = t``)."""
         for u in self.units:
-            if not u.gathered and u.handles is None:
+            if u.state is UnitState.RELEASED:
                 for part in u.parts:
                     part.adopt_assigned(self.names, self._placeholder)
 
     def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        released = [self.names.get(p, tuple(shape)) for u in self.units if not u.gathered for part in u.parts
+        released = [self.names.get(p, tuple(shape)) for u in self.units if u.state is not UnitState.GATHERED for part in u.parts
                     for p, shape in zip(part.params, part.shapes) if p.numel() == 0 and shape.numel() > 0]
         if released:
             raise RuntimeError(
@@ -355,7 +372,7 @@ class ParamGatherer:
         """model.load_state_dict between steps: give released parameters full-size memory to load into."""
         self._load_prefix = prefix
         for u in self.units:
-            if not u.gathered:
+            if u.state is not UnitState.GATHERED:
                 self._wait(u)
                 for part in u.parts:
                     for p, shape in zip(part.params, part.shapes):
@@ -367,7 +384,7 @@ class ParamGatherer:
         missing = set(incompatible_keys.missing_keys)
         for u in self.units:
             for part in u.parts:
-                if u.gathered:  # inside full_parameters(): the loaded values are kept
+                if u.state is UnitState.GATHERED:  # inside full_parameters(): the loaded values are kept
                     part.adopt_outside_changes(self.names)
                     continue
                 skip = frozenset(i for i, p in enumerate(part.params)

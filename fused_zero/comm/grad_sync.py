@@ -29,7 +29,7 @@ hold zeros, as torch does: they stay present, and step with zero gradients.
 
 With the optimizer states offloaded (``Partition.grad_tier`` is ``Tier.HOST``) the reduced shard lives
 in host memory, where the update runs: each bucket is reduce-scattered in place (this rank's
-slice of the pool buffer) and copied down as soon as its reduction completes (``transfer.py``:
+slice of the pool buffer) and copied down as soon as its reduction completes (``tiers/transfer.py``:
 on a GPU, on a side stream, overlapping the rest of backward); a round that accumulates lands
 in a host scratch buffer and is added on the host. ``wait()`` returns once everything is down.
 
@@ -47,6 +47,7 @@ import torch
 
 from .. import ops
 from ..config import MAX_INFLIGHT
+from ..profiling import PACK, REDUCE_SCATTER, label
 from .collectives import Comm, Handle
 from ..sharding.partition import Partition
 from ..sharding.intervals import intersect
@@ -245,9 +246,10 @@ class GradSync:
 
     def wait(self) -> None:
         """Wait for every launched reduction and apply accumulation (host tier: every shard is down)."""
-        while self._pending:
-            self._finish_oldest()
-        self._settle(block=True)
+        with label(REDUCE_SCATTER):
+            while self._pending:
+                self._finish_oldest()
+            self._settle(block=True)
 
     def end_step(self) -> None:
         """After step(): the shards are consumed; the next reduction writes them."""
@@ -313,11 +315,12 @@ class GradSync:
             plan = self._plans[key] = ops.pack_plan(tensors, [s.bucket_offset for s in segs], buf,
                                                     numels=[s.numel for s in segs])
         # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
-        ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
+        with label(PACK):
+            ops.pack_(tensors, buf, plan=plan, scale=1.0 / n if n > 1 else None)
         dst = part.shard(part.grad_shard, b)
         acc = down = None
         if part.grad_tier is Tier.HOST:  # reduce in place, copy down once reduced
-            out = buf[self.comm.rank * b.shard_numel:(self.comm.rank + 1) * b.shard_numel]
+            out = buf[part.own(b)]
             down = dst
             if self._written:
                 acc, down = dst, self._scratch_of(base, b.shard_numel)
@@ -325,7 +328,8 @@ class GradSync:
             out = dst
             if self._written:
                 acc, out = out, torch.empty_like(out)
-        handle = self.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
+        with label(REDUCE_SCATTER):
+            handle = self.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
         self._pending.append(_Inflight(handle, base, out, acc, down))
         if free_grads:
             for p in self.frees[key]:

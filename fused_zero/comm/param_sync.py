@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..profiling import ALL_GATHER, label
 from .collectives import Comm, Handle
 from ..sharding.partition import Partition
 
@@ -23,6 +24,10 @@ class ParamSync:
 
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
+        with label(ALL_GATHER):
+            return self._launch(part, buckets)
+
+    def _launch(self, part: Partition, buckets: Iterable[int] | None) -> list[Handle]:
         layout = part.layout
         ks = range(len(layout.buckets)) if buckets is None else buckets
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
@@ -30,9 +35,10 @@ class ParamSync:
 
     def gather_updated(self, parts: list[Partition], updated: list[list[bool]]) -> None:
         """Gather every bucket that holds a parameter updated this step, and wait."""
-        handles = []
-        for part, flags in zip(parts, updated):
-            ks = [k for k, members in enumerate(part.bucket_params) if any(flags[j] for j in members)]
-            handles += self.gather(part, ks)
-        for h in handles:
-            h.wait()
+        with label(ALL_GATHER):
+            handles = []
+            for part, flags in zip(parts, updated):
+                ks = [k for k, members in enumerate(part.bucket_params) if any(flags[j] for j in members)]
+                handles += self._launch(part, ks)
+            for h in handles:
+                h.wait()

@@ -151,7 +151,7 @@ class ZeroAccelerator(Accelerator):
                                  "accelerator.prepare() call as its optimizer, or prepare the model first")
             sharded = sharded_from_torch(inner, self.zero, module)
             self._replaced.append((inner, sharded))
-        sharded._fused_zero_integration = True  # fused_zero.habits: stepped through the integration
+        sharded.mark_integrated()  # fused_zero.habits: stepped through the integration
         self._zero_pairs.append((module if module is not None else sharded.module, sharded))
         # device_placement=False: the state is already where the parameters are (and is empty)
         return super().prepare_optimizer(sharded, device_placement=False)

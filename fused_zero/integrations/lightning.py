@@ -52,6 +52,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from ..config import ZeroConfig  # noqa: E402
 from ._torch_optim import CONVERTIBLE, repoint_scheduler, sharded_from_torch  # noqa: E402
 from ..optimizer import ShardedOptimizer  # noqa: E402
+from ..tiers.tier import Tier  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
 
@@ -159,7 +160,7 @@ class ZeroStrategy(DDPStrategy):
             known = sorted(set(ZeroConfig.__dataclass_fields__) - set(_REFUSED_OPTIONS)) + ["units"]
             raise TypeError(f"ZeroStrategy got an unknown option ({e}); it takes stage= and the ShardedOptimizer "
                             f"options {', '.join(known)}") from None
-        if self._units is not None and stage != 3:
+        if self._units is not None and not self._config.needs_module:
             raise ValueError("units= only applies to stage 3")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -239,7 +240,7 @@ class ZeroStrategy(DDPStrategy):
         """The full state dict on every rank (at stage 3 gathered: a collective, as dump_checkpoint runs on all)."""
         opt = self.zero_optimizer
         module = self.lightning_module
-        if opt is None or opt.config.stage != 3 or opt._closed:  # closed after fit: full parameters again
+        if opt is None or not opt.config.needs_module or opt.closed:  # closed after fit: full parameters again
             return module.state_dict()
         with opt.full_parameters():
             return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
@@ -248,7 +249,7 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer) -> dict:
         """``optimizer.state_dict()``: torch AdamW's format, whole, on every rank (collective)."""
         opt = _unwrap(optimizer)
-        if opt._closed and opt.config.offload_optimizer == "nvme":
+        if opt.closed and opt.state_tier is Tier.NVME:
             raise RuntimeError("the fit ended and the ShardedOptimizer removed its NVMe scratch files: save "
                                "checkpoints during fit (ModelCheckpoint, or trainer.save_checkpoint in a callback)")
         return opt.state_dict()  # after fit too: the closed optimizer still holds its shards
@@ -272,7 +273,7 @@ class ZeroStrategy(DDPStrategy):
         that failed): load a checkpoint instead.
         """
         opt = self.zero_optimizer
-        if opt is not None and (opt.config.stage != 3 or sys.exc_info()[0] is None):
+        if opt is not None and (not opt.config.needs_module or sys.exc_info()[0] is None):
             opt.close()
         if isinstance(self.model, _ZeroModule):
             self.model = self.lightning_module

@@ -20,7 +20,7 @@ param dtype's bytes and R the reduce dtype's:
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
 
 The offload tiers (``offload_optimizer``, ``offload_params``, ZeroConfig's) move bytes off the
-device, as the stores do (store_host.py, store_nvme.py, param_store.py):
+device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
 
     offload_optimizer  the 12*S of states go to "host" (cpu) or "nvme", and the reduced gradient
                        shard R*S to "host" (where the update reads it); the narrow param shard

@@ -215,10 +215,10 @@ class Partition:
         otherwise overwrite them from the old master.
         """
         for b in self.layout.buckets:
-            self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
+            self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self.own(b)])
         if self.pshard is not None and not self.pshard.is_params:
             for b in self.layout.buckets:
-                self.pshard.write(b.shard_offset, self.bucket(self.flat, b)[self._own(b)])
+                self.pshard.write(b.shard_offset, self.bucket(self.flat, b)[self.own(b)])
 
     @torch.no_grad()
     def param_shard_from_master(self) -> None:
@@ -232,8 +232,7 @@ class Partition:
 
     def update_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` cut where the narrow param shard needs it (``ParamShard.edges``: bucket edges for own
-        slices, every chunk for a staged tier). Cuts fall on multiples of ALIGN, which keeps the update
-        bitwise that of the uncut one."""
+        slices, every chunk for a staged tier), on multiples of ALIGN (config.ALIGN's chunk-edge rule)."""
         edges = [] if self.pshard is None else self.pshard.edges()
         if not edges:
             return ranges
@@ -274,8 +273,10 @@ class Partition:
             return self.shard(self.store.gather_source(), b)
         return self.pshard.source(b.shard_offset, b.shard_offset + b.shard_numel)
 
-    def _own(self, b: Bucket) -> slice:
-        return slice(self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel)
+    def own(self, b: Bucket) -> slice:
+        """This rank's slice of bucket ``b``, relative to the bucket (``layout.shard_range``)."""
+        start, end = self.layout.shard_range(b, self.rank)
+        return slice(start - b.offset, end - b.offset)
 
     def index(self) -> PartitionIndex:
         return PartitionIndex(self.group_index, tuple(self.params), self.shapes, self.pieces,

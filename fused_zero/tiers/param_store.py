@@ -55,7 +55,7 @@ class ParamShard:
         self.dtype = dtype
         self.device = device
         self.kernel_device = kernel_device  # where the update kernel writes the new values
-        self.chunk_numel = whole_lanes(chunk_numel)  # cut where the update keeps bitwise: see update_ranges
+        self.chunk_numel = whole_lanes(chunk_numel)  # config.ALIGN's chunk-edge rule
 
     def edges(self) -> list[int]:
         """Shard offsets at which the update must cut its chunks (none by default)."""
@@ -131,7 +131,7 @@ class OwnSlices(ParamShard):
         b = self.layout.buckets[k]
         if end > b.shard_offset + b.shard_numel:
             raise ValueError(f"shard range [{start}, {end}) crosses the end of bucket {k}")
-        at = b.offset + self.rank * b.shard_numel + start - b.shard_offset
+        at = self.layout.shard_range(b, self.rank)[0] + start - b.shard_offset
         return self.flat[at:at + end - start]
 
     # ``sink()[a:b]`` is a view of the parameters: what the kernel writes is final at once

@@ -19,13 +19,12 @@ from ..config import ALIGN
 from .transfer import Uploads, aligned_empty
 
 
-#: O_DIRECT blocks: whole 4 KiB units (a multiple of ALIGN: the lanes argument below still holds)
+#: O_DIRECT blocks: whole 4 KiB units (a multiple of ALIGN: config.ALIGN's chunk-edge rule still holds)
 DIRECT_ELEMENTS = 1024
 
 
 def whole_lanes(chunk_numel: int, multiple: int = ALIGN) -> int:
-    """``chunk_numel`` rounded up to a multiple of ALIGN: a run of the update cut at a chunk edge keeps each
-    element in the same vector lane of torch's fused CPU AdamW, so the result stays bitwise the uncut one."""
+    """``chunk_numel`` rounded up to a multiple of ``multiple`` (ALIGN: config.ALIGN's chunk-edge rule)."""
     return -(-max(1, chunk_numel) // multiple) * multiple
 
 

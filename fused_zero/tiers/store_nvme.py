@@ -85,8 +85,7 @@ class NvmeStore(ShardStore):
         super().__init__(numel, amsgrad)
         self.device = device
         self.staging = staging or Staging(chunk_numel, direct=direct)
-        # Blocks are whole multiples of ALIGN (staging.whole_lanes): a run cut at a block edge stays bitwise
-        # the uncut update.
+        # Blocks are whole multiples of ALIGN (config.ALIGN's chunk-edge rule, staging.whole_lanes).
         self.block = self.staging.chunk_numel
         self.direct = direct
         if direct and not self.staging.direct:

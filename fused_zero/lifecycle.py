@@ -1,0 +1,17 @@
+"""Named states of the runtime's lifecycles, and the one assertion they share.
+
+Stage 3's units (``comm/gatherer.py``: ``UnitState``) and the gatherer's pass through the model
+(``TrainingState``) move between a few named states instead of flags; ``expect`` states an invariant
+at the point that relies on it, as FSDP2's ``_assert_in_states`` does. A failed ``expect`` is a bug in
+fused_zero, never the user's: it says so.
+"""
+from __future__ import annotations
+
+import enum
+
+
+def expect(state: enum.Enum, *allowed: enum.Enum, what: str) -> None:
+    """``what`` (e.g. "stage-3 unit 2") is in one of the ``allowed`` states, else a RuntimeError naming both."""
+    if state not in allowed:
+        raise RuntimeError(f"fused_zero internal error: {what} is {state.name}, expected "
+                           f"{' or '.join(s.name for s in allowed)}; please report it with the stack trace")

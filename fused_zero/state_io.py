@@ -1,0 +1,129 @@
+"""The optimizer's state, read and written: ShardedOptimizer's half that serves what is outside a step.
+
+``state_dict()`` / ``load_state_dict()`` (torch.optim.AdamW's format, through ``checkpoint/optim_state.py``),
+the shard interface checkpoints use (``shard_index``, ``read_shard``, ``load_shards``), and the memory and
+traffic accounting (``memory_bytes``, ``comm_bytes``). A mixin of ShardedOptimizer (optimizer.py): it reads
+the partitions, GradSync and the stage the optimizer builds.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
+from .comm.collectives import Comm
+from .sharding.partition import PartitionIndex
+from .state_views import attach_all
+from .tiers.tier import Tier
+
+
+class StateAccess:
+    """ShardedOptimizer's state_dict, checkpoint shards and accounting."""
+
+    # -- accounting and state ---------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the model state, by kind; offloaded states and stage-3 parameter shards
+        under their tier, "host" or "nvme" (on disk)."""
+        totals = dict.fromkeys(["params", "grads", "master", "exp_avg", "exp_avg_sq", "buffers"], 0)
+        for part in self.partitions:
+            b = part.shard_bytes()
+            totals["params"] += b["params"]
+            totals["grads"] += sum(p.grad.numel() * p.grad.element_size() for p in part.params if p.grad is not None)
+            # the reduced shard lives where the update runs: on the host when the states are offloaded
+            where = "grads" if part.grad_tier is Tier.DEVICE else part.grad_tier.value
+            totals[where] = totals.get(where, 0) + b["grad_shard"]
+            for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
+                where = kind if part.store.tier is Tier.DEVICE else part.store.tier.value
+                totals[where] = totals.get(where, 0) + b[kind]
+            # stage 3: the narrow param shard is the resident copy of the params (offloaded: under its tier)
+            totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
+            if part.param_tier is not Tier.DEVICE:
+                totals[part.param_tier.value] = totals.get(part.param_tier.value, 0) + b["param_shard_offloaded"]
+        totals["buffers"] += self.grad_sync.buffer_bytes()
+        return totals
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes per collective in the last step, counted as the ZeRO paper does."""
+        return dict(self._last_traffic)
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's state_dict of the whole optimizer. COLLECTIVE: every rank calls it.
+
+        As FSDP's optim_state_dict, it all-gathers the full fp32 state into every rank's CPU
+        memory (8 bytes per trained element, 12 for bf16/fp16 parameters, whose fp32 master
+        goes under the extra state key "master"), in bounded chunks; identical on every rank.
+        ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            pre_hook(self)
+        with self.collective_call("state_dict()"):
+            sd = gather_state_dict(self, self._control_comm())
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            sd = sd if result is None else result
+        return sd
+
+    def _control_comm(self) -> Comm:
+        """The process group state_dict() gathers on: its own, so a peer can serve it while it waits in a step."""
+        if self._control is None:
+            self._control = self.comm.duplicate()
+        return self._control
+
+    def _serve_state_dict(self) -> None:
+        """A peer called state_dict() alone while this rank waits in a collective: take part in its gather.
+
+        Runs inside that wait (comm/rendezvous.py): this rank's states are the last step's, which every
+        rank finished; the reductions it waits for touch none of them.
+        """
+        with self.collective_call("state_dict()"):
+            gather_state_dict(self, self._control_comm(), keep=False)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict() (or a torch.optim.AdamW one) at any world size and stage; every rank calls it.
+
+        Hyperparameters and step counts come from the dict; the parameters keep their values
+        (load the model's own state dict for them), the fp32 masters come from them, or from a
+        saved "master" where it rounds to them. A bad dict raises on every rank.
+        """
+        self._check_open()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        with self.collective_call("load_state_dict()"):
+            load_optim_state(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # -- the shards, for checkpoints ---------------------------------------
+    def shard_index(self) -> tuple[PartitionIndex, ...]:
+        """This rank's shards: one entry per partition, in partition order."""
+        return tuple(part.index() for part in self.partitions)
+
+    def read_shard(self, partition: int, kind: str, start: int, end: int, settle: bool = True) -> torch.Tensor:
+        """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard.
+
+        ``settle=False`` reads without waiting for the reductions in flight (which write gradients only).
+        """
+        if settle:
+            self.grad_sync.wait()
+        return self.partitions[partition].store.read(kind, start, end)
+
+    @torch.no_grad()
+    def load_shards(self, staged) -> None:
+        """Write whole shards, then make the parameters what the masters say (every rank joins).
+
+        ``staged`` holds one mapping per partition (shard_index() order) from a state
+        kind to a tensor of the shard's size, or None to keep that kind as it is.
+        """
+        if len(staged) != len(self.partitions):
+            raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
+        self.grad_sync.wait()
+        for part, new in zip(self.partitions, staged):
+            for kind, t in new.items():
+                if t is not None:
+                    part.store.write(kind, 0, t)
+        for part in self.partitions:
+            part.param_shard_from_master()
+        attach_all(self.state, self.partitions)
+        self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
+        self.comm.reset_traffic()
