@@ -180,7 +180,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
-        self.grad_sync = GradSync(self.partitions, positions, self.comm, self._stage.grad_policy, self.config.overlap)
+        self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self._hooks = HookSet(self)
         for p in self._params:
             if p.requires_grad:
@@ -393,7 +393,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                           "but at stage 1 .grad holds each rank's local gradient (averaged at step): a norm "
                           "clipped from it (torch.nn.utils.clip_grad_norm_) is this rank's, not the global one. "
                           "Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=", stacklevel=2)
-        if self._clip is None and not self._clip_warned and self._stage.grad_policy.free_grads \
+        if self._clip is None and not self._clip_warned and self.grad_sync.frees_grads \
                 and self.config.max_grad_norm is None:
             found = torch_clip_in_loop()
             if found is not None:
@@ -429,7 +429,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
-        return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self._stage.grad_policy.free_grads)
+        return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
 
     def _stats(self, with_norm: bool, site: str) -> StepStats:
         """The one all-reduce of step() (or of clip_grad_norm_, the ``site``); raises on every rank if

@@ -10,8 +10,8 @@
 
 The optimizer calls ``build`` (lay out partitions), ``on_grad`` and
 ``end_backward`` (from its hooks), ``after_update`` (gather or release),
-``full_parameters`` and ``close``; it reads ``grad_policy`` (GradSync's
-schedule), ``shards_params`` (memory accounting) and ``can_add_groups``.
+``full_parameters`` and ``close``; it reads ``reducer`` (the gradient
+reducer's class, comm/grad_sync.py), ``shards_params`` (memory accounting) and ``can_add_groups``.
 Nothing outside this file and config.py branches on the stage number.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from .comm.collectives import Comm
 from .config import ALIGN, ZeroConfig
-from .comm.grad_sync import GradPolicy
+from .comm.grad_sync import ReduceAtStep, ReduceInBackward
 from .sharding.layout import build_layout
 from .comm.param_sync import ParamSync
 from .sharding.partition import Partition
@@ -37,7 +37,7 @@ class Stage1:
     """Shard the optimizer states."""
 
     number = 1
-    grad_policy = GradPolicy(in_backward=False, free_grads=False)
+    reducer = ReduceAtStep
     shards_params = False
     can_add_groups = True
 
@@ -124,7 +124,7 @@ class Stage2(Stage1):
     """Also shard the gradients: reduce-scatter each bucket during backward."""
 
     number = 2
-    grad_policy = GradPolicy(in_backward=True, free_grads=True)
+    reducer = ReduceInBackward
 
 
 class Stage3(Stage2):

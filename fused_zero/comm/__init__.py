@@ -4,8 +4,9 @@
   a world-size-1 path, and the bytes each collective moved. A new topology (a replicate group for
   HSDP, a node-local group) is one more ``Comm``.
 - ``rendezvous.py``: the collective calls made outside a step meet every rank first.
-- ``grad_sync.py``: pack each bucket's gradients and reduce-scatter them into the rank's shard
-  (the gradient codec point).
+- ``grad_buckets.py``: a bucket's paired ``start()`` (pack, the gradient codec point, and launch the
+  reduce-scatter) and ``finish()`` (land it), and the pool and host landing every bucket shares.
+- ``grad_sync.py``: the two reducers, ``ReduceInBackward`` (stages 2-3) and ``ReduceAtStep`` (stage 1).
 - ``param_sync.py``: all-gather each bucket's shards back into the full flat buffer.
 - ``gatherer.py``: stage 3's ``ParamGatherer``, the module hooks that gather each unit just in
   time, prefetch along the recorded order and release it after use.

@@ -1,0 +1,234 @@
+"""Gradient buckets and the pipe they reduce through: what both reducers (``grad_sync.py``) share.
+
+A ``GradBucket`` is one bucket of one partition: the runs of parameters (and padding) it covers,
+the parameters whose ``.grad`` it frees once packed, and its pack plan. Its two verbs pair up as
+Megatron's bucket groups' do: ``start()`` packs the gradients into a pool buffer (cast to the
+reduce dtype and pre-divided by N: the codec point) and launches the reduce-scatter; ``finish()``
+lands the result in the partition's gradient shard (added to it when the round accumulates).
+
+The ``BucketPipe`` owns what the buckets share: the pool buffers (at most ``MAX_INFLIGHT`` per
+reduce dtype), the reductions in flight (finished oldest first: every rank launched them in the same
+order) and, with the states offloaded (``Partition.grad_tier`` is ``Tier.HOST``), the copies down to
+the host shard: each bucket is reduced in place (this rank's slice of the pool buffer) and copied
+down once its reduction completes (``tiers/transfer.py``: on a GPU on a side stream); a round that
+accumulates lands in a host scratch per pool buffer and is added on the host.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from .. import ops
+from ..config import MAX_INFLIGHT
+from ..profiling import PACK, REDUCE_SCATTER, label
+from ..sharding.intervals import intersect
+from ..sharding.partition import Partition
+from ..tiers.tier import Tier
+from ..tiers.transfer import Ticket, host_buffer, transfers
+from .collectives import Comm, Handle
+
+
+class _Segment(NamedTuple):
+    """A run of one bucket: part of a parameter, or padding (param None)."""
+
+    param: torch.nn.Parameter | None
+    start: int  # first element within the flattened parameter
+    bucket_offset: int
+    numel: int
+
+
+class _Inflight(NamedTuple):
+    bucket: GradBucket
+    handle: Handle
+    buffer: torch.Tensor  # the pool buffer, busy until the handle is waited
+    out: torch.Tensor  # where the reduce-scatter lands (host tier: this rank's slice of buffer)
+    accumulate_into: torch.Tensor | None
+    down: torch.Tensor | None  # host tier: where ``out`` is copied (the host shard, or a scratch to add)
+
+
+class _Landing(NamedTuple):
+    """A reduced shard on its way down to the host (host tier)."""
+
+    ticket: Ticket
+    buffer: torch.Tensor  # the pool buffer it came from
+    scratch: torch.Tensor | None  # accumulating: it landed here and is added ...
+    accumulate_into: torch.Tensor | None  # ... into this slice of the host shard
+
+
+def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
+    b = part.layout.buckets[k]
+    segs, pos = [], b.offset
+    for j in part.bucket_params[k]:
+        slot = part.layout.slots[j]
+        start, end = intersect(slot.offset, slot.offset + slot.numel, b.offset, b.offset + b.numel)
+        if start > pos:
+            segs.append(_Segment(None, 0, pos - b.offset, start - pos))
+        segs.append(_Segment(part.params[j], start - slot.offset, start - b.offset, end - start))
+        pos = end
+    if pos < b.offset + b.numel:
+        segs.append(_Segment(None, 0, pos - b.offset, b.offset + b.numel - pos))
+    return tuple(segs)
+
+
+class GradBucket:
+    """Bucket ``k`` of partition ``part``, reduced through ``pipe``."""
+
+    def __init__(self, pipe: BucketPipe, part: Partition, k: int) -> None:
+        self.pipe = pipe
+        self.part = part
+        self.bucket = part.layout.buckets[k]
+        self.segments = _segments(part, k)
+        self.params = [s.param for s in self.segments if s.param is not None]
+        # a bucket of frozen parameters is never reduced (the same decision on every rank)
+        self.trainable = any(p.requires_grad for p in self.params)
+        self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
+        self._plan = None  # the pack plan, reused while the grads stay put
+
+    def start(self, present: set, accumulate: bool, free_grads: bool, block: bool) -> bool:
+        """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands).
+
+        Returns False, launching nothing, when no pool buffer is free and not ``block``."""
+        if not self.trainable:
+            return True
+        part, b, pipe = self.part, self.bucket, self.pipe
+        base = pipe.acquire(part.reduce_dtype, b.numel, block)
+        if base is None:
+            return False
+        buf = base[: b.numel]
+        tensors = []
+        for s in self.segments:
+            g = None if s.param is None else s.param.grad
+            if g is not None:
+                present.add(s.param)
+                g = g.reshape(-1)[s.start: s.start + s.numel]
+            tensors.append(g)
+        n = pipe.comm.world_size
+        if self._plan is None:
+            self._plan = ops.pack_plan(tensors, [s.bucket_offset for s in self.segments], buf,
+                                       numels=[s.numel for s in self.segments])
+        # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
+        with label(PACK):
+            ops.pack_(tensors, buf, plan=self._plan, scale=1.0 / n if n > 1 else None)
+        dst = part.shard(part.grad_shard, b)
+        acc = down = None
+        if part.grad_tier is Tier.HOST:  # reduce in place, copy down once reduced
+            out = buf[part.own(b)]
+            down = dst
+            if accumulate:
+                acc, down = dst, pipe.scratch_of(base, b.shard_numel)
+        else:
+            out = dst
+            if accumulate:
+                acc, out = out, torch.empty_like(out)
+        with label(REDUCE_SCATTER):
+            handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
+        pipe.pending.append(_Inflight(self, handle, base, out, acc, down))
+        if free_grads:
+            for p in self.frees:
+                p.grad = None
+        return True
+
+    def finish(self, f: _Inflight) -> None:
+        """Land this bucket's reduction ``f`` (the oldest in flight) in the gradient shard."""
+        pipe = self.pipe
+        if f.down is not None:  # host tier: the copy down waits for the reduction, the host does not
+            ticket = pipe.copies.copy(f.down, f.out, after=f.handle)
+            pipe.landing.append(_Landing(ticket, f.buffer, f.down if f.accumulate_into is not None else None,
+                                         f.accumulate_into))
+            return
+        f.handle.wait()
+        if f.accumulate_into is not None:
+            f.accumulate_into.add_(f.out)
+
+
+class BucketPipe:
+    """The pool buffers, the reductions in flight and the copies down that every bucket shares."""
+
+    def __init__(self, partitions: list[Partition], comm: Comm) -> None:
+        self.partitions = partitions
+        self.comm = comm
+        self.pending: deque[_Inflight] = deque()
+        self.landing: deque[_Landing] = deque()  # host tier: copies down not yet settled
+        self.copies = transfers(partitions[0].flat.device) if partitions else None
+        self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands
+        self._pool_cap: dict[torch.dtype, int] = {}
+
+    def count(self, bucket: GradBucket) -> None:
+        """``bucket`` is ever reduced: its dtype's pool may hold one more buffer (up to MAX_INFLIGHT)."""
+        if bucket.trainable:
+            dtype = bucket.part.reduce_dtype
+            self._pool_cap[dtype] = min(MAX_INFLIGHT, self._pool_cap.get(dtype, 0) + 1)
+
+    def acquire(self, dtype: torch.dtype, numel: int, block: bool) -> torch.Tensor | None:
+        """A pool buffer of ``dtype`` holding ``numel`` that no reduction uses.
+
+        At most MAX_INFLIGHT buffers per dtype. When all are in flight, wait for the
+        oldest only if ``block``: a hook inside backward must not, since another rank
+        may need this rank to reach a later collective (stage 3's next gather) before
+        it can launch the reduction this one would wait for.
+        """
+        pool = self._pool.setdefault(dtype, [])  # least recently used first
+        while True:
+            if len(pool) < self._pool_cap.get(dtype, 1):  # the pool grows to its bound first: its size never depends on timing
+                size = max(b.numel for part in self.partitions if part.reduce_dtype == dtype
+                           for b in part.layout.buckets)
+                pool.append(torch.empty(size, dtype=dtype, device=self.partitions[0].flat.device))
+                return pool[-1]
+            busy = {id(f.buffer) for f in self.pending}
+            for buf in pool:
+                if id(buf) not in busy and buf.numel() >= numel:
+                    pool.remove(buf)
+                    pool.append(buf)
+                    for landing in self.landing:  # host tier: packing into it waits (on the GPU) for its copy down
+                        if landing.buffer is buf:
+                            landing.ticket.order_before()
+                    return buf
+            if not block and not self.pending[0].handle.done():
+                return None
+            self.finish_oldest()
+
+    def finish_oldest(self) -> None:
+        f = self.pending.popleft()
+        f.bucket.finish(f)
+
+    def finish_completed(self) -> None:
+        """Finish the reductions already complete (host tier: start their copies down) and settle the
+        copies already down, without blocking: the hooks call it, so shards go down during backward."""
+        while self.pending and self.pending[0].handle.done():
+            self.finish_oldest()
+        self.settle(block=False)
+
+    def wait(self) -> None:
+        """Every reduction finished and (host tier) every shard down."""
+        with label(REDUCE_SCATTER):
+            while self.pending:
+                self.finish_oldest()
+            self.settle(block=True)
+
+    def settle(self, block: bool, buffer: torch.Tensor | None = None) -> None:
+        """Settle the copies down (oldest first): every one if ``block``, else those already done; with
+        ``buffer``, at least every one that came from that pool buffer."""
+        while self.landing:
+            first = self.landing[0]
+            if not (block or first.ticket.done() or any(x.buffer is buffer for x in self.landing)):
+                return
+            self.landing.popleft()
+            first.ticket.wait()
+            if first.accumulate_into is not None:
+                first.accumulate_into.add_(first.scratch)
+
+    def scratch_of(self, base: torch.Tensor, numel: int) -> torch.Tensor:
+        """The host scratch of pool buffer ``base`` (its earlier landings settled: it is rewritten)."""
+        self.settle(block=False, buffer=base)
+        s = self._scratch.get(id(base))
+        if s is None:
+            size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
+            s = self._scratch[id(base)] = host_buffer(size, base.dtype, pinned=base.device.type == "cuda")
+        return s[:numel]
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the pool buffers (on the parameters' device)."""
+        return sum(t.numel() * t.element_size() for bufs in self._pool.values() for t in bufs)
