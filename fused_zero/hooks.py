@@ -4,8 +4,9 @@ torch keeps a parameter's post-accumulate-grad hooks (and the module hooks of
 stage 3) for as long as the parameter or module lives. A closure over the
 optimizer would keep a dropped optimizer alive and firing into the next one
 (a sweep, a notebook, a rebuild after loading). The hooks here reach their
-owner's bound methods through weak references (``weakref.WeakMethod``: a
-renamed method is a NameError where the hook is made, not a silent no-op),
+owner's bound methods weakly (a weak reference to the owner beside the
+method's function, as ``weakref.WeakMethod`` holds them, without making a bound
+method per call; a renamed method fails where the hook is made, not silently),
 do nothing once the owner is gone, and are removed when the owner closes, is
 rebuilt or is garbage-collected.
 """
@@ -21,15 +22,16 @@ import torch
 class Relay:
     """Calls the bound method ``method`` while its object lives; a no-op after."""
 
-    __slots__ = ("method",)
+    __slots__ = ("owner", "func")
 
     def __init__(self, method: Callable) -> None:
-        self.method = weakref.WeakMethod(method)
+        self.owner = weakref.ref(method.__self__)
+        self.func = method.__func__
 
     def __call__(self, *args):
-        method = self.method()
-        if method is not None:
-            return method(*args)
+        owner = self.owner()
+        if owner is not None:
+            return self.func(owner, *args)
         return None
 
 

@@ -222,6 +222,7 @@ class ReduceInBackward(GradSync):
             self._start_ready(flush=False)
 
     def _open_round(self) -> None:
+        expect(self.state, RoundState.EMPTY, RoundState.REDUCED, what="the gradient shards, as a backward starts,")
         self.state = RoundState.ADDING if self.state is RoundState.REDUCED else RoundState.OPEN
         self._next = 0
         self._seen.clear()
@@ -236,7 +237,6 @@ class ReduceInBackward(GradSync):
         self._seen.clear()
 
     def _start_ready(self, flush: bool) -> None:
-        expect(self.state, RoundState.OPEN, RoundState.ADDING, what="a gradient reduction round")
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
             if not flush and self._remaining[bucket] > 0:
