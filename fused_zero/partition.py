@@ -68,7 +68,9 @@ class Partition:
         # The reduced gradient shard lives where the update runs: beside the states, on the host when they
         # are offloaded (GradSync copies each bucket's shard down as soon as it is reduced).
         self.grad_tier = "device" if self.store.tier == "device" else "host"
-        self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier == "device"
+        self.frozen = not self.store.kinds  # frozen.WeightsOnly (stage 3): weights only, never reduced
+        self.grad_shard = (None if self.frozen else torch.zeros(n, dtype=reduce_dtype, device=self.device)
+                           if self.grad_tier == "device"
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self._versions: list[int] = []
         self._ptrs: list[int] = []
