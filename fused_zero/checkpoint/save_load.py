@@ -174,10 +174,10 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
                               "same checkpoint, from a filesystem that all ranks share")
 
     def read():
-        with ExitStack() as stack:
-            staged = reshard(view, meta, Reader(path, meta, stack).chunk)
-        alias = aliases(meta)
         saved = model_tensors(path, meta)
+        with ExitStack() as stack:
+            staged = reshard(view, meta, Reader(path, meta, stack).chunk, saved.__getitem__)
+        alias = aliases(meta)
         tensors = {k: saved[alias.get(k, k)] for k in [*view.buffers, *view.unmanaged()]}
         steps = {n: meta["params"][alias[n]]["step"] for n in view.group_of}
         hypers = [decode(g["hyper"]) for g in meta["param_groups"]]
