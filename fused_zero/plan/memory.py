@@ -255,7 +255,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         d["all_reduce"] = 4 * (HEAD + sum(1 for s in count.params if s.trainable))
     else:
         d.update(reduce_scatter=0, all_gather=0)
-    d["partitions"] = len(parts)  # stage 3: the weights-only ones too
+    d["partitions"] = sum(1 for part in parts if not part.frozen)  # the optimizer's (ShardedOptimizer.partitions)
+    d["frozen_partitions"] = len(parts) - d["partitions"]  # stage 3's weights-only ones
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
         d["host_staging"] += d["device_staging"] if par == "nvme" else 0
