@@ -246,6 +246,8 @@ class Stage3(Stage2):
     def close(self) -> None:
         if self.gatherer is not None:
             self.gatherer.close()
+        for part in self.frozen_parts:  # the optimizer closes its own partitions; these are the stage's
+            part.close()
 
 
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}

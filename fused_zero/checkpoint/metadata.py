@@ -141,7 +141,8 @@ class _Schema:
                 continue
             self.need(0 <= group < len(groups) and name in groups[group]["params"], where + "['group']",
                       f"is {group}, but param group {group} does not list it")
-            kinds = rec.setdefault("kinds", list(BASE_KINDS)) if meta["version"] < 2 else rec.get("kinds")
+            old = list(BASE_KINDS) if rows else []  # format 1 has no kinds: a frozen parameter has no chunks
+            kinds = rec.setdefault("kinds", old) if meta["version"] < 2 else rec.get("kinds")
             self.strs(kinds, where + "['kinds']")
             if not kinds:  # frozen when saved (frozen.py): its weights are a model tensor, it has no state
                 self.need(not rows and name in tensors, where, "holds no state kinds, so it must have no chunks "

@@ -157,7 +157,8 @@ def consolidate(directory, tag: str | None = None) -> tuple[dict, dict]:
     with ExitStack() as stack:
         reader = Reader(path, meta, stack)
         for name, rec in meta["params"].items():
-            full[name] = reader.full(name) if rec["group"] is not None else {"master": saved[name].float()}
+            trained = rec["group"] is not None and rec["kinds"]  # (no kinds: frozen when saved, a model tensor)
+            full[name] = reader.full(name) if trained else {"master": saved[name].float()}
     for fname in meta["rank_files"]:
         read_checked(path, meta, fname)
     alias = aliases(meta)
