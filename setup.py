@@ -21,7 +21,7 @@ setup(
         # torch's optimizer test inputs (expecttest), the plan picture, and the frameworks the
         # integration tests train with
         "test": [TRITON, "pytest", "pytest-benchmark", "expecttest", "matplotlib",
-                 "transformers>=5", "accelerate>=1.10", "lightning>=2.5"],
+                 "transformers>=5", "accelerate>=1.10", "lightning>=2.5", "peft>=0.21"],
         "plot": ["matplotlib"],
         "hf": ["transformers>=5", "accelerate>=1.10"],   # ZeroTrainer, ZeroAccelerator
         "lightning": ["lightning>=2.5"],                  # ZeroStrategy

@@ -28,6 +28,7 @@ from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
+from .frozen import refuse_unfrozen
 from .hooks import HookSet, Relay
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
@@ -383,6 +384,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 loss = closure()
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
+        refuse_unfrozen(self._stage.frozen, self._names)  # before any collective, on every rank
         # 1. reduce, and take in what user code did to the parameters since the last step
         self.grad_sync.prepare_step()
         self._stage.before_update(self.partitions)

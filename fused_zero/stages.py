@@ -23,14 +23,15 @@ from torch import nn
 
 from .comm.collectives import Comm
 from .config import ALIGN, ZeroConfig
-from .comm.grad_sync import ReduceAtStep, ReduceInBackward
-from .sharding.layout import build_layout
-from .comm.param_sync import ParamSync
-from .sharding.partition import Partition
 from .comm.gatherer import ParamGatherer
+from .comm.grad_sync import ReduceAtStep, ReduceInBackward
+from .comm.param_sync import ParamSync
+from .frozen import gather_frozen, load_frozen, split_frozen
+from .sharding.layout import build_layout
+from .sharding.partition import Partition
+from .sharding.units import plan_units
 from .tiers.factory import Tiers
 from .tiers.staging import Staging
-from .sharding.units import plan_units
 
 
 class Stage1:
@@ -45,6 +46,8 @@ class Stage1:
         self.comm = comm
         self.config = config
         self.sync = ParamSync(comm)
+        self.frozen: list[nn.Parameter] = []  # frozen at build: the user's tensors (stage 3: in frozen_parts)
+        self.frozen_parts: list[Partition] = []  # stage 3: the weights-only partitions, gathered with their unit
         # shared by the offloaded stores of every partition
         self.staging = Staging(config.offload_chunk_numel, direct=config.nvme_direct)
         self.tiers = Tiers.from_config(config, self.staging, self.shards_params)
@@ -68,20 +71,35 @@ class Stage1:
         for gi, group in enumerate(groups):
             for p in group["params"]:
                 position.setdefault(p, len(position))
-            for dtype in dict.fromkeys(p.dtype for p in group["params"]):
+            trainable, frozen = split_frozen(group["params"])
+            self._take_frozen(frozen)
+            for dtype in dict.fromkeys(p.dtype for p in trainable):
                 # Reverse order, as DDP's buckets: backward reaches the last parameters
                 # first, so the short remainder bucket (the layout's last) holds the first
                 # parameters and is the last to reduce, leaving step() little to wait for.
-                params = [p for p in reversed(group["params"]) if p.dtype == dtype]
+                params = [p for p in reversed(trainable) if p.dtype == dtype]
                 partitions.append(built.get(id(params[0])) or self._new_partition(gi, group, params))
                 positions.append([position[p] for p in params])
         return partitions, positions
 
-    def _new_partition(self, group_index: int, group: dict, params: list[nn.Parameter]) -> Partition:
-        """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank."""
+    def _take_frozen(self, frozen: list[nn.Parameter]) -> None:
+        """Frozen parameters stay the user's tensors, with rank 0's values on every rank (as DDP's constructor)."""
+        known = set(self.frozen)
+        new = [p for p in frozen if p not in known]
+        self.frozen += new
+        if self.comm.world_size > 1:
+            for p in new:  # one by one, in place: no second copy of a large frozen base
+                t = p.data if p.data.is_contiguous() else p.data.contiguous()
+                self.comm.broadcast(t, src=0)
+                if t is not p.data:
+                    p.data.copy_(t)
+
+    def _new_partition(self, group_index: int, group: dict, params: list[nn.Parameter],
+                       frozen: bool = False) -> Partition:
+        """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank (``frozen``: weights only)."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers)
+                         amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers, frozen=frozen)
         if self.comm.world_size > 1:
             self.comm.broadcast(part.flat, src=0)
             part.load_master_from_params()
@@ -111,6 +129,13 @@ class Stage1:
 
     def full_parameters(self):
         return nullcontext()
+
+    def frozen_weights(self, keep: bool) -> dict:
+        """Stage 3's frozen parameters' full values (stages 1-2: none; they are the user's whole tensors)."""
+        return {}
+
+    def load_frozen(self, values: dict) -> None:
+        """Stage 3: frozen parameters' full values into their shards (stages 1-2: the caller copies)."""
 
     def traffic(self) -> dict[str, int]:
         """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's)."""
@@ -145,17 +170,17 @@ class Stage3(Stage2):
         plan = plan_units(module, units)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         in_module = {p for ps in plan.params for p in ps}
-        missing = [names[p] for p in names if p not in group_of]
+        missing = [names[p] for p in names if p not in group_of and p.requires_grad]
         if missing:
-            raise ValueError(f"stage 3 shards every parameter of the model, but {missing[:5]} "
-                             f"{'(and more) ' if len(missing) > 5 else ''}are in no param group; "
-                             "add them to a group (frozen ones too)")
+            raise ValueError(f"stage 3 shards every parameter of the model, but the trainable {missing[:5]} "
+                             f"{'(and more) ' if len(missing) > 5 else ''}are in no param group; add them to a "
+                             "group, or freeze them (requires_grad=False) before building the optimizer")
         extra = [tuple(p.shape) for p in group_of if p not in in_module]
         if extra:
             raise ValueError(f"param groups hold {len(extra)} parameters (shapes {extra[:5]}) that are not "
                              "parameters of the model passed as module=")
         unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
-        signature = [(group_of[p], unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        signature = [(group_of.get(p, -1), unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
                      for p, name in names.items()]
         self.comm.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
         position = {p: i for i, p in enumerate(p for ps in plan.params for p in ps)}
@@ -163,18 +188,25 @@ class Stage3(Stage2):
         for ps in plan.params:
             parts = []
             for gi, group in enumerate(groups):
-                mine = [p for p in reversed(ps) if group_of[p] == gi]
+                mine = [p for p in reversed(ps) if group_of.get(p) == gi and p.requires_grad]
                 for dtype in dict.fromkeys(p.dtype for p in mine):
                     params = [p for p in mine if p.dtype == dtype]
                     parts.append(self._new_partition(gi, group, params))
                     positions.append([position[p] for p in params])
+            # the unit's frozen parameters, in a group or not: weights only, one partition per dtype
+            frozen = [p for p in reversed(ps) if not p.requires_grad]
+            for dtype in dict.fromkeys(p.dtype for p in frozen):
+                params = [p for p in frozen if p.dtype == dtype]
+                self.frozen += params
+                self.frozen_parts.append(self._new_partition(-1, {}, params, frozen=True))
+                parts.append(self.frozen_parts[-1])
             unit_parts.append(parts)
         # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
         # embedding's gradient, which backward produces at the very end.
         self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward)
-        return [part for parts in unit_parts for part in parts], positions
+        return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.gatherer.on_grad(p)
@@ -193,6 +225,12 @@ class Stage3(Stage2):
         with self.gatherer.full_parameters():
             yield
 
+    def frozen_weights(self, keep: bool) -> dict:
+        return gather_frozen(self.frozen_parts, self.gatherer.sync, keep)
+
+    def load_frozen(self, values: dict) -> None:
+        load_frozen(self.frozen_parts, values, self.names, self.gatherer._placeholder)
+
     def traffic(self) -> dict[str, int]:
         comm = self.gatherer.comm
         out = comm.traffic()
@@ -202,6 +240,8 @@ class Stage3(Stage2):
     def close(self) -> None:
         if self.gatherer is not None:
             self.gatherer.close()
+        for part in self.frozen_parts:  # the optimizer closes its own partitions; these are the stage's
+            part.close()
 
 
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .accounting import memory_bytes
 from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
 from .comm.collectives import Comm
 from .sharding.partition import PartitionIndex
 from .state_views import attach_all
-from .tiers.tier import Tier
 
 
 class StateAccess:
@@ -23,23 +23,7 @@ class StateAccess:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the model state, by kind; offloaded states and stage-3 parameter shards
         under their tier, "host" or "nvme" (on disk)."""
-        totals = dict.fromkeys(["params", "grads", "master", "exp_avg", "exp_avg_sq", "buffers"], 0)
-        for part in self.partitions:
-            b = part.shard_bytes()
-            totals["params"] += b["params"]
-            totals["grads"] += sum(p.grad.numel() * p.grad.element_size() for p in part.params if p.grad is not None)
-            # the reduced shard lives where the update runs: on the host when the states are offloaded
-            where = "grads" if part.grad_tier is Tier.DEVICE else part.grad_tier.value
-            totals[where] = totals.get(where, 0) + b["grad_shard"]
-            for kind in part.store.kinds:  # offloaded states count under their tier ("host", "nvme")
-                where = kind if part.store.tier is Tier.DEVICE else part.store.tier.value
-                totals[where] = totals.get(where, 0) + b[kind]
-            # stage 3: the narrow param shard is the resident copy of the params (offloaded: under its tier)
-            totals["params" if self._stage.shards_params else "buffers"] += b["param_shard"]
-            if part.param_tier is not Tier.DEVICE:
-                totals[part.param_tier.value] = totals.get(part.param_tier.value, 0) + b["param_shard_offloaded"]
-        totals["buffers"] += self.grad_sync.buffer_bytes()
-        return totals
+        return memory_bytes(self)
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes per collective in the last step, counted as the ZeRO paper does."""
@@ -98,6 +82,18 @@ class StateAccess:
     def shard_index(self) -> tuple[PartitionIndex, ...]:
         """This rank's shards: one entry per partition, in partition order."""
         return tuple(part.index() for part in self.partitions)
+
+    def frozen_index(self) -> tuple[PartitionIndex, ...]:
+        """Stage 3's weights-only partitions (frozen parameters, frozen.py); empty at stages 1-2."""
+        return tuple(part.index() for part in self._stage.frozen_parts)
+
+    def frozen_weights(self) -> dict:
+        """Stage 3: {frozen parameter: full CPU copy} on rank 0 ({} elsewhere, and at stages 1-2); collective."""
+        return self._stage.frozen_weights(keep=self.comm.rank == 0)
+
+    def load_frozen_weights(self, values: dict) -> None:
+        """Stage 3: each rank's shard of ``values`` ({frozen parameter: full tensor}) into its param shards."""
+        self._stage.load_frozen(values)
 
     def read_shard(self, partition: int, kind: str, start: int, end: int, settle: bool = True) -> torch.Tensor:
         """A CPU copy of elements [start, end) of partition ``partition``'s ``kind`` shard.

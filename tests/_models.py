@@ -104,6 +104,36 @@ class BNNet(nn.Module):
         return self.head(h).view(b, -1, D_OUT).mean(dim=1)
 
 
+class LoraNet(nn.Module):
+    """The issue's fine-tuning shape: 133,640 elements, 98.5% frozen (a frozen embedding and base
+    layer), 2,056 trainable in a LoRA-like adapter (A with a bias, B) beside the base. ``forward(x, y)``
+    takes token ids (batch, SEQ) and a (batch, D_OUT) target; returns (None, loss). Children are stage 3's
+    units; the adapter sits in the base layer's unit, as PEFT puts it."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.emb = nn.Embedding(1000, 128)
+            self.block = nn.ModuleDict({"base": nn.Linear(128, 28, bias=False), "lora_a": nn.Linear(128, 8),
+                                        "lora_b": nn.Linear(8, 128, bias=False)})
+            nn.init.normal_(self.block["lora_b"].weight, 0.0, 0.02)  # nonzero: the test compares every step
+        self.emb.requires_grad_(False)
+        self.block["base"].requires_grad_(False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = h + self.block["lora_b"](self.block["lora_a"](h))
+        out = self.block["base"](h).mean(dim=1)[:, :D_OUT]
+        return None, F.mse_loss(out, y)
+
+
+def lora_batch(step: int, rank: int, micro: int = 0, size: int = 4):
+    """Token ids and a target for LoraNet; a function of (step, rank, micro) only."""
+    g = torch.Generator().manual_seed(100_003 * step + 1_009 * rank + micro)
+    return torch.randint(0, 1000, (size, SEQ), generator=g), torch.randn(size, D_OUT, generator=g)
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Three groups with different lr / weight decay (TinyNet or PlainNet alike)."""
     special = ("branch.", "side.", "frozen.", "head.")

@@ -68,8 +68,9 @@ def _lockstep(rank, world_size, folder):
         modes = {stat.S_IMODE(os.stat(os.path.join(own, f)).st_mode) for f in files}
         out[name] = {"unequal": unequal, "mem": [o.memory_bytes() for o in opts], "files": files, "modes": modes,
                      "partitions": [len(o.partitions) for o in opts],
-                     "shard_bytes": [sum(part.layout.shard_numel for part in o.partitions) * m.inp.weight.element_size()
-                                     for o, m in zip(opts, models)]}
+                     "frozen_partitions": [len(o.frozen_index()) for o in opts],  # TinyNet.frozen's: weights only
+                     "shard_bytes": [sum(part.shard_numel for part in o.shard_index() + o.frozen_index())
+                                     * m.inp.weight.element_size() for o, m in zip(opts, models)]}
         for o in opts:
             o.close()
         out[name]["files_after_close"] = os.listdir(own)
@@ -93,7 +94,8 @@ def test_offload_params_is_bitwise_the_run_without(tmp_path):
                     assert mem["grads"] == 0, (name, kw)
                 assert {k: mem.get(k, 0) for k in tiers} == tiers, (name, kw)
                 assert mem["params"] == 0 and mem["master"] == (0 if kw.get("offload_optimizer") else ref["master"])
-            n_params = sum(p for kw, p in zip(configs, res["partitions"]) if kw.get("offload_params") == "nvme")
+            n_params = sum(p + f for kw, p, f in zip(configs, res["partitions"], res["frozen_partitions"])
+                           if kw.get("offload_params") == "nvme")
             n_states = sum(p for kw, p in zip(configs, res["partitions"]) if kw.get("offload_optimizer") == "nvme")
             assert sum(f.endswith(".params") for f in res["files"]) == n_params > 0
             assert sum(f.endswith(".states") for f in res["files"]) == n_states
@@ -152,10 +154,11 @@ def test_param_files_are_private_removed_and_errors_name_them(tmp_path, monkeypa
     opt_a = _build(a, str(tmp_path), **BF16[2])
     opt_b = _build(b, str(tmp_path), **BF16[2])  # the same folder: files of its own
     files = os.listdir(tmp_path)
-    assert len(files) == len(set(files)) == len(opt_a.partitions) + len(opt_b.partitions)
+    per_opt = [len(o.partitions) + len(o.frozen_index()) for o in (opt_a, opt_b)]  # frozen weights: a file too
+    assert len(files) == len(set(files)) == sum(per_opt)
     _step(a, opt_a, 0, 0)
     opt_a.close()
-    assert len(os.listdir(tmp_path)) == len(opt_b.partitions)
+    assert len(os.listdir(tmp_path)) == per_opt[1]
     real = os.preadv
 
     def failing(fd, buffers, offset):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_ranks
+from _models import LoraNet, lora_batch
 from fused_zero import ShardedOptimizer
 from fused_zero.plan import estimate, tier
 
@@ -64,13 +65,19 @@ def gpt_bf16() -> nn.Module:
 
 def _batch(name, rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
+    if name == "lora":
+        return lora_batch(step, rank)
     if name.startswith("gpt"):
         idx = torch.randint(0, GPT_CFG.vocab, (2, GPT_CFG.seq_len + 1), generator=g)
         return idx[:, :-1], idx[:, 1:]
     return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
 
 
-MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net}
+def lora() -> nn.Module:
+    return LoraNet()
+
+
+MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net, "lora": lora}  # lora: 98.5% frozen (issue 24)
 # (model, stage, bucket_numel, reduce dtype)
 CONFIGS = [(m, s, b, r) for m in MODELS for s in (1, 2, 3) for b, r in ((1000, None), (1 << 24, torch.float32))]
 

@@ -141,8 +141,13 @@ class _Schema:
                 continue
             self.need(0 <= group < len(groups) and name in groups[group]["params"], where + "['group']",
                       f"is {group}, but param group {group} does not list it")
-            kinds = rec.setdefault("kinds", list(BASE_KINDS)) if meta["version"] < 2 else rec.get("kinds")
+            old = list(BASE_KINDS) if rows else []  # format 1 has no kinds: a frozen parameter has no chunks
+            kinds = rec.setdefault("kinds", old) if meta["version"] < 2 else rec.get("kinds")
             self.strs(kinds, where + "['kinds']")
+            if not kinds:  # frozen when saved (frozen.py): its weights are a model tensor, it has no state
+                self.need(not rows and name in tensors, where, "holds no state kinds, so it must have no chunks "
+                          "and its weights in 'model_tensors'")
+                continue
             self.need(set(BASE_KINDS) <= set(kinds) and len(set(kinds)) == len(kinds), where + "['kinds']",
                       f"must list {list(BASE_KINDS)} once each")
             for i, row in enumerate(rows):
@@ -211,7 +216,7 @@ def read_metadata(path: str) -> tuple[dict, str]:
                                   f"{info['bytes']} bytes: the checkpoint is incomplete or corrupted; restore the "
                                   "file or load an older tag")
     for name, rec in meta["params"].items():
-        if rec["group"] is not None:
+        if rec["group"] is not None and rec["kinds"]:  # (no kinds: frozen when saved, a model tensor)
             try:
                 check_tiling(name, [Chunk.parse(c) for c in rec["chunks"]], numel_of(rec["shape"]))
             except CheckpointError as e:
@@ -256,6 +261,12 @@ def check_match(view: ModelView, meta: dict, path: str) -> None:
     if moved:
         raise ValueError(f"{path}: parameters sit in other param groups than when saved: {', '.join(moved)}; "
                          "build the optimizer with the same groups (None: not trained by the optimizer)")
+    thawed = [view.name(p) for pid, p in view.params.items() if pid not in view.where
+              and meta["params"][alias[view.name(p)]]["chunks"]]
+    if thawed:
+        raise ValueError(f"{path}: {thawed[:3]}{' and more' if len(thawed) > 3 else ''} were trained when saved "
+                         "and are frozen (requires_grad=False) in this optimizer, which keeps no state for them: "
+                         "load with them trainable, then freeze them and build a new optimizer")
     for pid, p in view.params.items():
         if pid in view.where:
             n = view.name(p)

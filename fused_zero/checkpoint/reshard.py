@@ -72,12 +72,14 @@ def aliases(meta: dict) -> dict[str, str]:
     return {n: name for name, rec in meta["params"].items() for n in [name, *rec["aliases"]]}
 
 
-def reshard(view, meta: dict, read_chunk: Callable[[str, Chunk], dict]) -> list[dict[str, torch.Tensor]]:
+def reshard(view, meta: dict, read_chunk: Callable[[str, Chunk], dict],
+            weights: Callable[[str], torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """New shards ({kind: tensor} per partition of this rank, ``view.index`` order) from saved chunks.
 
     ``read_chunk(name, chunk)`` returns the chunk's tensors by kind; each chunk is read once per
     parameter however many of this rank's pieces it meets. Padding, and a kind the checkpoint
-    lacks, stay zero (check_match has refused saved kinds a partition lacks).
+    lacks, stay zero (check_match has refused saved kinds a partition lacks). A parameter frozen when
+    saved (no state kinds) and trained now gets its master from its saved weights, ``weights(name)``.
     """
     staged = [{kind: torch.zeros(part.shard_numel) for kind in part.kinds} for part in view.index]
     wants: dict[str, list] = {}
@@ -87,6 +89,12 @@ def reshard(view, meta: dict, read_chunk: Callable[[str, Chunk], dict]) -> list[
     alias = aliases(meta)
     for mine, pieces in wants.items():
         name = alias[mine]
+        if not meta["params"][name]["kinds"] and weights is not None:  # frozen when saved: its state starts empty
+            full = weights(name).reshape(-1).float()
+            for k, piece in pieces:
+                at = piece.shard_offset
+                staged[k]["master"][at:at + piece.numel] = full[piece.param_offset:piece.param_offset + piece.numel]
+            continue
         saved = [Chunk.parse(c) for c in meta["params"][name]["chunks"]]
         starts = [c.start for c in saved]
         cache: dict[int, dict[str, torch.Tensor]] = {}

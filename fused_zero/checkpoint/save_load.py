@@ -96,6 +96,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
         return tmp
 
     _, tmps = agree(comm, make_tmp, share=lambda r: r)
+    frozen = optimizer.frozen_weights()  # stage 3: the frozen weights, whole on rank 0 (every rank gathers)
     tmp = os.path.join(directory, tmps[0])
 
     def write():
@@ -109,7 +110,8 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
         if comm.rank != 0:
             return written, table, None
         own = {k: b.detach().to("cpu", copy=True).contiguous() for k, b in view.buffers.items()}
-        own.update({n: p.detach().to("cpu", copy=True).contiguous() for n, p in view.unmanaged().items()})
+        own.update({n: frozen[p].contiguous() if p in frozen else p.detach().to("cpu", copy=True).contiguous()
+                    for n, p in view.unmanaged().items()})
         written[MODEL_FILE] = files.write_file(os.path.join(tmp, MODEL_FILE), safetensors.torch.save(own))
         for fname, data in blobs.values():
             written[fname] = files.write_file(os.path.join(tmp, fname), data)
@@ -178,10 +180,10 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
                               "same checkpoint, from a filesystem that all ranks share")
 
     def read():
-        with ExitStack() as stack:
-            staged = reshard(view, meta, Reader(path, meta, stack).chunk)
-        alias = aliases(meta)
         saved = model_tensors(path, meta)
+        with ExitStack() as stack:
+            staged = reshard(view, meta, Reader(path, meta, stack).chunk, saved.__getitem__)
+        alias = aliases(meta)
         tensors = {k: saved[alias.get(k, k)] for k in [*view.buffers, *view.unmanaged()]}
         steps = {n: meta["params"][alias[n]]["step"] for n in view.group_of}
         hypers = [decode(g["hyper"]) for g in meta["param_groups"]]
@@ -208,8 +210,11 @@ def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, sc
         group.update(hyper)
     for key, b in view.buffers.items():
         b.copy_(tensors[key])
+    sharded = {id(p) for part in opt.frozen_index() for p in part.params}  # stage 3's frozen weights
     for name, p in view.unmanaged().items():
-        p.copy_(tensors[name])
+        if id(p) not in sharded:
+            p.copy_(tensors[name])
+    opt.load_frozen_weights({p: tensors[name] for name, p in view.unmanaged().items() if id(p) in sharded})
     if scheduler is not None:
         scheduler.load_state_dict(sched_state)
     opt.load_shards(staged)

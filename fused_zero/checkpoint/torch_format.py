@@ -89,10 +89,13 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     shapes = shapes_of(index)
     states, bad = {}, []
     for gi, g in enumerate(saved):
-        if g.get("amsgrad") and not all("max_exp_avg_sq" in kinds[id(p)] for p in groups[gi]["params"]):
+        if g.get("amsgrad") and not all("max_exp_avg_sq" in kinds.get(id(p), ("max_exp_avg_sq",))
+                                      for p in groups[gi]["params"]):
             check_kinds(["max_exp_avg_sq"], (), f"param group {gi} of the state dict", gi)
     for gi, (g, mine) in enumerate(zip(saved, groups)):
         for i, p in zip(g["params"], mine["params"]):
+            if id(p) not in kinds:  # frozen when this optimizer was built (frozen.py): it keeps no state
+                continue
             states[p] = s = sd["state"].get(i, sd["state"].get(str(i), {}))
             if not isinstance(s, Mapping):
                 raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
@@ -154,7 +157,8 @@ def consolidate(directory, tag: str | None = None) -> tuple[dict, dict]:
     with ExitStack() as stack:
         reader = Reader(path, meta, stack)
         for name, rec in meta["params"].items():
-            full[name] = reader.full(name) if rec["group"] is not None else {"master": saved[name].float()}
+            trained = rec["group"] is not None and rec["kinds"]  # (no kinds: frozen when saved, a model tensor)
+            full[name] = reader.full(name) if trained else {"master": saved[name].float()}
     for fname in meta["rank_files"]:
         read_checked(path, meta, fname)
     alias = aliases(meta)

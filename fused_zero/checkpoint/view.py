@@ -47,6 +47,8 @@ class ModelView:
         # Stage 3 releases parameters outside forward (0-element placeholders): take their
         # shapes from the partitions, never from the tensors.
         self.shapes = {k: list(part.shapes) for k, part in enumerate(self.index)}
+        # stage 3's frozen parameters: sharded weights in no shard_index() entry (saved whole, from frozen_weights())
+        self.frozen = {id(p): tuple(s) for part in opt.frozen_index() for p, s in zip(part.params, part.shapes)}
         self.groups: list[list[str]] = []  # names per param group, in group order
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
@@ -65,7 +67,7 @@ class ModelView:
 
     def shape(self, p) -> tuple[int, ...]:
         if id(p) not in self.where:
-            return tuple(p.shape)
+            return self.frozen.get(id(p), tuple(p.shape))
         k, i = self.where[id(p)]
         return tuple(self.shapes[k][i])
 

@@ -73,6 +73,10 @@ class _Unit:
         self.module = module
         self.parts = parts
         self.trainable = {p for part in parts for p in part.params if p.requires_grad}
+        # frozen weights are read by backward but get no gradient: such a unit is released once the gradient of
+        # its inputs is in as well (nothing of its backward is left then); without grad-requiring inputs, at the end
+        self.frozen = any(part.frozen for part in parts)
+        self.inputs_done = False
         self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
         self.state = UnitState.RELEASED
         self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
@@ -263,7 +267,21 @@ class ParamGatherer:
             self._record.append(u.index)
         self._require(u)
         if self.state is TrainingState.FORWARD:
+            if u.frozen and self._grad_forward:
+                self._hook_inputs(u, args)
             self._prefetch()
+
+    def _hook_inputs(self, u: _Unit, args) -> None:
+        u.inputs_done = False
+        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._inputs_done, u.index))
+
+    def _inputs_done(self, index: int, grads) -> None:
+        u = self.units[index]
+        u.inputs_done = True
+        if self.state is TrainingState.BACKWARD and u.index and len(u.grads_seen) == len(u.trainable):
+            self._release(u)
 
     def _post_forward(self, module: nn.Module, args, output):
         u = self._unit_of[id(module)]
@@ -337,7 +355,7 @@ class ParamGatherer:
         if self.state is not TrainingState.BACKWARD or u is None or u.index == 0:
             return
         u.grads_seen.add(p)
-        if len(u.grads_seen) == len(u.trainable):
+        if len(u.grads_seen) == len(u.trainable) and (not u.frozen or u.inputs_done):
             self._release(u)
 
     def end_backward(self) -> None:

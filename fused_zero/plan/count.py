@@ -2,7 +2,7 @@
 
 ``--model MODULE:CALLABLE`` builds the model on the meta device (shapes and dtypes, no
 memory) and keeps one ``ParamSpec`` per parameter, in ``model.parameters()`` order (a
-tied parameter once), with the stage 3 unit that owns it (``fused_zero.units.plan_units``).
+tied parameter once), with the stage 3 unit that owns it (``fused_zero.sharding.units.plan_units``).
 ``--params N`` is one flat trainable parameter of N elements: the padded sizes are then
 exact for one flat buffer, but the alignment of each real parameter (at most 63 elements
 each) and the split into param groups, dtypes and units are unknown.

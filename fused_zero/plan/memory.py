@@ -1,7 +1,7 @@
 """Bytes per rank at each stage: what DDP would hold (stage 0) and what fused_zero allocates.
 
 Stages 1-3 repeat ShardedOptimizer's layout decisions with the same pure function
-(``fused_zero.layout.build_layout``): one flat buffer per (param group, dtype), per unit
+(``fused_zero.sharding.layout.build_layout``): one flat buffer per (param group, dtype), per unit
 too at stage 3, parameters in reverse order, each 64-element aligned, buckets padded to a
 multiple of 64 x N. Per partition of padded size F and shard size S = F / N, with P the
 param dtype's bytes and R the reduce dtype's:
@@ -10,7 +10,12 @@ param dtype's bytes and R the reduce dtype's:
                 whose master shard is the gather source)
     grads       stage 1: P * (trainable elements) for the full .grad + R*S for the reduced
                 shard; stages 2-3: R*S (each .grad is freed once its bucket is reduced)
-    optimizer   master, exp_avg, exp_avg_sq: 4*S each (frozen parameters included)
+    optimizer   master, exp_avg, exp_avg_sq: 4*S each
+    frozen      parameters with requires_grad=False (frozen.py) are weights only: at stages
+                1-2 the user's whole tensors (P * elements, under params, in no partition); at
+                stage 3 a weights-only partition per (unit, dtype) whose narrow shard P*S (fp32
+                too: no master to gather from) is their only resident cost; no grads, states,
+                pool buffer or reduction, gathered with their unit
     buffers     GradSync's pool: per reduce dtype, min(MAX_INFLIGHT = 2, buckets holding a
                 trainable parameter) buffers of the largest bucket (a gradient hook never
                 grows it: it defers a launch instead); stages 1-2 add the narrow param
@@ -149,6 +154,7 @@ class _Part(NamedTuple):
     specs: tuple[ParamSpec, ...]
     layout: FlatLayout
     unit: int
+    frozen: bool = False  # stage 3's weights-only partitions (frozen.py)
 
     @property
     def dtype(self) -> str:
@@ -160,15 +166,18 @@ class _Part(NamedTuple):
 
 
 def _partitions(count: ModelCount, job: Job, stage: int) -> list[_Part]:
-    """The optimizer's partitions: per dtype (and per unit at stage 3), parameters reversed."""
+    """The optimizer's partitions: per dtype (and per unit at stage 3), parameters reversed; the trainable
+    ones, then at stage 3 each unit's frozen ones (stages 1-2 leave frozen parameters whole, unpartitioned)."""
     units = sorted({s.unit for s in count.params}) if stage == 3 else [None]
     parts = []
     for unit in units:
         mine = [s for s in reversed(count.params) if unit is None or s.unit == unit]
-        for dtype in dict.fromkeys(s.dtype for s in mine):
-            specs = tuple(s for s in mine if s.dtype == dtype)
-            layout = build_layout([s.numel for s in specs], job.world_size, job.bucket_numel, ALIGN)
-            parts.append(_Part(specs, layout, unit or 0))
+        for frozen in (False, True) if stage == 3 else (False,):
+            kind = [s for s in mine if s.trainable != frozen]
+            for dtype in dict.fromkeys(s.dtype for s in kind):
+                specs = tuple(s for s in kind if s.dtype == dtype)
+                layout = build_layout([s.numel for s in specs], job.world_size, job.bucket_numel, ALIGN)
+                parts.append(_Part(specs, layout, unit or 0, frozen))
     return parts
 
 
@@ -208,7 +217,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         launched = part.launched()
         d["param_full"] += p * full
         # the narrow param shard (Partition.__init__): narrow params, or any once the master leaves the device
-        if part.dtype != "fp32" or opt is not None:
+        if part.dtype != "fp32" or opt is not None or part.frozen:
             if stage == 3 and par is not None:
                 d[WHERE[par] + "_params"] += p * shard
                 moved[part.unit] = moved.get(part.unit, 0) + p * shard
@@ -216,16 +225,13 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                 d["param_shard"] += p * shard
             # else stages 1-2 with offloaded states: this rank's own slices of the flat buffer, no bytes
         d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if stage == 1 else 0
-        d["grad_shard" if opt is None else "host_grads"] += r * shard
-        if opt is None:
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                d[kind] += 4 * shard
-        else:
-            d[WHERE[opt] + "_states"] += 3 * 4 * shard
-        pool = pools.setdefault(reduce, [0, 0, 0])
-        pool[0] += len(launched)
-        pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
-        pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
+        if not part.frozen:
+            d["grad_shard" if opt is None else "host_grads"] += r * shard
+            _states(d, opt, shard)
+            pool = pools.setdefault(reduce, [0, 0, 0])
+            pool[0] += len(launched)
+            pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
+            pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
         reduced = sum(part.layout.buckets[k].numel for k in launched)
         d["reduce_scatter"] += r * reduced
         # stage 3 gathers every unit in forward and, resharded, every unit but the root again in backward
@@ -236,16 +242,19 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     if opt is not None:
         # the optimizer's staging.Staging, shared by every partition: two pinned chunks of params going up to a
         # GPU per param dtype (transfer.Uploads), and for NvmeStore three blocks per state kind
-        dtypes = {part.dtype for part in parts}
+        dtypes = {part.dtype for part in parts if not part.frozen}
         d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + (3 * 3 * 4 * job.chunk if opt == "nvme"
                                                                               else 0)
         # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
-    if job.world_size > 1:
-        d["all_reduce"] = 4 * (STATS_HEAD + len(count.params))  # the step's scalars and has-grad flags (stats.py)
+    if stage < 3:  # frozen parameters stay the user's whole tensors
+        d["param_full"] += sum(BYTES[s.dtype] * s.numel for s in count.params if not s.trainable)
+    if job.world_size > 1:  # the step's scalars and has-grad flags of the trained parameters (stats.py)
+        d["all_reduce"] = 4 * (STATS_HEAD + sum(1 for s in count.params if s.trainable))
     else:
         d.update(reduce_scatter=0, all_gather=0)
-    d["partitions"] = len(parts)
+    d["partitions"] = sum(1 for part in parts if not part.frozen)  # the optimizer's (ShardedOptimizer.partitions)
+    d["frozen_partitions"] = len(parts) - d["partitions"]  # stage 3's weights-only ones
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
         d["host_staging"] += d["device_staging"] if par == "nvme" else 0
@@ -259,6 +268,15 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
                          offload=tier(opt, par), host=host,
                          nvme=d["nvme_states"] + d["nvme_params"], staging=d["device_staging"])
+
+
+def _states(d: dict, opt: str | None, shard: int) -> None:
+    """A trained partition's master, exp_avg and exp_avg_sq: 4 bytes per shard element each, where they live."""
+    if opt is None:
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            d[kind] += 4 * shard
+    else:
+        d[WHERE[opt] + "_states"] += 3 * 4 * shard
 
 
 def _in_flight(unit_shards: dict[int, int], job: Job) -> int:

@@ -42,8 +42,10 @@ class Partition:
     """The flat buffers of the parameters of one (param group, dtype)."""
 
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], layout: FlatLayout, rank: int,
-                 reduce_dtype: torch.dtype, amsgrad: bool = False, tiers: Tiers = ON_DEVICE) -> None:
-        """``tiers``: where the states and the narrow param shard live (``tiers/factory.py`` decides)."""
+                 reduce_dtype: torch.dtype, amsgrad: bool = False, tiers: Tiers = ON_DEVICE,
+                 frozen: bool = False) -> None:
+        """``tiers``: where the states and the narrow param shard live (``tiers/factory.py`` decides);
+        ``frozen``: weights only (frozen.py, stage 3), never reduced or updated."""
         self.group_index = group_index
         self.params = params
         # Kept: stage 3 points released parameters at empty tensors.
@@ -60,10 +62,12 @@ class Partition:
         n = layout.shard_numel
         # The narrow param shard: written back by the fused kernel, then all-gathered (tiers/factory.py).
         self.store, self.pshard, self.grad_tier = tiers(n, self.device, self.dtype, amsgrad,
-                                                        lambda: OwnSlices(self.flat, layout, rank))
+                                                        lambda: OwnSlices(self.flat, layout, rank), frozen)
         # The reduced gradient shard lives where the update runs: beside the states, on the host when they
         # are offloaded (GradSync copies each bucket's shard down as soon as it is reduced).
-        self.grad_shard = (torch.zeros(n, dtype=reduce_dtype, device=self.device) if self.grad_tier is Tier.DEVICE
+        self.frozen = frozen
+        self.grad_shard = (None if frozen else torch.zeros(n, dtype=reduce_dtype, device=self.device)
+                           if self.grad_tier is Tier.DEVICE
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self._versions: list[int] = []
         self._ptrs: list[int] = []

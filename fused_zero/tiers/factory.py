@@ -18,7 +18,7 @@ import torch
 
 from .param_store import DeviceParamShard, HostParamShard, NvmeParamShard, ParamShard
 from .staging import Staging
-from .store import DeviceStore, ShardStore
+from .store import DeviceStore, ShardStore, WeightsOnly
 from .store_host import HostStore
 from .store_nvme import NvmeStore, check_nvme_path
 from .tier import Tier
@@ -29,7 +29,7 @@ class PartitionMemory(NamedTuple):
 
     store: ShardStore  # fp32 master and Adam moments
     param_shard: ParamShard | None  # the narrow param shard, or None (fp32 gathered from the master)
-    grad: Tier  # the reduced gradient shard: where the update runs (beside the states)
+    grad: Tier  # the reduced gradient shard: where the update runs (beside the states; a frozen one has none)
 
 
 class Tiers:
@@ -74,9 +74,13 @@ class Tiers:
         return DeviceParamShard(numel, dtype, device)
 
     def __call__(self, numel: int, device: torch.device, dtype: torch.dtype, amsgrad: bool,
-                 own_slices: Callable[[], ParamShard]) -> PartitionMemory:
+                 own_slices: Callable[[], ParamShard], frozen: bool = False) -> PartitionMemory:
         """A partition's store and narrow param shard (``numel`` elements each); ``own_slices()`` makes the
-        shard that is the partition's own slices of its resident flat buffer."""
+        shard that is the partition's own slices of its resident flat buffer. ``frozen``: stage 3's
+        weights-only partition (frozen.py): no state, no gradient shard, its weights in the param shard."""
+        if frozen:
+            return PartitionMemory(WeightsOnly(numel, device), self._param_shard(numel, dtype, device, device),
+                                   Tier.DEVICE)
         store = self._store(numel, device, amsgrad)
         offloaded = self.states is not Tier.DEVICE  # the master is not on the device: nothing to gather from
         kernel_device = device if not offloaded else torch.device("cpu")  # where the update runs

@@ -125,3 +125,27 @@ def _chunks_of(tensors: dict, ranges, grad: torch.Tensor, param_out: torch.Tenso
         yield StateChunk(start, end, *(tensors[k][a:b] for k in STATE_KINDS),
                          tensors[AMSGRAD_KIND][a:b] if AMSGRAD_KIND in tensors else None,
                          grad[a:b], None if param_out is None else param_out[a:b])
+
+
+class WeightsOnly(ShardStore):
+    """The store of a frozen partition (frozen.py, stage 3): no state at all; its weights live in the param
+    shard."""
+
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool = False) -> None:
+        super().__init__(numel, amsgrad)
+        self.kinds = ()
+
+    def read(self, kind, start, end):
+        raise ValueError(f"a frozen partition holds no optimizer state, not {kind!r}")
+
+    def write(self, kind, start, values) -> None:
+        """The weights are the param shard's (``Partition`` writes it beside): nothing kept here."""
+
+    def update_chunks(self, ranges, grad, param_out):
+        raise RuntimeError("a frozen partition is never updated")
+
+    def gather_source(self) -> None:
+        return None  # gathered from the param shard
+
+    def nbytes(self) -> dict[str, int]:
+        return {}
