@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,20 @@ MAX_INFLIGHT = 2
 #: Scalars of step()'s all-reduce before the per-parameter has-grad flags (stats.py): sq_norm, nonfinite,
 #: and the checksum's (c1, c1**2, c2, c2**2).
 STATS_HEAD = 2 + 4
+
+
+
+class StageTraits(NamedTuple):
+    """What a ZeRO stage shards: the one table of stage facts. ``stages.py``'s strategies take theirs from it,
+    and the planner (``plan/``) models each stage by them; stage 0 is DDP (nothing sharded)."""
+
+    shards_states: bool  # fp32 master and moments: this rank's shard only
+    shards_grads: bool  # each bucket reduce-scattered in backward, .grad freed once packed
+    shards_params: bool  # parameters gathered per unit just in time, released after use
+
+
+STAGE_TRAITS = {0: StageTraits(False, False, False), 1: StageTraits(True, False, False),
+                2: StageTraits(True, True, False), 3: StageTraits(True, True, True)}
 
 _REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -84,7 +99,7 @@ class ZeroConfig:
     @property
     def needs_module(self) -> bool:
         """Whether the optimizer must be given the model itself (stage 3 shards its parameters)."""
-        return self.stage == 3
+        return STAGE_TRAITS[self.stage].shards_params
 
     def __post_init__(self) -> None:
         if not isinstance(self.broadcast_buffers, bool):

@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from torch import nn
 
 from .comm.collectives import Comm
-from .config import ALIGN, ZeroConfig
+from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
 from .comm.grad_sync import ReduceAtStep, ReduceInBackward
 from .comm.param_sync import ParamSync
@@ -38,9 +38,13 @@ class Stage1:
     """Shard the optimizer states."""
 
     number = 1
+    traits = STAGE_TRAITS[1]
     reducer = ReduceAtStep
-    shards_params = False
     can_add_groups = True
+
+    @property
+    def shards_params(self) -> bool:
+        return self.traits.shards_params
 
     def __init__(self, comm: Comm, config: ZeroConfig) -> None:
         self.comm = comm
@@ -149,6 +153,7 @@ class Stage2(Stage1):
     """Also shard the gradients: reduce-scatter each bucket during backward."""
 
     number = 2
+    traits = STAGE_TRAITS[2]
     reducer = ReduceInBackward
 
 
@@ -156,7 +161,7 @@ class Stage3(Stage2):
     """Also shard the parameters: gather each unit just in time, release it after use."""
 
     number = 3
-    shards_params = True
+    traits = STAGE_TRAITS[3]
     can_add_groups = False
 
     def __init__(self, comm: Comm, config: ZeroConfig) -> None:

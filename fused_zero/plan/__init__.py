@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fused_zero.config import ZeroConfig
+from fused_zero.config import STAGE_TRAITS, ZeroConfig
 
 from . import activations as _act
 from .count import DTYPES, ModelCount, count_module, dtype_name, flat_count
@@ -53,7 +53,7 @@ class Plan:
     def stage(self, n: int, offload: str = "none") -> StageEstimate:
         """Stage ``n`` at the offload tier ``offload`` ("none", "opt=cpu", "opt=cpu,params=cpu", ...)."""
         opt, par = tier_options(offload)
-        if par is not None and n != 3:
+        if par is not None and not STAGE_TRAITS.get(n, STAGE_TRAITS[0]).shards_params:
             raise ValueError(f"offload_params needs stage 3 (stages 1-2 keep every parameter whole on every rank): "
                              f"{offload!r} is planned at stage 3 only")
         if n == 0 and (opt, par) != (None, None):

@@ -51,14 +51,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fused_zero.config import ALIGN, MAX_INFLIGHT, STATS_HEAD, ZeroConfig
+from fused_zero.config import ALIGN, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, ZeroConfig
 from fused_zero.sharding.layout import FlatLayout, build_layout
+from fused_zero.tiers.tier import Tier
 
 from .count import ModelCount, ParamSpec
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-#: offload option value -> the memory_bytes() key its bytes go under
-WHERE = {"cpu": "host", "nvme": "nvme"}
+#: offload option value -> the memory_bytes() key its bytes go under (the tier's name)
+WHERE = {option: Tier.of(option).value for option in ("cpu", "nvme")}
 #: The offload tiers the recommendation tries when no stage fits on the device, cheapest first:
 #: (stage, offload_optimizer, offload_params). Stage 1 tiers are planned too, never recommended:
 #: stage 2 with the same tier sends the same bytes and holds less.
@@ -168,11 +169,12 @@ class _Part(NamedTuple):
 def _partitions(count: ModelCount, job: Job, stage: int) -> list[_Part]:
     """The optimizer's partitions: per dtype (and per unit at stage 3), parameters reversed; the trainable
     ones, then at stage 3 each unit's frozen ones (stages 1-2 leave frozen parameters whole, unpartitioned)."""
-    units = sorted({s.unit for s in count.params}) if stage == 3 else [None]
+    by_unit = STAGE_TRAITS[stage].shards_params
+    units = sorted({s.unit for s in count.params}) if by_unit else [None]
     parts = []
     for unit in units:
         mine = [s for s in reversed(count.params) if unit is None or s.unit == unit]
-        for frozen in (False, True) if stage == 3 else (False,):
+        for frozen in (False, True) if by_unit else (False,):
             kind = [s for s in mine if s.trainable != frozen]
             for dtype in dict.fromkeys(s.dtype for s in kind):
                 specs = tuple(s for s in kind if s.dtype == dtype)
@@ -199,7 +201,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     param shards where ``offload_optimizer`` / ``offload_params`` put them."""
     opt, par = offload_optimizer, offload_params
     tier_options(tier(opt, par))  # a known tier
-    if par is not None and stage != 3:
+    traits = STAGE_TRAITS[stage]
+    if par is not None and not traits.shards_params:
         raise ValueError(f"offload_params={par!r} needs stage 3 (stages 1-2 keep every parameter whole on every "
                          f"rank; got stage {stage}): plan stage 3, or opt={par} to move the optimizer states")
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
@@ -218,13 +221,13 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         d["param_full"] += p * full
         # the narrow param shard (Partition.__init__): narrow params, or any once the master leaves the device
         if part.dtype != "fp32" or opt is not None or part.frozen:
-            if stage == 3 and par is not None:
+            if traits.shards_params and par is not None:
                 d[WHERE[par] + "_params"] += p * shard
                 moved[part.unit] = moved.get(part.unit, 0) + p * shard
-            elif stage == 3 or opt is None:
+            elif traits.shards_params or opt is None:
                 d["param_shard"] += p * shard
             # else stages 1-2 with offloaded states: this rank's own slices of the flat buffer, no bytes
-        d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if stage == 1 else 0
+        d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if not traits.shards_grads else 0
         if not part.frozen:
             d["grad_shard" if opt is None else "host_grads"] += r * shard
             _states(d, opt, shard)
@@ -236,18 +239,18 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         d["reduce_scatter"] += r * reduced
         # stage 3 gathers every unit in forward and, resharded, every unit but the root again in backward
         again = full if part.unit and job.reshard_after_forward else 0
-        d["all_gather"] += p * (reduced if stage < 3 else full + again)
+        d["all_gather"] += p * (full + again if traits.shards_params else reduced)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
     if opt is not None:
         # the optimizer's staging.Staging, shared by every partition: two pinned chunks of params going up to a
         # GPU per param dtype (transfer.Uploads), and for NvmeStore three blocks per state kind
         dtypes = {part.dtype for part in parts if not part.frozen}
-        d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + (3 * 3 * 4 * job.chunk if opt == "nvme"
-                                                                              else 0)
+        d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + (3 * 3 * 4 * job.chunk
+                                                                              if Tier.of(opt) is Tier.NVME else 0)
         # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
-    if stage < 3:  # frozen parameters stay the user's whole tensors
+    if not traits.shards_params:  # frozen parameters stay the user's whole tensors
         d["param_full"] += sum(BYTES[s.dtype] * s.numel for s in count.params if not s.trainable)
     if job.world_size > 1:  # the step's scalars and has-grad flags of the trained parameters (stats.py)
         d["all_reduce"] = 4 * (STATS_HEAD + sum(1 for s in count.params if s.trainable))
@@ -257,8 +260,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     d["frozen_partitions"] = len(parts) - d["partitions"]  # stage 3's weights-only ones
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
-        d["host_staging"] += d["device_staging"] if par == "nvme" else 0
-    if stage == 3:
+        d["host_staging"] += d["device_staging"] if Tier.of(par) is Tier.NVME else 0
+    if traits.shards_params:
         params, buffers, gathered = d["param_shard"], d["bucket_pool"], _gathered(unit_bytes, count, job)
     else:
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
@@ -302,7 +305,7 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     the gathered units' size is unknown and left at 0. With ``layers`` an offload tier stages
     per partition (one per unit) and offload_params stages the in-flight units' shards only.
     """
-    if count.exact or est.stage != 3:
+    if count.exact or not STAGE_TRAITS[est.stage].shards_params:
         return est
     p = BYTES[count.params[0].dtype]
     gather_again = est.detail["param_full"] if job.reshard_after_forward and job.world_size > 1 else 0
@@ -315,8 +318,9 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         gathered = p * live * -(-count.numel() // layers)
         staging = _in_flight({u: -(-moved // layers) for u in range(layers)}, job) if moved else 0
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
-    chunks = detail["host_staging"] - (detail["device_staging"] if par == "nvme" else 0)  # shared by the units
-    detail.update(device_staging=staging, host_staging=chunks + (staging if par == "nvme" else 0),
+    reads = Tier.of(par) is Tier.NVME  # "nvme" reads the staged shards to the host first
+    chunks = detail["host_staging"] - (detail["device_staging"] if reads else 0)  # shared by the units
+    detail.update(device_staging=staging, host_staging=chunks + (staging if reads else 0),
                   partitions=detail["partitions"] * units)
     host = (detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_scratch"]
             + detail["host_staging"])

@@ -8,6 +8,8 @@ only when a picture is drawn.
 """
 from __future__ import annotations
 
+from fused_zero.config import STAGE_TRAITS
+
 from . import Plan
 from .report import ROWS, scale, short_count
 
@@ -31,7 +33,7 @@ def figure_class():
 
 def _label(s) -> str:
     size, unit = scale(max(s.comm_bytes, 1))
-    comm = "3Ψ" if s.stage == 3 else "2Ψ"
+    comm = "3Ψ" if STAGE_TRAITS[s.stage].shards_params else "2Ψ"
     name = f"ZeRO-{s.stage}" + (" (DDP)" if s.stage == 0 else "") + ("" if s.offload == "none" else f"\n{s.offload}")
     return name + f"\ncomm {comm}: {s.comm_bytes / size:.1f} {unit}"
 

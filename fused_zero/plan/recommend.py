@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fused_zero.config import STAGE_TRAITS
+
 from .memory import LADDER, StageEstimate, tier
 
 _UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
@@ -77,7 +79,7 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
         if fits[stage]:
             before = 0 if stage == 2 else 2
             return pick(stage, f"stage {before} needs {human(by[before].total)}; {_COMM[stage]} of communication "
-                               "per step" + (" (1.5x DDP's)" if stage == 3 else ", as DDP"))
+                               "per step" + (" (1.5x DDP's)" if STAGE_TRAITS[stage].shards_params else ", as DDP"))
     on_device = f"stage 3 needs {human(by[3].total)} per rank {within}"
     ladder = {(s.stage, s.offload): s for s in stages}
     tiers = [ladder[(st, tier(o, p))] for st, o, p in LADDER if (st, tier(o, p)) in ladder]

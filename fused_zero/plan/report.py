@@ -2,6 +2,8 @@
 but for the offload tiers' host and NVMe columns of the table, per node (as DeepSpeed's estimators)."""
 from __future__ import annotations
 
+from fused_zero.config import STAGE_TRAITS
+
 from . import Plan
 from .memory import StageEstimate
 from .recommend import options, scale
@@ -93,7 +95,7 @@ def table(plan: Plan) -> str:
     for row in ROWS:
         if row == "staging":
             continue  # offload only: in the tiers' block
-        cells = ["-" if row == "gathered" and s.stage != 3 else f"{getattr(s, row) / size:.2f}" for s in base]
+        cells = ["-" if row == "gathered" and not STAGE_TRAITS[s.stage].shards_params else f"{getattr(s, row) / size:.2f}" for s in base]
         lines.append(f"{_LABELS[row]:<18}" + "".join(f"{c:>13}" for c in cells))
     if plan.gpu_memory is not None:
         usable = plan.recommendation.usable
