@@ -94,6 +94,7 @@ def _mechanics(rank, world_size):
     opt.zero_grad()
     loss = model(idx, tgt)[1]
     out["log_forward"] = list(log)
+    out["live"] = [(g.live_bytes, g.gathered_bytes())]  # the running total against the storages, as it goes
     loss.backward()
     out["log_step"] = list(log)
     out["seen"] = list(seen)
@@ -110,6 +111,7 @@ def _mechanics(rank, world_size):
     out["memory"] = opt.memory_bytes()
     out["shard_numel"] = sum(part.layout.shard_numel for part in opt.partitions)
     out["gathered_after_step"] = g.gathered_bytes()
+    out["live"].append((g.live_bytes, g.gathered_bytes()))
 
     # eval under no_grad: one forward's gathers, all released
     log.clear()
@@ -118,6 +120,7 @@ def _mechanics(rank, world_size):
         logits = model(idx)
     model.train()
     out["eval_log"], out["gathered_after_eval"] = list(log), g.gathered_bytes()
+    out["live"].append((g.live_bytes, g.gathered_bytes()))
     with torch.no_grad():
         out["eval_err"] = rel(logits, ref(idx))
 
@@ -131,11 +134,13 @@ def _mechanics(rank, world_size):
         out["raised"] = "boom" in str(e)
     del blk.forward
     out["after_exception"] = (g.gathered_bytes(), g.state.value)
+    out["live"].append((g.live_bytes, g.gathered_bytes()))
     both(2)
 
     # full parameters: readable, and writeback reaches the masters
     with opt.full_parameters(writeback=True):
         out["full_numel"] = [p.numel() for p in model.parameters()]
+        out["live"].append((g.live_bytes, g.gathered_bytes()))
         with torch.no_grad():
             model.ln_f.weight.add_(0.5)
             ref.ln_f.weight.add_(0.5)
@@ -214,6 +219,8 @@ def test_parameters_are_empty_placeholders_between_steps(mech):
     assert set(r["released_numel"]) == {0}
     assert all(n > 0 for n in r["full_numel"])
     assert r["gathered_after_step"] == 0
+    assert all(kept == counted for kept, counted in r["live"]), r["live"]  # gatherer.live_bytes, kept per gather
+    assert r["live"][0][0] > 0 and r["live"][-1][0] == sum(r["unit_bytes"])  # (after forward; all gathered)
 
 
 def test_traffic_is_3_psi_minus_the_root_kept_through_backward(mech):

@@ -109,6 +109,9 @@ class ParamGatherer:
         self._order: list[int] = []
         self._cursor = 0
         self.peak_bytes = 0  # the most gathered bytes seen since the last step
+        # running totals of the units not RELEASED (kept by _issue and _release, so no gather walks every unit)
+        self.live_bytes = 0  # their full buffers' bytes (gathered_bytes() counts the storages themselves)
+        self._live_units = 0  # how many of them are not the root (max_live_units bounds it)
         self._placeholders: dict = {}
         self._begin_backward = begin_backward
         self._first_forward = first_forward  # the optimizer's checks at the first training forward (once)
@@ -158,7 +161,7 @@ class ParamGatherer:
                 for p, view in part.views():
                     p.data = view.clone()
                 part.release(lambda p: p.data)
-            u.state = UnitState.RELEASED
+            self._mark_released(u)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -167,7 +170,8 @@ class ParamGatherer:
 
     # -- accounting -------------------------------------------------------
     def gathered_bytes(self) -> int:
-        """Bytes the units' full buffers hold right now (their storages' actual sizes)."""
+        """Bytes the units' full buffers hold right now (their storages' actual sizes; ``live_bytes`` is
+        the running total the gathers keep, equal to it between gathers)."""
         return sum(part.flat.untyped_storage().nbytes() for u in self.units for part in u.parts)
 
     def pool_bytes(self) -> int:
@@ -188,7 +192,9 @@ class ParamGatherer:
             part.materialize()
             handles += self.sync.gather(part)
         u.handles, u.state = handles, UnitState.GATHERING
-        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes())
+        self.live_bytes += u.nbytes
+        self._live_units += u.index > 0
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _wait(self, u: _Unit) -> None:
         if u.state is not UnitState.GATHERING:
@@ -210,6 +216,12 @@ class ParamGatherer:
         expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
         for part in u.parts:
             part.release(self._placeholder)
+        self._mark_released(u)
+
+    def _mark_released(self, u: _Unit) -> None:
+        if u.state is not UnitState.RELEASED:
+            self.live_bytes -= u.nbytes
+            self._live_units -= u.index > 0
         u.state = UnitState.RELEASED
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
@@ -217,9 +229,6 @@ class ParamGatherer:
         if key not in self._placeholders:
             self._placeholders[key] = torch.empty(0, dtype=p.dtype, device=p.device)
         return self._placeholders[key]
-
-    def _live(self) -> int:
-        return sum(1 for u in self.units[1:] if u.state is not UnitState.RELEASED)
 
     # -- schedule ---------------------------------------------------------
     def _start(self, state: TrainingState, order: list[int]) -> None:
@@ -237,7 +246,7 @@ class ParamGatherer:
         expect(u.state, UnitState.GATHERED, what=f"stage-3 unit {u.index} about to run")
 
     def _prefetch(self) -> None:
-        while self._cursor < len(self._order) and self._live() < self.max_live_units:
+        while self._cursor < len(self._order) and self._live_units < self.max_live_units:
             self._issue(self.units[self._order[self._cursor]])
             self._cursor += 1
         if self._cursor < len(self._order):  # offloaded param shards: read the next unit's ahead of its gather
@@ -416,7 +425,7 @@ class ParamGatherer:
             self._release(u)
             for part in u.parts:
                 part.drop_fetched()  # read ahead before the shards changed
-        self.peak_bytes = self.gathered_bytes()
+        self.peak_bytes = self.live_bytes
 
     @contextmanager
     def full_parameters(self):
