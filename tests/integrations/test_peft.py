@@ -3,7 +3,9 @@
 2 gloo ranks, 2 accumulated micro-batches per step, an active clip: ZeroTrainer at stages 1-3 (the
 framework's trainable-only param groups, the module at stage 3) against transformers.Trainer with
 its DDP + torch AdamW, per-step losses within 1e-5; the same model in a plain loop against DDP +
-torch AdamW; ZeroTrainer's stage-3 checkpoint resumed at world size 1.
+torch AdamW; ZeroAccelerator and Lightning's ZeroStrategy at stage 3 given the frameworks'
+trainable-only optimizers, against Accelerate's and Lightning's own DDP; ZeroTrainer's stage-3
+checkpoint resumed at world size 1.
 """
 import copy
 import os
@@ -89,6 +91,92 @@ def _plain(rank, world_size):
                 losses[key].append(total)
         out[stage] = losses
     return out
+
+
+def _trainable_adamw(model):
+    """What fine-tuning scripts write: torch AdamW over the trainable parameters only."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def _accelerate(rank, world_size, stage):
+    """Accelerate's loop on the LoRA model: its own DDP (``stage`` None) or ZeroAccelerator."""
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    kw = dict(cpu=True, gradient_accumulation_steps=ACCUM,
+              dataloader_config=DataLoaderConfiguration(split_batches=True))
+    acc = Accelerator(**kw) if stage is None else ZeroAccelerator(**kw, zero=ZeroConfig(stage=stage,
+                                                                                         bucket_numel=4096))
+    model = lora_gpt2()
+    opt = _trainable_adamw(model)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=BATCH * 2, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    losses, norms = [], []
+    for batch in loader:
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad()
+        losses.append(acc.gather(loss.detach().reshape(1)).mean().item())
+        if len(losses) == STEPS * ACCUM:
+            break
+    return losses, norms
+
+
+def _lightning(rank, world_size, stage):
+    """Lightning's Trainer on the LoRA model: its own DDP (``stage`` None) or ZeroStrategy."""
+    launcher_env(rank, world_size)
+    import lightning.pytorch as L
+
+    from fused_zero.integrations.lightning import ZeroStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.losses = lora_gpt2(), []
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def train_dataloader(self):  # this rank's half of each global micro-batch, as split_batches does
+            data = TokenDataset()
+            idx = [i for i in range(len(data)) if (i // BATCH) % world_size == rank]
+            return torch.utils.data.DataLoader(torch.utils.data.Subset(data, idx), batch_size=BATCH,
+                                               shuffle=False)
+
+        def configure_optimizers(self):
+            return _trainable_adamw(self)
+
+    lit = Lit()
+    trainer = L.Trainer(strategy="ddp" if stage is None else ZeroStrategy(stage=stage, bucket_numel=4096),
+                        accelerator="cpu", devices=world_size, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+                        gradient_clip_val=0.05, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
+    trainer.fit(lit)
+    return lit.losses
+
+
+def test_zero_accelerator_and_strategy_take_trainable_only_optimizers_at_stage3():
+    """The frameworks' optimizers list the trainable parameters only; stage 3 shards the frozen base too."""
+    want, ref_norms = run_ranks(_accelerate, 2, None, timeout=300)[0]
+    have, norms = run_ranks(_accelerate, 2, 3, timeout=300)[0]
+    assert len(have) == len(want) == STEPS * ACCUM and min(ref_norms) > 0.05  # the clip is active
+    assert rel_close(have, want, TOL) < TOL
+    assert rel_close(norms, ref_norms, TOL) < TOL
+    want = run_ranks(_lightning, 2, None, timeout=300)
+    have = run_ranks(_lightning, 2, 3, timeout=300)
+    for rank in range(2):
+        assert len(have[rank]) == len(want[rank]) == STEPS * ACCUM
+        assert rel_close(have[rank], want[rank], TOL) < TOL
 
 
 @pytest.fixture(scope="module")
