@@ -127,7 +127,7 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     for name in ("matplotlib", "matplotlib.figure"):  # importing them now raises ImportError
         monkeypatch.setitem(sys.modules, name, None)
     code, out, err = _run(SEVEN_B + ["--plot", str(tmp_path / "x.png")], capsys)
-    assert code == 2 and "pip install fused_zero[plot]" in err and out == "" and not (tmp_path / "x.png").exists()
+    assert code == 2 and "pip install matplotlib" in err and "'.[plot]'" in err and out == "" and not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -3,7 +3,7 @@
 Stages 0-3 without offload, and the recommended offload tier when there is one (its host and
 NVMe bytes per node written above its bar).
 
-matplotlib is an optional extra (``pip install fused_zero[plot]``); it is imported only here,
+matplotlib is an optional extra (``pip install matplotlib``, or ``pip install -e '.[plot]'`` in a checkout); it is imported only here,
 only when a picture is drawn.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ def figure_class():
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install fused_zero[plot] "
-                           "(or pip install matplotlib)") from e
+        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install matplotlib "
+                           "(or, in the fused_zero checkout, pip install -e '.[plot]')") from e
     return Figure
 
 

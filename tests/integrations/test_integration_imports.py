@@ -27,4 +27,6 @@ def test_missing_framework_names_the_extra(module, blocked, extra):
     r = _python(f"import sys; sys.modules[{blocked!r}] = None\n"
                 f"try:\n    import {module}\nexcept ImportError as e:\n    print('ImportError:', e)\n")
     assert r.returncode == 0, r.stderr
-    assert f"fused_zero[{extra}]" in r.stdout, r.stdout + r.stderr
+    packages = {"hf": "transformers accelerate", "lightning": "lightning"}[extra]
+    assert f"pip install {packages} (or, in the fused_zero checkout, pip install -e '.[{extra}]')" in r.stdout, \
+        r.stdout + r.stderr
