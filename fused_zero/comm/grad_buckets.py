@@ -109,8 +109,8 @@ class GradBucket:
             self._plan = ops.pack_plan(tensors, [s.bucket_offset for s in self.segments], buf,
                                        numels=[s.numel for s in self.segments])
         # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
-        with label(PACK):
-            ops.pack_(tensors, buf, plan=self._plan, scale=1.0 / n if n > 1 else None)
+        with label(PACK):  # the gradients were checked when backward produced them (grad_sync._check_grad)
+            ops.pack_checked_(self._plan, tensors, buf, scale=1.0 / n if n > 1 else None)
         dst = part.shard(part.grad_shard, b)
         acc = down = None
         if part.grad_tier is Tier.HOST:  # reduce in place, copy down once reduced

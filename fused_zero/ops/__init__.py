@@ -10,7 +10,7 @@ forces one.
 from .adamw import adamw_
 from .cast import cast_
 from .norm import NormStats, norm_stats, norm_stats_many
-from .pack import PackPlan, pack_, pack_plan, unpack_
+from .pack import PackPlan, pack_, pack_checked_, pack_plan, unpack_
 
-__all__ = ["NormStats", "PackPlan", "adamw_", "cast_", "norm_stats", "norm_stats_many", "pack_",
+__all__ = ["NormStats", "PackPlan", "adamw_", "cast_", "norm_stats", "norm_stats_many", "pack_", "pack_checked_",
            "pack_plan", "unpack_"]

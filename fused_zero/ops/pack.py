@@ -113,8 +113,7 @@ def _check_entries(plan, tensors, bucket):
             raise ValueError(f"tensors[{i}] shares memory with bucket; pass a separate bucket")
     spans.sort()
     disjoint = all(spans[j][1] <= spans[j + 1][0] for j in range(len(spans) - 1))
-    plan.state.clear()
-    plan.state.update(key=key, disjoint=disjoint, launches=None)
+    plan.state.update(key=key, disjoint=disjoint, launches=None)  # the bucket views (pack_twin) stay
     return key
 
 
@@ -209,6 +208,21 @@ def pack_(tensors, bucket, offsets=None, *, accumulate: bool = False, scale=None
     plan = _use_plan(tensors, bucket, offsets, numels, plan)
     impl = _backend.implementation("pack", bucket.device)
     return impl(plan, tensors, bucket, accumulate=accumulate, scale=scale)
+
+
+def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None):
+    """``pack_`` (no accumulate) for a caller that guarantees on every call what ``pack_`` would check.
+
+    For the optimizer's gradient buckets: every tensor is a contiguous 1-D view with the plan's
+    numel, dtype and device (``.grad`` was checked against its parameter when backward produced
+    it, and sliced flat), the bucket is the plan's and shares no memory with them. Nothing is
+    validated here; the Triton work tables are rebuilt only when an address changed.
+    """
+    if plan.device.type != "cpu" or _backend.forced() == "triton":
+        key = (bucket.data_ptr(),) + tuple(None if t is None else t.data_ptr() for t in tensors)
+        if key != plan.state.get("checked_key"):
+            plan.state.update(checked_key=key, launches=None)
+    return _backend.implementation("pack", bucket.device)(plan, tensors, bucket, accumulate=False, scale=scale)
 
 
 def unpack_(bucket, tensors, offsets=None, *, plan=None) -> None:

@@ -29,6 +29,26 @@ def _bucket_views(bucket: torch.Tensor, offsets, sizes) -> list:
     return views
 
 
+#: bucket buffers whose views a plan keeps (the optimizer's pool buffers, used in turn)
+_VIEW_CACHE = 4
+
+
+def _cached_views(plan, bucket: torch.Tensor) -> list:
+    """``_bucket_views`` of ``bucket``, kept in the plan for the next call on the same memory.
+
+    Keyed by the bucket's address and checked against a one-element view of it taken with the views
+    (a storage resized since then has moved, and its old address may hold another buffer). At
+    most ``_VIEW_CACHE`` buffers per plan."""
+    cache = plan.state.setdefault("views", {})
+    ptr = bucket.data_ptr()
+    entry = cache.get(ptr)
+    if entry is None or entry[0].data_ptr() != ptr:
+        if len(cache) >= _VIEW_CACHE:
+            cache.pop(next(iter(cache)))
+        entry = cache[ptr] = (bucket[:1], _bucket_views(bucket, plan.offsets, plan.numels))
+    return entry[1]
+
+
 def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
               scale=None) -> torch.Tensor:
     """Twin of kernels.pack: ``bucket[o:o+n] = round(t * scale [+ bucket[o:o+n]])``.
@@ -39,7 +59,28 @@ def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
     keeps it when accumulating. ``plan`` (a checked ``PackPlan``) gives the
     offsets and sizes.
     """
-    views = _bucket_views(bucket, plan.offsets, plan.numels)
+    views = _cached_views(plan, bucket)
+    if not accumulate:
+        # One copy of every tensor, then one scale of every range it landed in: bitwise the
+        # per-tensor round(t * scale) wherever t widens into the bucket exactly (the same dtype,
+        # or an fp32 bucket), since the copy then rounds nothing and the scale rounds once.
+        exact = scale is None or bucket.dtype == torch.float32 or all(
+            t is None or t.dtype == bucket.dtype for t in tensors)
+        if exact:
+            dsts, srcs, zeros = [], [], []
+            for t, dst in zip(tensors, views):
+                if t is None:
+                    zeros.append(dst)
+                else:
+                    dsts.append(dst)
+                    srcs.append(t if t.dim() == 1 else t.reshape(-1))
+            if zeros:
+                torch._foreach_zero_(zeros)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            if scale is not None and dsts:
+                torch._foreach_mul_(dsts, scale)
+            return bucket
     dsts, srcs = [], []
     for t, dst in zip(tensors, views):
         if t is None:
@@ -64,7 +105,7 @@ def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
 
 def unpack_twin(plan, bucket: torch.Tensor, tensors) -> None:
     """Twin of kernels.pack.unpack: ``t[...] = bucket[o:o+t.numel()]`` cast to t.dtype."""
-    views = _bucket_views(bucket, plan.offsets, plan.numels)
+    views = _cached_views(plan, bucket)
     dsts, srcs = [], []
     for t, src in zip(tensors, views):
         if t is not None and t.numel() > 0:
