@@ -20,18 +20,21 @@ import torch
 
 
 class Relay:
-    """Calls the bound method ``method`` while its object lives; a no-op after."""
+    """Calls the bound method ``method`` while its object lives, with ``bound`` after the call's own
+    arguments (what a hook needs about its tensor, found when the hook is made, not at every call);
+    a no-op after."""
 
-    __slots__ = ("owner", "func")
+    __slots__ = ("owner", "func", "bound")
 
-    def __init__(self, method: Callable) -> None:
+    def __init__(self, method: Callable, *bound) -> None:
         self.owner = weakref.ref(method.__self__)
         self.func = method.__func__
+        self.bound = bound
 
     def __call__(self, *args):
         owner = self.owner()
         if owner is not None:
-            return self.func(owner, *args)
+            return self.func(owner, *args, *self.bound)
         return None
 
 
@@ -47,9 +50,9 @@ class HookSet:
         """A callable that forwards to the owner's bound ``method`` without keeping the owner alive."""
         return Relay(method)
 
-    def grad(self, p: torch.nn.Parameter, method: Callable) -> None:
-        """``method(p)`` (a bound method of the owner) after ``p``'s gradient is accumulated."""
-        self._handles.append(p.register_post_accumulate_grad_hook(self.relay(method)))
+    def grad(self, p: torch.nn.Parameter, method: Callable, *bound) -> None:
+        """``method(p, *bound)`` (a bound method of the owner) after ``p``'s gradient is accumulated."""
+        self._handles.append(p.register_post_accumulate_grad_hook(Relay(method, *bound)))
 
     def add(self, handle) -> None:
         """Own a handle registered elsewhere (a module or tensor hook built with ``relay``)."""

@@ -183,9 +183,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self._hooks = HookSet(self)
+        self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
         for p in self._params:
             if p.requires_grad:
-                self._hooks.grad(p, self._on_grad)
+                self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
         self._buffers = [] if self.module is None or self.comm.world_size == 1 else list(self.module.buffers())
         self._buffers_due = True
         if self._buffers and self.config.broadcast_buffers:
@@ -281,12 +282,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.__getstate__()
 
     # -- backward: one hook per parameter, one callback per backward ---------
-    def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._habits_checked:
-            self._check_habits()
-        self._begin_backward()
-        self.grad_sync.on_grad(p)  # reduce first: the gatherer may then release p's unit
-        self._stage.on_grad(p)
+    def _on_grad(self, p: nn.Parameter, entry) -> None:
+        """The gradient hook of every trainable parameter (``entry``: its ``grad_sync.GradEntry``)."""
+        if not self._in_backward:
+            if not self._habits_checked:
+                self._check_habits()
+            self._begin_backward()
+        self.grad_sync.on_grad(p, entry)  # reduce first: the gatherer may then release p's unit
+        if self._stage_on_grad is not None:
+            self._stage_on_grad(p)
 
     def _begin_backward(self) -> None:
         if not self._in_backward:

@@ -114,6 +114,9 @@ class Stage1:
         self.tiers.check(self.comm.agree)
 
     # -- the training loop --------------------------------------------------
+    #: whether ``on_grad`` does anything (the optimizer's hook skips the call otherwise)
+    hooks_grads = False
+
     def on_grad(self, p: nn.Parameter) -> None:
         pass
 
@@ -212,6 +215,8 @@ class Stage3(Stage2):
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
+
+    hooks_grads = True
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.gatherer.on_grad(p)

@@ -47,17 +47,17 @@ def checksum(value, world_size: int) -> tuple[int, int]:
     return h & mask, (h >> 16) & mask
 
 
-def all_reduce_stats(comm: Comm, partitions: list[Partition], present: set, with_norm: bool,
+def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm: bool,
                      check: tuple[int, int]) -> StepStats:
-    params = [p for part in partitions for p in part.params]
+    flags = present.flat()  # a grad_sync.Presence: per partition, per parameter
     device = partitions[0].flat.device if partitions else torch.device("cpu")
-    stats = torch.zeros(HEAD + len(params), dtype=torch.float32, device=device)
+    stats = torch.zeros(HEAD + len(flags), dtype=torch.float32, device=device)
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])
         stats[0], stats[1] = norm.sq_sum.to(device), norm.nonfinite.to(device)  # offloaded: the shards are on the host
     c1, c2 = check
     stats[2:HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
-    stats[HEAD:] = torch.tensor([p in present for p in params], dtype=torch.float32)
+    stats[HEAD:] = torch.tensor(flags, dtype=torch.float32)
     comm.all_reduce(stats)
     host = stats[2:].tolist()  # one host read: the flags decide which kernels run
     n = comm.world_size

@@ -37,6 +37,8 @@ class _Segment(NamedTuple):
     start: int  # first element within the flattened parameter
     bucket_offset: int
     numel: int
+    index: int = -1  # the parameter's position in its partition
+    whole: bool = False  # the run is the whole parameter (packed without slicing)
 
 
 class _Inflight(NamedTuple):
@@ -65,7 +67,8 @@ def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
         start, end = intersect(slot.offset, slot.offset + slot.numel, b.offset, b.offset + b.numel)
         if start > pos:
             segs.append(_Segment(None, 0, pos - b.offset, start - pos))
-        segs.append(_Segment(part.params[j], start - slot.offset, start - b.offset, end - start))
+        segs.append(_Segment(part.params[j], start - slot.offset, start - b.offset, end - start, j,
+                             end - start == slot.numel))
         pos = end
     if pos < b.offset + b.numel:
         segs.append(_Segment(None, 0, pos - b.offset, b.offset + b.numel - pos))
@@ -73,11 +76,12 @@ def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
 
 
 class GradBucket:
-    """Bucket ``k`` of partition ``part``, reduced through ``pipe``."""
+    """Bucket ``k`` of partition ``part`` (the ``pi``-th), reduced through ``pipe``."""
 
-    def __init__(self, pipe: BucketPipe, part: Partition, k: int) -> None:
+    def __init__(self, pipe: BucketPipe, part: Partition, k: int, pi: int = 0) -> None:
         self.pipe = pipe
         self.part = part
+        self.pi = pi
         self.bucket = part.layout.buckets[k]
         self.segments = _segments(part, k)
         self.params = [s.param for s in self.segments if s.param is not None]
@@ -86,8 +90,9 @@ class GradBucket:
         self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
         self._plan = None  # the pack plan, reused while the grads stay put
 
-    def start(self, present: set, accumulate: bool, free_grads: bool, block: bool) -> bool:
-        """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands).
+    def start(self, present, accumulate: bool, free_grads: bool, block: bool) -> bool:
+        """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands);
+        the parameters that held a gradient are marked in ``present`` (a ``grad_sync.Presence``).
 
         Returns False, launching nothing, when no pool buffer is free and not ``block``."""
         if not self.trainable:
@@ -98,11 +103,13 @@ class GradBucket:
             return False
         buf = base[: b.numel]
         tensors = []
+        flags = present.flags[self.pi]
         for s in self.segments:
             g = None if s.param is None else s.param.grad
             if g is not None:
-                present.add(s.param)
-                g = g.reshape(-1)[s.start: s.start + s.numel]
+                flags[s.index] = True
+                if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
+                    g = g.reshape(-1)[s.start: s.start + s.numel]
             tensors.append(g)
         n = pipe.comm.world_size
         if self._plan is None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,42 @@ class RoundState(enum.Enum):
     REDUCED = "reduced"  # this step's reductions (a round closed, or stage 1 reduced at step)
 
 
+class Presence:
+    """Which parameters hold a gradient: a flag per parameter of every partition, by position (the hot
+    paths mark ``flags[partition][index]``; no tensor is hashed)."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.flags = [[False] * n for n in sizes]
+
+    def clear(self) -> None:
+        for f in self.flags:
+            f[:] = [False] * len(f)
+
+    def copy(self) -> "Presence":
+        other = Presence([])
+        other.flags = [list(f) for f in self.flags]
+        return other
+
+    def update(self, other: "Presence") -> None:
+        for mine, theirs in zip(self.flags, other.flags):
+            mine[:] = [a or b for a, b in zip(mine, theirs)]
+
+    def flat(self) -> list[bool]:
+        """Every flag, partition after partition (the stats all-reduce's order)."""
+        return [v for f in self.flags for v in f]
+
+
+class GradEntry(NamedTuple):
+    """What a trainable parameter's gradient hook needs, found once when the hooks are made."""
+
+    part: Partition
+    pi: int  # the partition's position
+    index: int  # the parameter's position in it
+    buckets: tuple  # the GradBuckets holding its elements, in the launch order (empty: zero elements)
+
+
 class GradSync:
     """What both reducers share: the buckets in their one order, ``present``, the pipe, the verbs around a step."""
 
@@ -70,7 +107,8 @@ class GradSync:
         keys = [(pi, k) for pi, part in enumerate(partitions) for k in range(len(part.layout.buckets))]
         last = {key: max(positions[key[0]][j] for j in partitions[key[0]].bucket_params[key[1]])
                 for key in keys}
-        self.buckets = [GradBucket(self.pipe, partitions[pi], k) for pi, k in sorted(keys, key=lambda key: (-last[key], key))]
+        self.buckets = [GradBucket(self.pipe, partitions[pi], k, pi)
+                        for pi, k in sorted(keys, key=lambda key: (-last[key], key))]
         self.buckets_of: dict[torch.nn.Parameter, list[GradBucket]] = {}
         for bucket in self.buckets:
             self.pipe.count(bucket)
@@ -78,27 +116,23 @@ class GradSync:
                 self.buckets_of.setdefault(p, []).append(bucket)
         for p, buckets in self.buckets_of.items():
             buckets[-1].frees.append(p)  # its .grad can go once its last bucket in the order is packed
+        self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())))
+                        for pi, part in enumerate(partitions) for j, p in enumerate(part.params)}
         # zero-element parameters: in no bucket; they only count as having a gradient (torch steps them)
-        self._empty = [p for part in partitions for p in part.params if p not in self.buckets_of]
-        self.present: set[torch.nn.Parameter] = set()  # params whose gradient is not None
-        self._last_present: set[torch.nn.Parameter] = set()  # present at the last step
+        self._empty = [e for e in self.entries.values() if not e.buckets]
+        self.present = Presence([len(part.params) for part in partitions])  # whose gradient is not None
+        self._last_present = self.present.copy()  # present at the last step
         self.state = RoundState.EMPTY
         self._accumulated = False  # a backward ran under no_sync() since the last step
 
     # -- backward ---------------------------------------------------------
-    def on_grad(self, p: torch.nn.Parameter) -> None:
-        """``p``'s gradient was accumulated (the optimizer's hook)."""
-        _check_grad(p)
-        buckets = self.buckets_of.get(p)
-        if buckets is not None:  # the model was converted or moved since the build: the clear refusal, not packing's
-            part = buckets[0].part
-            if p.dtype != part.dtype or p.device != part.device:
-                part.check_kind(p, p.shape, {})
+    def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        """``p``'s gradient was accumulated (the optimizer's hook; ``entry`` is ``self.entries[p]``)."""
         if not self.sync:
             self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
-        self._on_grad(p)
+        self._on_grad(p, entry)
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
         raise NotImplementedError
 
     def close_round(self) -> None:
@@ -122,7 +156,7 @@ class GradSync:
         self.wait()
         self.state = RoundState.OPEN if self.state in (RoundState.OPEN, RoundState.ADDING) else RoundState.EMPTY
         self._accumulated = False
-        self._last_present = set(self.present)
+        self._last_present = self.present.copy()
         self.present.clear()
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -135,7 +169,7 @@ class GradSync:
             for part in self.partitions:
                 part.grad_shard.zero_()
             if self.frees_grads:  # torch would still hold (now zeroed) .grad tensors for these
-                self.present |= self._last_present
+                self.present.update(self._last_present)
 
     def _forget(self) -> None:
         """zero_grad: what the shards hold is no longer a gradient to add to."""
@@ -162,20 +196,24 @@ class ReduceAtStep(GradSync):
 
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
-        self._grad_versions: dict = {}  # .grad's version counter when backward left it
+        # .grad's version counter when backward left it, per partition and position (None: not seen)
+        self._grad_versions = [[None] * len(part.params) for part in partitions]
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        self._grad_versions[p] = p.grad._version  # .grad is kept: see grads_edited()
+    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        # .grad is kept: see grads_edited(); it is checked where it is packed, at step (prepare_step)
+        self._grad_versions[entry.pi][entry.index] = p.grad._version
 
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
-            for p in self.buckets_of:  # the kept .grad is read flat: it must be the parameter's own shape
+            for p, buckets in self.buckets_of.items():  # the kept .grad is packed flat: it must be like its parameter
                 if p.grad is not None:
-                    _check_grad(p)
+                    _check_grad(p, buckets[0].part)
             self.present.clear()
             for bucket in self.buckets:
                 bucket.start(self.present, accumulate=False, free_grads=False, block=True)
-            self.present.update(p for p in self._empty if p.grad is not None)
+            for e in self._empty:
+                if e.part.params[e.index].grad is not None:
+                    self.present.flags[e.pi][e.index] = True
             self.state = RoundState.REDUCED
         self.wait()
 
@@ -185,12 +223,17 @@ class ReduceAtStep(GradSync):
         The local, not yet averaged gradient: a norm clipped from it (torch.nn.utils.clip_grad_norm_)
         is each rank's own, not the global one.
         """
-        return any(p.grad is not None and p.grad._version != v for p, v in self._grad_versions.items())
+        for part, versions in zip(self.partitions, self._grad_versions):
+            for p, v in zip(part.params, versions):
+                if v is not None and p.grad is not None and p.grad._version != v:
+                    return True
+        return False
 
     def end_step(self) -> None:
         super().end_step()
         self.state = RoundState.EMPTY
-        self._grad_versions.clear()
+        for versions in self._grad_versions:
+            versions[:] = [None] * len(versions)
 
 
 class ReduceInBackward(GradSync):
@@ -200,24 +243,27 @@ class ReduceInBackward(GradSync):
 
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
-        self._seen: set[torch.nn.Parameter] = set()
+        self._seen = Presence([len(part.params) for part in partitions])  # got a gradient this round
         self._remaining: dict[GradBucket, int] = {}
         self._next = 0
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        _check_grad(p, entry.part)  # before it is packed, by this hook or a later one
         if not self.sync:
             return
-        if self.state not in (RoundState.OPEN, RoundState.ADDING):
+        if self.state is not RoundState.OPEN and self.state is not RoundState.ADDING:
             self._open_round()
-        if p in self._seen:
+        seen = self._seen.flags[entry.pi]
+        if seen[entry.index]:
             return
-        self._seen.add(p)
-        if p not in self.buckets_of:  # zero elements: in no bucket, nothing to reduce; it still got a gradient
-            self.present.add(p)
+        seen[entry.index] = True
+        if not entry.buckets:  # zero elements: in no bucket, nothing to reduce; it still got a gradient
+            self.present.flags[entry.pi][entry.index] = True
             p.grad = None
             return
-        for bucket in self.buckets_of[p]:
-            self._remaining[bucket] -= 1
+        remaining = self._remaining
+        for bucket in entry.buckets:
+            remaining[bucket] -= 1
         if self.overlap:
             self._start_ready(flush=False)
 
@@ -268,12 +314,16 @@ class ReduceInBackward(GradSync):
         self.wait()
 
 
-def _check_grad(p: torch.nn.Parameter) -> None:
+def _check_grad(p: torch.nn.Parameter, part: Partition) -> None:
     """``p.grad`` is what the flat buffers can take: dense, of ``p``'s shape and dtype (torch's update would
-    fail on a wrong shape; read flat here, it would be silently wrong: a ``.grad.data =`` assignment)."""
+    fail on a wrong shape; read flat here, it would be silently wrong: a ``.grad.data =`` assignment), and
+    ``p`` is still of its partition's dtype and device (a model converted or moved since the build gets
+    the partition's clear refusal, not a packing error). Packing checks nothing more (``ops.pack_checked_``)."""
     g = p.grad
     if g is None:
         return
+    if p.dtype != part.dtype or p.device != part.device:
+        part.check_kind(p, p.shape, {})
     if g.layout != torch.strided:
         raise RuntimeError(
             f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "

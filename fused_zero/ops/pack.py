@@ -213,7 +213,7 @@ def pack_(tensors, bucket, offsets=None, *, accumulate: bool = False, scale=None
 def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None):
     """``pack_`` (no accumulate) for a caller that guarantees on every call what ``pack_`` would check.
 
-    For the optimizer's gradient buckets: every tensor is a contiguous 1-D view with the plan's
+    For the optimizer's gradient buckets: every tensor is contiguous (any shape) with the plan's
     numel, dtype and device (``.grad`` was checked against its parameter when backward produced
     it, and sliced flat), the bucket is the plan's and shares no memory with them. Nothing is
     validated here; the Triton work tables are rebuilt only when an address changed.
