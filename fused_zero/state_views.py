@@ -1,4 +1,5 @@
-"""``optimizer.state[p]``'s moments: views of this rank's flat optimizer state, never gathered.
+"""``optimizer.state[p]``: its moments are views of this rank's flat optimizer state, never gathered,
+and its ``step`` a 0-dim view of its partition's step counts (``StepCounts``).
 
 torch code reads ``optimizer.state[p]["exp_avg"]`` and ``["exp_avg_sq"]`` (logging, LR finders,
 sanity checks; ``["max_exp_avg_sq"]`` with amsgrad). Each is a view of the flat fp32 state the
@@ -73,3 +74,44 @@ def attach_all(state: dict, partitions) -> None:
                 for kind in MOMENT_KINDS:
                     s.pop(kind, None)
                 attach(state, part, i)
+
+
+class StepCounts:
+    """The step counts of one partition's parameters: one flat fp32 tensor whose 0-dim views are
+    ``state[p]["step"]`` (torch keeps a 0-dim fp32 tensor per parameter), so a step advances every
+    count in one op and reads them back in one, not one tensor op per parameter.
+
+    A count that user code replaced (``load_state_dict``, ``state[p]["step"] = t``) is taken in at
+    the next advance: its value is copied into the view, which takes its place.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.flat = torch.zeros(n)
+        self.views = list(self.flat.unbind()) if n else []
+
+    def advance(self, state: dict, part, flags) -> dict[int, int]:
+        """Advance the count of every parameter of ``part`` flagged in ``flags``, giving new states their
+        moment views; returns {position: new step count}."""
+        active = []
+        views = self.views
+        for i, (p, flag) in enumerate(zip(part.params, flags)):
+            if flag:
+                s = state[p]
+                count = s.get("step")
+                if count is not views[i]:
+                    if count is None:  # a new state: step 0 and its moment views
+                        views[i].zero_()
+                        s["step"] = views[i]
+                        attach(state, part, i)
+                    else:
+                        views[i].fill_(float(count))
+                        s["step"] = views[i]
+                active.append(i)
+        if not active:
+            return {}
+        if len(active) == len(views):
+            self.flat += 1
+        else:
+            self.flat.index_add_(0, torch.tensor(active), torch.ones(len(active)))
+        values = self.flat.tolist()
+        return {i: int(values[i]) for i in active}

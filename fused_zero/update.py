@@ -17,7 +17,7 @@ import torch
 from . import ops
 from .hyper import as_float
 from .sharding.partition import Partition
-from .state_views import attach
+from .state_views import StepCounts
 from .tiers.store import AMSGRAD_KIND
 
 
@@ -42,18 +42,12 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
 
 def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bool, ...], grad_scale,
                       adam_w_mode: bool, advanced: list) -> None:
-    steps = {}
-    for i, (p, flag) in enumerate(zip(part.params, flags)):
-        if flag:
-            s = state[p]
-            if "step" not in s:
-                s["step"] = torch.tensor(0.0)
-                attach(state, part, i)  # exp_avg, exp_avg_sq: views of the flat state (state_views.py)
-            s["step"] += 1
-            advanced.append(p)
-            steps[p] = int(s["step"])
+    if part.step_counts is None:
+        part.step_counts = StepCounts(len(part.params))
+    steps = part.step_counts.advance(state, part, flags)  # {position: step count}, in one op
     if not steps:
         return
+    advanced.extend(part.params[i] for i in steps)  # what a rollback takes back
     amsgrad = bool(group.get("amsgrad", False))
     if amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
         raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
@@ -80,14 +74,15 @@ def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bo
         part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
 
 def _runs(part: Partition, steps: dict) -> list[tuple[int, int, int]]:
-    """Maximal [start, end) shard ranges of active params sharing a step count.
+    """Maximal [start, end) shard ranges of active params (``steps``: position -> step count) sharing a
+    step count.
 
     Padding between two pieces of one run is updated too (it stays zero).
     """
     runs: list[list[int]] = []
     current = None
     for piece in part.pieces:
-        step = steps.get(part.params[piece.param_index])
+        step = steps.get(piece.param_index)
         if step is None:
             current = None
             continue

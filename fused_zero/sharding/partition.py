@@ -69,6 +69,7 @@ class Partition:
         self.grad_shard = (None if frozen else torch.zeros(n, dtype=reduce_dtype, device=self.device)
                            if self.grad_tier is Tier.DEVICE
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
+        self.step_counts = None  # the parameters' step counts (update.py's StepCounts), from the first update
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
