@@ -260,6 +260,31 @@ def test_state_holds_the_moments_as_torch_adamw(stage, amsgrad):
             assert rel(views[name], ref_opt.state[q]["exp_avg"]) < TOL
 
 
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("value", [torch.tensor(10.0), 10])
+def test_a_step_count_set_by_hand_is_taken_in_as_torch_does(stage, value):
+    """state[p]["step"] replaced between steps (a warm restart, a hand-made state): torch's next update reads
+    it; here the counts are views of one flat tensor per partition, and the replaced one is taken in."""
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for t in range(2):
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    name = next(n for n, q in ref.named_parameters() if ref_opt.state[q])
+    mine, theirs = dict(model.named_parameters())[name], dict(ref.named_parameters())[name]
+    opt.state[mine]["step"] = value.clone() if isinstance(value, torch.Tensor) else value
+    ref_opt.state[theirs]["step"] = torch.tensor(float(value))
+    for t in range(2, 4):
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    assert float(opt.state[mine]["step"]) == float(ref_opt.state[theirs]["step"]) == 12.0
+    assert all(float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
+               for p, q in zip(model.parameters(), ref.parameters()) if ref_opt.state[q])
+    assert _max_error(model, opt, ref) < TOL
+
+
 def test_state_on_nvme_holds_step_only(tmp_path):
     model = TinyNet()
     opt = _build(model, 2, offload_optimizer="nvme", nvme_path=str(tmp_path))
