@@ -5,10 +5,21 @@ ranks, barrier to barrier; pytest-benchmark then replays those times through ``R
 virtual timer that the benchmarked callable advances by one measured step, so its min/median/
 IQR/max columns are the in-rank figures. ``summarize`` adds each variant's quartiles and its ratio
 to the baseline of the same run; ``show`` prints a suite's table past pytest's capture.
+
+The suites share the rest of that path too: ``spawn`` starts the ranks on a free local port and
+returns what rank 0 wrote with ``finish``; ``replay`` feeds one variant's times to pytest-benchmark
+with its figures as extra_info; ``same_model`` checks that a variant trained the baseline's model.
 """
 from __future__ import annotations
 
+import json
+import os
+import socket
 import statistics
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 class ReplayClock:
@@ -22,6 +33,49 @@ class ReplayClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def replay(benchmark, clock: ReplayClock, res: dict, keys=None, **info) -> None:
+    """Replay ``res["times"]`` through ``clock`` (the benchmark's timer), one measured step a round; extra_info
+    takes ``res``'s figures named in ``keys`` (default: all but the times), the times and ``info``."""
+    times = iter(res["times"])
+    benchmark.pedantic(lambda: clock.advance(next(times)), rounds=len(res["times"]), iterations=1)
+    figures = {k: v for k, v in res.items() if k != "times"} if keys is None else {k: res[k] for k in keys}
+    benchmark.extra_info.update(figures, step_times_s=res["times"], **info)
+
+
+def same_model(result: dict, baseline: str, name: str, rtol: float = 1e-3) -> None:
+    """Variant ``name`` ends at the baseline's final loss, within ``rtol``: it trains the same model."""
+    base = result[baseline]["final_loss"]
+    assert abs(result[name]["final_loss"] - base) <= rtol * abs(base), "variant trains a different model"
+
+
+def spawn(worker, args: tuple, nprocs: int) -> dict:
+    """Run ``worker(rank, port, *args, out)`` in ``nprocs`` spawned ranks, ``port`` a free local one for the
+    process group; return the JSON rank 0 wrote to the file ``out`` (see ``finish``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(port, *args, out), nprocs=nprocs)
+        with open(out) as f:
+            return json.load(f)
+
+
+def finish(rank: int, result, out: str) -> None:
+    """The end of a spawned rank: rank 0 writes ``result`` to ``out`` for ``spawn``; every rank leaves the group."""
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def shown(request, result: dict, table) -> dict:
+    """``result``, after showing ``table(result)`` (a suite's fixture: run once, print the table, hand it on)."""
+    show(request, table(result))
+    return result
 
 
 def show(request, text: str) -> None:

@@ -16,9 +16,7 @@ pytest-benchmark replays the in-rank times (see bench/bench_step.py's ReplayCloc
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -26,8 +24,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _replay import ReplayClock, show, summarize  # noqa: E402
+from _replay import ReplayClock, finish, replay, same_model, shown, spawn, summarize  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -104,27 +101,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                 trainer.train()
     per_rank = [None] * WORLD
     dist.all_gather_object(per_rank, (times, losses))
-    if rank == 0:
-        result = {n: {"times": [max(ts) for ts in zip(*(p[0][n] for p in per_rank))],
-                      "final_loss": statistics.mean(p[1][n] for p in per_rank)} for n in VARIANTS}
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    result = {n: {"times": [max(ts) for ts in zip(*(p[0][n] for p in per_rank))],
+                  "final_loss": statistics.mean(p[1][n] for p in per_rank)} for n in VARIANTS}
+    finish(rank, result, out)
 
 
 def run_cpu() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD)
-        with open(out) as f:
-            result = json.load(f)
+    result = spawn(_worker, (), WORLD)
     summarize(result, BASELINE, "ratio_to_baseline")
     return result
 
@@ -145,23 +128,16 @@ CLOCK = ReplayClock()
 
 @pytest.fixture(scope="module")
 def results(request):
-    result = run_cpu()
-    show(request, format_table(result))
-    return result
+    return shown(request, run_cpu(), format_table)
 
 
 @pytest.mark.benchmark(group="hf-trainer-cpu-world2", timer=CLOCK)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hf_trainer_step_cpu_world2(benchmark, results, variant):
-    res = results[variant]
-    times = iter(res["times"])
-    benchmark.pedantic(lambda: CLOCK.advance(next(times)), rounds=len(res["times"]), iterations=1)
-    benchmark.extra_info.update({k: res[k] for k in ("median_s", "ratio_to_baseline", "min_s", "q1_s", "q3_s",
-                                                      "max_s", "final_loss")},
-                                step_times_s=res["times"], world_size=WORLD,
-                                measured="in-rank callback, barrier to barrier, max over ranks; replayed")
-    base = results[BASELINE]["final_loss"]
-    assert abs(res["final_loss"] - base) <= 1e-3 * abs(base), "variant trains a different model"
+    replay(benchmark, CLOCK, results[variant], ("median_s", "ratio_to_baseline", "min_s", "q1_s", "q3_s", "max_s",
+                                                "final_loss"),
+           world_size=WORLD, measured="in-rank callback, barrier to barrier, max over ranks; replayed")
+    same_model(results, BASELINE, variant)
 
 
 if __name__ == "__main__":

@@ -23,21 +23,17 @@ pytest-benchmark replays the measured step times (``_replay.ReplayClock``).
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _replay import ReplayClock, show, summarize  # noqa: E402
+from _replay import ReplayClock, finish, replay, same_model, shown, spawn, summarize  # noqa: E402
 
 from fused_zero import ShardedOptimizer  # noqa: E402
 
@@ -140,25 +136,15 @@ def _worker(rank: int, port: int, blocks: int, out: str) -> None:
     result = _interleaved(WORLD2, blocks, rank, barrier=dist.barrier)
     gathered = [None, None]
     dist.all_gather_object(gathered, result)
-    if rank == 0:  # a step's time is the slower rank's
-        merged = {name: {"times": [max(a, b) for a, b in zip(res["times"], gathered[1][name]["times"])],
-                         "final_loss": (res["final_loss"] + gathered[1][name]["final_loss"]) / 2}
-                  for name, res in gathered[0].items()}
-        with open(out, "w") as f:
-            json.dump(merged, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    # a step's time is the slower rank's
+    merged = {name: {"times": [max(a, b) for a, b in zip(res["times"], gathered[1][name]["times"])],
+                     "final_loss": (res["final_loss"] + gathered[1][name]["final_loss"]) / 2}
+              for name, res in gathered[0].items()}
+    finish(rank, merged, out)
 
 
 def run_world2(blocks: int = BLOCKS) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(port, blocks, out), nprocs=2)
-        with open(out) as f:
-            result = json.load(f)
+    result = spawn(_worker, (blocks,), 2)
     _summarize(result, "ddp_fused", blocks)
     return result
 
@@ -190,58 +176,41 @@ def _title(world: int, blocks: int) -> str:
 CLOCK = ReplayClock()
 
 
-def _replay(benchmark, res: dict, **info) -> None:
-    times = iter(res["times"])
-    benchmark.pedantic(lambda: CLOCK.advance(next(times)), rounds=len(res["times"]), iterations=1)
-    benchmark.extra_info.update({k: v for k, v in res.items() if k != "times"}, step_times_s=res["times"], **info)
-
-
-def _same_model(result: dict, baseline: str, name: str) -> None:
-    base = result[baseline]["final_loss"]
-    assert abs(result[name]["final_loss"] - base) <= 1e-5 * abs(base), "variant trains a different model"
-
-
 @pytest.fixture(scope="module")
 def world1(request):
-    result = run_world1()
-    show(request, format_table(_title(1, BLOCKS), result))
-    return result
+    return shown(request, run_world1(), lambda r: format_table(_title(1, BLOCKS), r))
 
 
 @pytest.fixture(scope="module")
 def world2(request):
-    result = run_world2()
-    show(request, format_table(_title(2, BLOCKS), result))
-    return result
+    return shown(request, run_world2(), lambda r: format_table(_title(2, BLOCKS), r))
 
 
 @pytest.fixture(scope="module")
 def scaling(request):
-    result = run_scaling()
-    show(request, "\n\n".join(format_table(_title(1, b), r) for b, r in result.items()))
-    return result
+    return shown(request, run_scaling(), lambda res: "\n\n".join(format_table(_title(1, b), r) for b, r in res.items()))
 
 
 @pytest.mark.benchmark(group="host-world1", timer=CLOCK)
 @pytest.mark.parametrize("variant", list(WORLD1))
 def test_host_world1(benchmark, world1, variant):
-    _replay(benchmark, world1[variant], world_size=1, blocks=BLOCKS)
-    _same_model(world1, "torch_fused", variant)
+    replay(benchmark, CLOCK, world1[variant], world_size=1, blocks=BLOCKS)
+    same_model(world1, "torch_fused", variant, rtol=1e-5)
 
 
 @pytest.mark.benchmark(group="host-world2", timer=CLOCK)
 @pytest.mark.parametrize("variant", list(WORLD2))
 def test_host_world2(benchmark, world2, variant):
-    _replay(benchmark, world2[variant], world_size=2, blocks=BLOCKS)
-    _same_model(world2, "ddp_fused", variant)
+    replay(benchmark, CLOCK, world2[variant], world_size=2, blocks=BLOCKS)
+    same_model(world2, "ddp_fused", variant, rtol=1e-5)
 
 
 @pytest.mark.benchmark(group="host-stage3-scaling", timer=CLOCK)
 @pytest.mark.parametrize("blocks", SCALING)
 @pytest.mark.parametrize("variant", ["torch_fused", "sharded_s3"])
 def test_host_stage3_scaling(benchmark, scaling, blocks, variant):
-    _replay(benchmark, scaling[blocks][variant], world_size=1, blocks=blocks)
-    _same_model(scaling[blocks], "torch_fused", variant)
+    replay(benchmark, CLOCK, scaling[blocks][variant], world_size=1, blocks=blocks)
+    same_model(scaling[blocks], "torch_fused", variant, rtol=1e-5)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,13 @@ and differences only beyond the IQRs.
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("lightning")
 
@@ -42,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from _replay import ReplayClock, show, summarize  # noqa: E402
+from _replay import ReplayClock, finish, replay, same_model, shown, spawn, summarize  # noqa: E402
 
 WORLD = 2
 CFG = GPTConfig(vocab=4096, d_model=256, n_layer=4, n_head=4, seq_len=128)
@@ -147,26 +143,11 @@ def _worker(rank: int, port: int, names: list[str], out: str) -> None:
         dist.all_gather_object(per_rank, (times[name], losses[name]))
         result[name] = {"times": [max(ts) for ts in zip(*(p[0] for p in per_rank))],
                         "final_loss": sum(p[1] for p in per_rank) / WORLD}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    finish(rank, result, out)
 
 
 def run_cpu(names=None) -> dict:
-    names = names or list(VARIANTS)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(_free_port(), names, out), nprocs=WORLD)
-        with open(out) as f:
-            result = json.load(f)
+    result = spawn(_worker, (names or list(VARIANTS),), WORLD)
     summarize(result, BASELINE, "ratio_to_ddp")
     return result
 
@@ -190,23 +171,17 @@ CLOCK = ReplayClock()
 
 @pytest.fixture(scope="module")
 def lightning_results(request):
-    result = run_cpu()
-    show(request, format_table(result))
-    return result
+    return shown(request, run_cpu(), format_table)
 
 
 @pytest.mark.benchmark(group="lightning-step-cpu-world2", timer=CLOCK)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_lightning_step_cpu_world2(benchmark, lightning_results, variant):
-    res = lightning_results[variant]
-    times = iter(res["times"])
-    benchmark.pedantic(lambda: CLOCK.advance(next(times)), rounds=len(res["times"]), iterations=1)
-    benchmark.extra_info.update(
-        {k: res[k] for k in ("median_s", "ratio_to_ddp", "min_s", "q1_s", "q3_s", "max_s", "final_loss")},
-        target_ratio=TARGET.get(variant), step_times_s=res["times"], world_size=WORLD,
-        params=GPT(CFG).num_params(), measured="in-rank, barrier to barrier per batch, max over ranks; replayed")
-    base = lightning_results[BASELINE]["final_loss"]
-    assert abs(res["final_loss"] - base) <= 1e-3 * abs(base), "variant trains a different model"
+    replay(benchmark, CLOCK, lightning_results[variant],
+           ("median_s", "ratio_to_ddp", "min_s", "q1_s", "q3_s", "max_s", "final_loss"),
+           target_ratio=TARGET.get(variant), world_size=WORLD, params=GPT(CFG).num_params(),
+           measured="in-rank, barrier to barrier per batch, max over ranks; replayed")
+    same_model(lightning_results, BASELINE, variant)
 
 
 if __name__ == "__main__":

@@ -31,22 +31,18 @@ process by pytest-benchmark with a synchronize at the end of each step (skipped 
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from _replay import ReplayClock, show, summarize  # noqa: E402
+from _replay import ReplayClock, finish, replay, same_model, shown, spawn, summarize  # noqa: E402
 
 try:
     from fused_zero import ShardedOptimizer
@@ -198,27 +194,13 @@ def _worker(rank: int, port: int, names: list[str], cfg: GPTConfig, steps: int, 
             "comm_bytes": opt.comm_bytes() if hasattr(opt, "comm_bytes") else None,
         }
     result.update({n: {"skipped": why} for n, why in skipped.items()})
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    finish(rank, result, out)
 
 
 def run_cpu(names=None, cfg: GPTConfig = CFG, steps: int = STEPS, warmup: int = WARMUP) -> dict:
     """Spawn the ranks once, run every variant; per variant the step times (s) and figures."""
     names = names or _selected()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(_free_port(), names, cfg, steps, warmup, out), nprocs=WORLD)
-        with open(out) as f:
-            result = json.load(f)
+    result = spawn(_worker, (names, cfg, steps, warmup), WORLD)
     summarize(result, BASELINE, "ratio_to_ddp")
     return {n: result[n] for n in names}
 
@@ -247,9 +229,7 @@ CLOCK = ReplayClock()
 
 @pytest.fixture(scope="module")
 def cpu_results(request):
-    result = run_cpu()
-    show(request, format_table(result))
-    return result
+    return shown(request, run_cpu(), format_table)
 
 
 @pytest.mark.benchmark(group="step-cpu-world2", timer=CLOCK)
@@ -260,15 +240,11 @@ def test_step_cpu_world2(benchmark, cpu_results, variant):
     res = cpu_results[variant]
     if "skipped" in res:
         pytest.skip(res["skipped"])
-    times = iter(res["times"])
-    benchmark.pedantic(lambda: CLOCK.advance(next(times)), rounds=len(res["times"]), iterations=1)
-    benchmark.extra_info.update(
-        {k: res[k] for k in ("median_s", "ratio_to_ddp", "min_s", "q1_s", "q3_s", "max_s", "opt_step_s",
-                             "state_bytes", "comm_bytes", "final_loss")},
-        step_times_s=res["times"], world_size=WORLD, params=GPT(CFG).num_params(),
-        measured="in-rank, barrier to barrier, max over ranks; replayed into pytest-benchmark")
-    base = cpu_results[BASELINE]["final_loss"]
-    assert abs(res["final_loss"] - base) <= 1e-3 * abs(base), "variant trains a different model"
+    replay(benchmark, CLOCK, res, ("median_s", "ratio_to_ddp", "min_s", "q1_s", "q3_s", "max_s", "opt_step_s",
+                                   "state_bytes", "comm_bytes", "final_loss"),
+           world_size=WORLD, params=GPT(CFG).num_params(),
+           measured="in-rank, barrier to barrier, max over ranks; replayed into pytest-benchmark")
+    same_model(cpu_results, BASELINE, variant)
 
 
 # ----------------------------------------------------------------------------- CUDA, world 1

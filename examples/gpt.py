@@ -166,6 +166,20 @@ def synthetic_batch(cfg: GPTConfig, batch_size: int, *, step: int, rank: int = 0
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def add_model_args(p) -> None:
+    """The examples' options for the batch and the model's size (argparse), GPTConfig's defaults;
+    ``model_config(args)`` builds the model's config from them."""
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
+    for name in ("vocab", "d_model", "n_layer", "n_head", "seq_len"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(GPTConfig, name))
+
+
+def model_config(args, **kw) -> GPTConfig:
+    """The GPTConfig of ``add_model_args``' options (``kw``: the other fields, e.g. tie_weights)."""
+    return GPTConfig(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
+                     seq_len=args.seq_len, **kw)
+
+
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     """The examples' schedule for LambdaLR: linear warm-up, then cosine down to ``floor`` of the peak."""
     def f(step: int) -> float:

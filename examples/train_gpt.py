@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, lr_lambda, markov_entropy, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, add_model_args, lr_lambda, markov_entropy, model_config, synthetic_batch  # noqa: E402
 
 from fused_zero import ShardedOptimizer  # noqa: E402
 from fused_zero.plan import estimate  # noqa: E402
@@ -48,12 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-numel", type=int, default=1 << 24)
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr (warmup, then cosine)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps/10)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--untie", action="store_true", help="untie the lm head from the embedding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-ddp", action="store_true",
@@ -179,8 +174,7 @@ def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> 
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, device = setup_distributed()
-    cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
-                    n_head=args.n_head, seq_len=args.seq_len, tie_weights=not args.untie)
+    cfg = model_config(args, tie_weights=not args.untie)
     if rank == 0:
         n = GPT(cfg).num_params()
         backend = dist.get_backend() if dist.is_initialized() else "none"

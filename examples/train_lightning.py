@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, lr_lambda, markov_entropy, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, add_model_args, lr_lambda, markov_entropy, model_config, synthetic_batch  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 
@@ -39,12 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2, help="accumulate_grad_batches")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val (<= 0: off)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, help="write a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (any stage or world size)")
@@ -118,8 +113,7 @@ class PrintLoss(L.Callback):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
-                    seq_len=args.seq_len)
+    cfg = model_config(args)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.devices)))
     trainer = L.Trainer(
         strategy=ZeroStrategy(stage=args.stage),  # instead of strategy="ddp": THE ONE CHANGED LINE

@@ -25,15 +25,18 @@ STATS_HEAD = 2 + 4
 
 class StageTraits(NamedTuple):
     """What a ZeRO stage shards: the one table of stage facts. ``stages.py``'s strategies take theirs from it,
-    and the planner (``plan/``) models each stage by them; stage 0 is DDP (nothing sharded)."""
+    and the planner (``plan/``) models, names and recommends each stage by them; stage 0 is DDP (nothing
+    sharded). The table lists the stages from the one that shards least to the one that shards most."""
 
     shards_states: bool  # fp32 master and moments: this rank's shard only
     shards_grads: bool  # each bucket reduce-scattered in backward, .grad freed once packed
     shards_params: bool  # parameters gathered per unit just in time, released after use
+    alias: str = ""  # the other name the planner shows the stage by ("DDP")
+    versus: int | None = None  # the stage the planner's recommendation of this one weighs it against
 
 
-STAGE_TRAITS = {0: StageTraits(False, False, False), 1: StageTraits(True, False, False),
-                2: StageTraits(True, True, False), 3: StageTraits(True, True, True)}
+STAGE_TRAITS = {0: StageTraits(False, False, False, alias="DDP"), 1: StageTraits(True, False, False, versus=0),
+                2: StageTraits(True, True, False, versus=0), 3: StageTraits(True, True, True, versus=2)}
 
 _REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 

@@ -207,26 +207,27 @@ def _own_clip_loop(model, opt, steps):
         opt.step()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
+def _warnings_of(loop, stage, steps):
+    """Every warning (repeats too) that ``loop`` raises training a TinyNet ``steps`` steps at ``stage``. The
+    loops stay whole functions: the habit check reads the code that calls step() for torch's clip."""
     model = TinyNet()
     opt = _build(model, stage)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _torch_clip_loop(model, opt, 3)
-    clip = [w for w in caught if "clips nothing" in str(w.message)]
+        loop(model, opt, steps)
+    return caught
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
+    clip = [w for w in _warnings_of(_torch_clip_loop, stage, 3) if "clips nothing" in str(w.message)]
     assert len(clip) == 1 and "optimizer.clip_grad_norm_(max_norm)" in str(clip[0].message)
     assert clip[0].filename == __file__  # points at the loop
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_optimizer_clip_does_not_warn(stage):
-    model = TinyNet()
-    opt = _build(model, stage)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _own_clip_loop(model, opt, 2)
-    assert not [w for w in caught if "clips nothing" in str(w.message)]
+    assert not [w for w in _warnings_of(_own_clip_loop, stage, 2) if "clips nothing" in str(w.message)]
 
 
 # --- optimizer.state[p]: the moments, as torch's AdamW has them ------------------------------

@@ -35,6 +35,20 @@ def _full_state(model, opt=None):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _trained_stage3():
+    """A TinyNet and its stage-3 optimizer after one step, and the model's full state then."""
+    model = TinyNet()
+    opt = _build(model, 3)
+    _train(model, opt, 1)
+    return model, opt, _full_state(model, opt)
+
+
+def _assert_state_is(model, state):
+    """Every entry of the model's state dict equals ``state``'s, bit for bit."""
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 def _reference(state, cls=TinyNet, **kw):
     ref = cls()
     ref.load_state_dict(state)
@@ -74,14 +88,10 @@ def test_second_optimizer_takes_over(stage, drop_first):
 
 
 def test_closed_stage3_optimizer_gives_the_model_back():
-    model = TinyNet()
-    opt = _build(model, 3)
-    _train(model, opt, 1)
-    state = _full_state(model, opt)
+    model, opt, state = _trained_stage3()
     opt.close()
     assert all(p.numel() > 0 for p in model.parameters())
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
+    _assert_state_is(model, state)
 
 
 # --- 2. weights changed after construction -----------------------------------------------------
@@ -285,18 +295,14 @@ def test_dropped_stage3_optimizer_is_collected_and_a_new_one_gets_full_parameter
     import gc
     import weakref
 
-    model = TinyNet()
-    first = _build(model, 3)
-    _train(model, first, 1)
-    state = _full_state(model, first)
+    model, first, state = _trained_stage3()
     ref = weakref.ref(first)
     del first
     gc.collect()
     assert ref() is None  # the model's hooks do not keep the optimizer (and its states) alive
     second = _build(model, 3)  # the gatherer the model still holds gives the parameters back first
     with second.full_parameters():
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, state[k]), k
+        _assert_state_is(model, state)
 
 
 def test_stage1_torch_clip_on_local_grads_warns():

@@ -19,8 +19,8 @@ from fused_zero.config import STAGE_TRAITS, ZeroConfig
 
 from . import activations as _act
 from .count import DTYPES, ModelCount, count_module, dtype_name, flat_count
-from .memory import (LADDER, Job, StageEstimate, all_tiers, flat_units, sharded, stage0, tier, tier_options,
-                     with_activations)
+from .memory import (LADDER, Job, StageEstimate, all_tiers, find, flat_units, sharded, stage_traits, tier,
+                     tier_options, unsharded, with_activations)
 from .recommend import Recommendation, recommend
 
 __all__ = ["estimate", "Plan", "StageEstimate", "Recommendation", "ModelCount", "DTYPES", "OFFLOAD", "tier"]
@@ -53,19 +53,21 @@ class Plan:
     def stage(self, n: int, offload: str = "none") -> StageEstimate:
         """Stage ``n`` at the offload tier ``offload`` ("none", "opt=cpu", "opt=cpu,params=cpu", ...)."""
         opt, par = tier_options(offload)
-        if par is not None and not STAGE_TRAITS.get(n, STAGE_TRAITS[0]).shards_params:
+        traits = stage_traits(n)
+        if par is not None and (traits is None or not traits.shards_params):
             raise ValueError(f"offload_params needs stage 3 (stages 1-2 keep every parameter whole on every rank): "
                              f"{offload!r} is planned at stage 3 only")
-        if n == 0 and (opt, par) != (None, None):
+        if traits is not None and not traits.shards_states and (opt, par) != (None, None):
             raise ValueError("stage 0 (DDP) has no offload tiers: they are planned at stages 1-3")
-        found = [s for s in self.stages if s.stage == n and s.offload == tier(opt, par)]
-        if not found:
+        found = find(self.stages, n, tier(opt, par))
+        if found is None:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {n!r}")
-        return found[0]
+        return found
 
     def tiers(self) -> tuple[StageEstimate, ...]:
         """The offload tiers the recommendation tries, cheapest first (memory.LADDER)."""
-        return self.stages[4:4 + len(LADDER)]
+        first = len(STAGE_TRAITS)  # after the stages without offload
+        return self.stages[first:first + len(LADDER)]
 
 
 def _count(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
@@ -130,8 +132,8 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
         raise ValueError(f"headroom must be a fraction in [0, 1), e.g. 0.1, got {headroom!r}")
     act = _activations(activations, seq_len, micro_batch, hidden, layers, heads, pdt or count.params[0].dtype)
     act_bytes = act.bytes(activation_checkpointing) if act else 0
-    planned = [(s, None, None) for s in (1, 2, 3)] + list(all_tiers())
-    stages = (stage0(count, job),) + tuple(flat_units(sharded(count, job, *t), count, job, layers) for t in planned)
+    planned = [(n, None, None) for n, t in STAGE_TRAITS.items() if t.shards_states] + list(all_tiers())
+    stages = (unsharded(count, job),) + tuple(flat_units(sharded(count, job, *t), count, job, layers) for t in planned)
     stages = tuple(with_activations(s, act_bytes) for s in stages)
     rec = recommend(stages, world_size, gpu_memory, headroom, host_memory, world_size // nodes, max_offload)
     return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,

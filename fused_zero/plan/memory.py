@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fused_zero.config import ALIGN, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, ZeroConfig
+from fused_zero.config import ALIGN, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, StageTraits, ZeroConfig
 from fused_zero.sharding.layout import FlatLayout, build_layout
 from fused_zero.tiers.tier import Tier
 
@@ -60,11 +60,46 @@ from .count import ModelCount, ParamSpec
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: offload option value -> the memory_bytes() key its bytes go under (the tier's name)
 WHERE = {option: Tier.of(option).value for option in ("cpu", "nvme")}
+
+
+def stage_where(**facts: bool) -> int:
+    """The first stage in ``config.STAGE_TRAITS`` with these facts: ``stage_where(shards_states=False)`` is DDP.
+    The planner names its stages so, by what they shard, never by testing their numbers."""
+    return next(n for n, t in STAGE_TRAITS.items() if all(getattr(t, k) == v for k, v in facts.items()))
+
+
+def stage_traits(n) -> StageTraits | None:
+    """Stage ``n``'s row of ``config.STAGE_TRAITS``; None for anything that is not a stage."""
+    return next((t for k, t in STAGE_TRAITS.items() if k == n), None)
+
+
+def find(stages, stage, offload: str = "none") -> StageEstimate | None:
+    """The row of ``stages`` for ``stage`` at the tier ``offload`` (None when there is none): the one place a
+    planned row is looked up by its stage, as ``Plan.stage``, the recommendation and the outputs do."""
+    return next((s for s in stages if s.stage == stage and s.offload == offload), None)
+
+
+def traffic(stage: int) -> str:
+    """What a step sends, as the ZeRO paper counts it: 2Ψ (an all-reduce, or a reduce-scatter and an all-gather),
+    3Ψ where backward gathers the parameters again."""
+    return "3Ψ" if STAGE_TRAITS[stage].shards_params else "2Ψ"
+
+
+def aka(stage: int) -> str:
+    """The stage's other name in parentheses (" (DDP)"), or nothing."""
+    alias = STAGE_TRAITS[stage].alias
+    return f" ({alias})" if alias else ""
+
+
+#: The stage that shards nothing: DDP + torch AdamW, which the planner sets the sharded stages against.
+DDP = stage_where(shards_states=False)
 #: The offload tiers the recommendation tries when no stage fits on the device, cheapest first:
-#: (stage, offload_optimizer, offload_params). Stage 1 tiers are planned too, never recommended:
-#: stage 2 with the same tier sends the same bytes and holds less.
-LADDER = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"),
-          (2, "nvme", None), (3, "nvme", None), (3, "nvme", "nvme"))
+#: (stage, offload_optimizer, offload_params), the stages that shard gradients (2, then 3; stage 3 with its
+#: param shards there too) in host memory, then on NVMe: (2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"),
+#: (2, "nvme", None), (3, "nvme", None), (3, "nvme", "nvme"). Stage 1 tiers are planned too, never
+#: recommended: stage 2 with the same tier sends the same bytes and holds less.
+LADDER = tuple((n, where, par) for where in ("cpu", "nvme") for n, t in STAGE_TRAITS.items() if t.shards_grads
+               for par in ((None, where) if t.shards_params else (None,)))
 
 
 def tier(offload_optimizer: str | None, offload_params: str | None) -> str:
@@ -87,8 +122,8 @@ def tier_options(name: str) -> tuple[str | None, str | None]:
 
 def all_tiers() -> tuple[tuple[int, str | None, str | None], ...]:
     """Every (stage, offload_optimizer, offload_params) ShardedOptimizer accepts, the ladder first."""
-    rest = [(s, o, p) for s in (1, 2, 3) for o in (None, "cpu", "nvme") for p in ((None, "cpu", "nvme") if s == 3
-                                                                                    else (None,))]
+    rest = [(s, o, p) for s, t in STAGE_TRAITS.items() if t.shards_states for o in (None, "cpu", "nvme")
+            for p in ((None, "cpu", "nvme") if t.shards_params else (None,))]
     return LADDER + tuple(t for t in rest if t not in LADDER and t[1:] != (None, None))
 
 
@@ -183,7 +218,7 @@ def _partitions(count: ModelCount, job: Job, stage: int) -> list[_Part]:
     return parts
 
 
-def stage0(count: ModelCount, job: Job) -> StageEstimate:
+def unsharded(count: ModelCount, job: Job) -> StageEstimate:
     """DDP + torch AdamW, fp32 master for narrow params; grads are DDP's buckets (gradient_as_bucket_view)."""
     params = sum(BYTES[s.dtype] * s.numel for s in count.params)
     trained = [s for s in count.params if s.trainable]
@@ -192,7 +227,7 @@ def stage0(count: ModelCount, job: Job) -> StageEstimate:
     moments = sum(4 * s.numel for s in trained)
     comm = 2 * grads if job.world_size > 1 else 0  # all-reduce = reduce-scatter + all-gather: 2Ψ
     detail = {"master": master, "exp_avg": moments, "exp_avg_sq": moments, "all_reduce": comm}
-    return StageEstimate(0, params, grads, master + 2 * moments, 0, 0, 0, comm, detail)
+    return StageEstimate(DDP, params, grads, master + 2 * moments, 0, 0, 0, comm, detail)
 
 
 def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | None = None,

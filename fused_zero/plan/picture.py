@@ -8,9 +8,8 @@ only when a picture is drawn.
 """
 from __future__ import annotations
 
-from fused_zero.config import STAGE_TRAITS
-
 from . import Plan
+from .memory import aka, find, traffic
 from .report import ROWS, scale, short_count
 
 _PARTS = ROWS[:-1]  # every row but the total, bottom to top
@@ -33,9 +32,8 @@ def figure_class():
 
 def _label(s) -> str:
     size, unit = scale(max(s.comm_bytes, 1))
-    comm = "3Ψ" if STAGE_TRAITS[s.stage].shards_params else "2Ψ"
-    name = f"ZeRO-{s.stage}" + (" (DDP)" if s.stage == 0 else "") + ("" if s.offload == "none" else f"\n{s.offload}")
-    return name + f"\ncomm {comm}: {s.comm_bytes / size:.1f} {unit}"
+    name = f"ZeRO-{s.stage}" + aka(s.stage) + ("" if s.offload == "none" else f"\n{s.offload}")
+    return name + f"\ncomm {traffic(s.stage)}: {s.comm_bytes / size:.1f} {unit}"
 
 
 def bars(plan: Plan) -> list:
@@ -53,6 +51,7 @@ def draw(plan: Plan, path: str) -> None:
     shown = bars(plan)
     size, unit = scale(max([s.total for s in shown] + [plan.gpu_memory or 0]))
     rec = plan.recommendation
+    chosen = find(plan.stages, rec.stage, rec.offload)
     fig = figure(figsize=(10, 5.4), dpi=120)
     ax = fig.subplots()
     xs = range(len(shown))
@@ -63,7 +62,7 @@ def draw(plan: Plan, path: str) -> None:
             ax.bar(xs, heights, 0.6, bottom=bottoms, color=_COLORS[part], label=_NAMES[part], edgecolor="white")
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     for x, s in zip(xs, shown):
-        best = s.stage == rec.stage and s.offload == rec.offload
+        best = s is chosen
         off = "".join(f"\n+ {getattr(s, t) * plan.ranks_per_node / size:.1f} {unit} {t}/node" for t in ("host", "nvme")
                       if getattr(s, t))
         ax.text(x, s.total / size, f"{s.total / size:.1f} {unit}" + off + ("\nrecommended" if best else ""),

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 from fused_zero.config import STAGE_TRAITS
 
-from .memory import LADDER, StageEstimate, tier
+from .memory import DDP, LADDER, StageEstimate, find, stage_where, tier, traffic
 
 _UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
-_COMM = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
 _DEPTH = {"none": 0, "cpu": 1, "nvme": 2}
 
 
@@ -56,7 +55,7 @@ def depth(s: StageEstimate) -> int:
 
 def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int | None, headroom: float,
               host_memory: int | None = None, ranks_per_node: int = 1, max_offload: str = "nvme") -> Recommendation:
-    by = {s.stage: s for s in stages if s.offload == "none"}
+    by = {n: find(stages, n) for n in STAGE_TRAITS}
     if gpu_memory is None:
         least = min(by.values(), key=lambda s: s.total)
         return Recommendation(None, "none", None, None, "no --gpu-memory given: cannot tell what fits; stage "
@@ -70,19 +69,21 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
                               f"; {why}", host_usable)
 
     fits = {s: by[s].total <= usable for s in by}
-    if fits[0]:
-        if world_size > 1 and by[1].total <= by[0].total:
-            return pick(1, f"fits unsharded (stage 0: {human(by[0].total)}), and stage 1 sends the same "
-                           f"{_COMM[1]} per step with less memory")
-        return pick(0, "fits without sharding" + ("; one GPU has nothing to shard" if world_size == 1 else ""))
-    for stage in (2, 3):
-        if fits[stage]:
-            before = 0 if stage == 2 else 2
-            return pick(stage, f"stage {before} needs {human(by[before].total)}; {_COMM[stage]} of communication "
-                               "per step" + (" (1.5x DDP's)" if STAGE_TRAITS[stage].shards_params else ", as DDP"))
-    on_device = f"stage 3 needs {human(by[3].total)} per rank {within}"
-    ladder = {(s.stage, s.offload): s for s in stages}
-    tiers = [ladder[(st, tier(o, p))] for st, o, p in LADDER if (st, tier(o, p)) in ladder]
+    if fits[DDP]:
+        alike = stage_where(shards_states=True, shards_grads=False)  # stage 1: DDP's .grad, less memory
+        ddp = STAGE_TRAITS[alike].versus
+        if world_size > 1 and by[alike].total <= by[ddp].total:
+            return pick(alike, f"fits unsharded (stage {ddp}: {human(by[ddp].total)}), and stage {alike} sends the "
+                               f"same {traffic(alike)} per step with less memory")
+        return pick(DDP, "fits without sharding" + ("; one GPU has nothing to shard" if world_size == 1 else ""))
+    for stage, traits in STAGE_TRAITS.items():  # the stages that shard gradients, least sharded first
+        if traits.shards_grads and fits[stage]:
+            before = traits.versus
+            return pick(stage, f"stage {before} needs {human(by[before].total)}; {traffic(stage)} of communication "
+                               "per step" + (" (1.5x DDP's)" if traits.shards_params else ", as DDP"))
+    most = stage_where(shards_params=True)
+    on_device = f"stage {most} needs {human(by[most].total)} per rank {within}"
+    tiers = [s for s in (find(stages, st, tier(o, p)) for st, o, p in LADDER) if s is not None]
     allowed = [s for s in tiers if depth(s) <= _DEPTH[max_offload]]
     host_short = None
     for s in allowed:
@@ -100,7 +101,7 @@ def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int 
         nvme = f", NVMe {human(s.nvme * ranks_per_node)} per node" if s.nvme else ""
         return Recommendation(s.stage, s.offload, True, usable,
                               f"stage {s.stage} with {options(s)}: {human(s.total)} per rank {within}, {moved} "
-                              f"({host}{nvme}); without offload stage 3 needs {human(by[3].total)}",
+                              f"({host}{nvme}); without offload stage {most} needs {human(by[most].total)}",
                               host_usable)
     if not allowed:
         return Recommendation(None, "none", False, usable, f"does not fit: {on_device}; --max-offload none rules "

@@ -5,14 +5,13 @@ from __future__ import annotations
 from fused_zero.config import STAGE_TRAITS
 
 from . import Plan
-from .memory import StageEstimate
+from .memory import StageEstimate, aka, find, traffic
 from .recommend import options, scale
 
 ROWS = ("params", "grads", "optimizer", "buffers", "gathered", "staging", "activations", "total")
 _LABELS = {"params": "params", "grads": "grads", "optimizer": "optimizer states", "buffers": "comm buffers",
            "gathered": "gathered units", "staging": "offload staging", "activations": "activations",
            "total": "total"}
-_COMM = {0: "2Ψ all-reduce", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
 
 
 def key(s: StageEstimate) -> str:
@@ -90,7 +89,7 @@ def table(plan: Plan) -> str:
              f"{job.reduce_dtype or 'the params dtype'}" + (", activation checkpointing"
                                                             if plan.activation_checkpointing else ""),
              ""]
-    heads = [f"stage {key(s)}" + (" (DDP)" if s.stage == 0 else "") for s in base]
+    heads = [f"stage {key(s)}" + aka(s.stage) for s in base]
     lines.append(f"{'per rank, ' + unit:<18}" + "".join(f"{h:>13}" for h in heads))
     for row in ROWS:
         if row == "staging":
@@ -104,11 +103,16 @@ def table(plan: Plan) -> str:
     comm_size, comm_unit = scale(max(max(s.comm_bytes for s in base), 1))
     comm = "".join(f"{s.comm_bytes / comm_size:>13.2f}" for s in base)
     lines.append(f"{'comm/step, ' + comm_unit:<18}" + comm)
-    lines.append(f"{'':<18}" + "".join(f"{_COMM[s.stage]:>13}" for s in base))
+    lines.append(f"{'':<18}" + "".join(f"{_traffic(s):>13}" for s in base))
     lines += [""] + tiers_table(plan)
     lines += ["", f"recommendation: {plan.recommendation.reason}"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _traffic(s: StageEstimate) -> str:
+    """The comm row's label: 2Ψ or 3Ψ, and how an unsharded stage (DDP) sends it."""
+    return traffic(s.stage) + ("" if STAGE_TRAITS[s.stage].shards_states else " all-reduce")
 
 
 def tiers_table(plan: Plan) -> list[str]:
@@ -121,10 +125,11 @@ def tiers_table(plan: Plan) -> list[str]:
     lines = [f"offload tiers, {unit} (host and NVMe per node of {n} rank{'s' * (n > 1)}{host})",
              f"{'per GPU':>9}{'host':>10}{'NVMe':>10}{'fits':>11}   ShardedOptimizer options"]
     rec = plan.recommendation
+    chosen = find(plan.stages, rec.stage, rec.offload)
     for s in tiers:
         ok = fits(plan, s)
         why = " (host)" if ok is False and fits_device(plan, s) else ""
-        best = "   <- recommended" if (s.stage, s.offload) == (rec.stage, rec.offload) else ""
+        best = "   <- recommended" if s is chosen else ""
         lines.append(f"{s.total / size:>9.2f}{s.host * n / size:>10.2f}{s.nvme * n / size:>10.2f}"
                      f"{_yes(ok) + why:>11}   stage={s.stage}, {options(s)}{best}")
     return lines

@@ -22,6 +22,23 @@ def launcher_env(rank: int, world_size: int) -> None:
                       TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
 
 
+def accelerator(rank: int, world_size: int, stage: int | None, accum: int):
+    """This rank's Accelerate front, after ``launcher_env``: Accelerate's own Accelerator (``stage`` None: its
+    DDP) or ZeroAccelerator at ``stage`` (4096-element buckets), on the CPU, ``accum`` micro-batches a step,
+    split_batches (a step sees the same global batch at any world size)."""
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    kw = dict(cpu=True, gradient_accumulation_steps=accum,
+              dataloader_config=DataLoaderConfiguration(split_batches=True))
+    return Accelerator(**kw) if stage is None else ZeroAccelerator(**kw, zero=ZeroConfig(stage=stage,
+                                                                                          bucket_numel=4096))
+
+
 def tiny_gpt2(seed: int = 0):
     """A 2-layer GPT-2 built from a config (tied input and output embeddings), about 110k parameters."""
     from transformers import GPT2Config, GPT2LMHeadModel

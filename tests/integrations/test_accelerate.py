@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from _dist import run_ranks  # noqa: E402
-from _frameworks import TokenDataset, launcher_env, rel_close, tiny_gpt2  # noqa: E402
+from _frameworks import TokenDataset, accelerator, launcher_env, rel_close, tiny_gpt2  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_AT = 20, 2, 4, 10
 LR, CLIP = 3e-3, 0.5
@@ -25,17 +25,7 @@ TOL = 1e-5
 
 
 def _run(rank, world_size, stage, folder=None, save_at=None, resume=False, steps=STEPS):
-    launcher_env(rank, world_size)
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
-
-    from fused_zero import ZeroConfig
-    from fused_zero.integrations.accelerate import ZeroAccelerator
-
-    kw = dict(cpu=True, gradient_accumulation_steps=ACCUM,
-              dataloader_config=DataLoaderConfiguration(split_batches=True))
-    acc = Accelerator(**kw) if stage is None else ZeroAccelerator(**kw, zero=ZeroConfig(stage=stage,
-                                                                                         bucket_numel=4096))
+    acc = accelerator(rank, world_size, stage, ACCUM)
     model = tiny_gpt2()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
 from _dist import run_ranks  # noqa: E402
-from _frameworks import TokenDataset, launcher_env, rel_close, tiny_gpt2, tokens  # noqa: E402
+from _frameworks import TokenDataset, accelerator, launcher_env, rel_close, tiny_gpt2, tokens  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_AT, TOL = 6, 2, 2, 3, 1e-5
 
@@ -100,17 +100,7 @@ def _trainable_adamw(model):
 
 def _accelerate(rank, world_size, stage):
     """Accelerate's loop on the LoRA model: its own DDP (``stage`` None) or ZeroAccelerator."""
-    launcher_env(rank, world_size)
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
-
-    from fused_zero import ZeroConfig
-    from fused_zero.integrations.accelerate import ZeroAccelerator
-
-    kw = dict(cpu=True, gradient_accumulation_steps=ACCUM,
-              dataloader_config=DataLoaderConfiguration(split_batches=True))
-    acc = Accelerator(**kw) if stage is None else ZeroAccelerator(**kw, zero=ZeroConfig(stage=stage,
-                                                                                         bucket_numel=4096))
+    acc = accelerator(rank, world_size, stage, ACCUM)
     model = lora_gpt2()
     opt = _trainable_adamw(model)
     loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=BATCH * 2, shuffle=False)
