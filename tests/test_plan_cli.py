@@ -104,6 +104,17 @@ def test_offload_table_and_recommendation(capsys):
     assert data["stages"]["3+opt=cpu,params=cpu"]["fits_device"] is True
 
 
+def test_host_memory_without_gpu_memory_lists_the_tiers(capsys):
+    """--host-memory alone: no recommendation (nothing says what fits on the GPU), but the table and the tiers
+    with the node's usable host memory, not a TypeError."""
+    code, out, _ = _run(["--params", "7e9", "--host-memory", "64GiB"], capsys)
+    assert code == 0
+    assert "no --gpu-memory given" in out and "host 57.6 GiB usable" in out
+    code, out, _ = _run(["--params", "7e9", "--host-memory", "64GiB", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["recommendation"]["stage"] is None
+
+
 def test_model_option(capsys):
     argv = ["--model", "test_plan_measured:mixed_net", "--model-path", TESTS, "--world-size", "2", "--json"]
     code, out, err = _run(argv, capsys)

@@ -56,12 +56,12 @@ def depth(s: StageEstimate) -> int:
 def recommend(stages: Sequence[StageEstimate], world_size: int, gpu_memory: int | None, headroom: float,
               host_memory: int | None = None, ranks_per_node: int = 1, max_offload: str = "nvme") -> Recommendation:
     by = {n: find(stages, n) for n in STAGE_TRAITS}
+    host_usable = None if host_memory is None else int(host_memory * (1 - headroom))
     if gpu_memory is None:
         least = min(by.values(), key=lambda s: s.total)
         return Recommendation(None, "none", None, None, "no --gpu-memory given: cannot tell what fits; stage "
-                              f"{least.stage} needs the least, {human(least.total)} per rank")
+                              f"{least.stage} needs the least, {human(least.total)} per rank", host_usable)
     usable = int(gpu_memory * (1 - headroom))
-    host_usable = None if host_memory is None else int(host_memory * (1 - headroom))
     within = f"of {human(usable)} usable ({human(gpu_memory)} less {headroom:.0%} headroom)"
 
     def pick(stage: int, why: str) -> Recommendation:
