@@ -74,13 +74,19 @@ class Partition:
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
+        self._views: list[torch.Tensor] | None = None  # the parameters' views of flat (views())
         self.bind()
 
     # -- the parameters as views of the flat buffer ---------------------------
     def views(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """(parameter, the view of the flat buffer it should be), in layout order."""
-        for p, slot, shape in zip(self.params, self.layout.slots, self.shapes):
-            yield p, self.flat[slot.offset: slot.offset + slot.numel].view(shape)
+        """(parameter, the view of the flat buffer it should be), in layout order.
+
+        Made once: a view shares the flat buffer's storage, so it stays valid across stage 3's
+        ``release``/``materialize`` (the storage resized to 0 bytes and back), as autograd's saved views do."""
+        if self._views is None:
+            self._views = [self.flat[slot.offset: slot.offset + slot.numel].view(shape)
+                           for slot, shape in zip(self.layout.slots, self.shapes)]
+        return zip(self.params, self._views)
 
     @torch.no_grad()
     def bind(self) -> None:
