@@ -57,6 +57,13 @@ class ZeroConfig:
         it is complete (stages 2 and 3); False defers all reduction to step().
     max_live_units: stage 3: prefetch a unit's parameters only while fewer
         than this many units (besides the root) are gathered.
+    min_unit_numel: stage 3 with the default units: consecutive units holding fewer
+        elements than this are merged into one (model order) until each holds at least
+        this many, since every unit costs host work and collectives per gather whatever
+        its size (DeepSpeed keeps such small parameters gathered; FSDP2 users stop
+        wrapping small modules). The default, 2**20, leaves units of a billion-parameter
+        model's size alone and merges a model of small blocks into few units; 0 keeps
+        one unit per module. Units passed with ``units=`` are never merged.
     reshard_after_forward: stage 3: release each unit's parameters after its
         forward and gather them again for its backward (False keeps them
         from forward until the unit's backward is done: less traffic, more
@@ -91,6 +98,7 @@ class ZeroConfig:
     max_grad_norm: float | None = None
     overlap: bool = True
     max_live_units: int = 2
+    min_unit_numel: int = 1 << 20
     reshard_after_forward: bool = True
     offload_optimizer: str | None = None
     offload_params: str | None = None
@@ -120,6 +128,10 @@ class ZeroConfig:
             )
         if not isinstance(self.max_live_units, int) or self.max_live_units < 1:
             raise ValueError(f"max_live_units must be an int >= 1, got {self.max_live_units!r}")
+        if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) \
+                or self.min_unit_numel < 0:
+            raise ValueError(f"min_unit_numel must be an int >= 0 (0: one stage-3 unit per module), "
+                             f"got {self.min_unit_numel!r}")
         if self.offload_optimizer not in (None, "cpu", "nvme"):
             raise ValueError(f'offload_optimizer must be None, "cpu" or "nvme", got {self.offload_optimizer!r}')
         if self.offload_params not in (None, "cpu", "nvme"):

@@ -75,12 +75,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                  decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None,
                  module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
-                 max_live_units=_UNSET, reshard_after_forward=_UNSET, offload_optimizer=_UNSET,
-                 offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET, nvme_direct=_UNSET,
-                 broadcast_buffers=_UNSET) -> None:
+                 max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET,
+                 offload_optimizer=_UNSET, offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET,
+                 nvme_direct=_UNSET, broadcast_buffers=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
-                                       max_live_units=max_live_units, reshard_after_forward=reshard_after_forward,
+                                       max_live_units=max_live_units, min_unit_numel=min_unit_numel,
+                                       reshard_after_forward=reshard_after_forward,
                                        offload_optimizer=offload_optimizer, offload_params=offload_params,
                                        nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
                                        nvme_direct=nvme_direct, broadcast_buffers=broadcast_buffers,

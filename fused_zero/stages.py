@@ -175,7 +175,7 @@ class Stage3(Stage2):
         """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""
         self.names = names
         self.check_offload()
-        plan = plan_units(module, units)
+        plan = plan_units(module, units, self.config.min_unit_numel)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g["params"]}
         in_module = {p for ps in plan.params for p in ps}
         missing = [names[p] for p in names if p not in group_of and p.requires_grad]

@@ -31,10 +31,14 @@ FP32 = [dict(), dict(offload_params="cpu", offload_optimizer="cpu", **CHUNK),
 BF16 = [dict(), dict(offload_params="cpu", **CHUNK), dict(offload_params="nvme", **CHUNK)]
 
 
+#: one stage-3 unit per module (no merging of small units): these tests watch each unit's gathers
+PER_MODULE = dict(min_unit_numel=0)
+
+
 def _build(model, folder=None, **kw):
     if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_params")):
         kw["nvme_path"] = folder
-    return ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000, **kw)
+    return ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=1000, **kw, **PER_MODULE)
 
 
 def _step(model, opt, t, rank):

@@ -129,9 +129,27 @@ def test_offload_fp32_and_chunks():
     assert plan.stage(2, "opt=cpu").detail["host_staging"] == 128 * (4 + 4)  # 100 elements round up to 128
 
 
+def test_small_layers_merge_into_units_as_the_optimizer_merges_them():
+    psi, layers = 2 ** 19 * 32, 32  # 2**19 elements a layer: two make the default min_unit_numel (2**20)
+    merged = estimate(psi, world_size=8, bucket_numel=64 * 8 * 1000, layers=layers).stage(3, "params=nvme")
+    apart = estimate(psi, world_size=8, bucket_numel=64 * 8 * 1000, layers=layers,
+                     min_unit_numel=0).stage(3, "params=nvme")
+    per_layer = psi // layers
+    assert apart.gathered == 2 * 2 * per_layer  # bf16: two live units of one layer
+    assert merged.gathered == 2 * 2 * (2 * per_layer)  # two live units of two layers each
+    assert merged.detail["partitions"] == apart.detail["partitions"] // 2 == 16  # one a unit
+    # a layer one element short: three make a unit, and the last two join the tenth (five layers)
+    odd = estimate(psi - layers, world_size=8, bucket_numel=64 * 8 * 1000, layers=layers).stage(3)
+    assert odd.gathered == 2 * (5 + 3) * (2 ** 19 - 1) and odd.detail["partitions"] == 10
+    assert merged.staging == 2 * apart.staging  # the in-flight units' shards, twice the size
+    with pytest.raises(ValueError, match="min_unit_numel must be a whole number >= 0"):
+        estimate(psi, min_unit_numel=-1)
+
+
 def test_offload_units_and_nodes():
-    psi, layers = 64 * 8 * 1000 * 32, 32
-    plan = estimate(psi, world_size=8, nodes=2, bucket_numel=64 * 8 * 1000, layers=layers, max_live_units=2)
+    psi, layers = 64 * 8 * 1000 * 32, 32  # 512k elements a layer: units of their own only with min_unit_numel=0
+    plan = estimate(psi, world_size=8, nodes=2, bucket_numel=64 * 8 * 1000, layers=layers, max_live_units=2,
+                    min_unit_numel=0)
     one = estimate(psi, world_size=8, nodes=2, bucket_numel=64 * 8 * 1000)
     s, flat = plan.stage(3, "opt=nvme,params=nvme"), one.stage(3, "opt=nvme,params=nvme")
     shard = 2 * psi // 8

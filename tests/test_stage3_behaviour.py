@@ -22,6 +22,10 @@ CFG = GPTConfig(vocab=96, d_model=32, n_layer=3, n_head=2, seq_len=16)
 BUCKET = 2000
 
 
+#: one stage-3 unit per module (no merging of small units): these tests watch each unit's gathers
+PER_MODULE = dict(min_unit_numel=0)
+
+
 class ReversedGPT(GPT):
     """Runs its blocks in reverse registration order: the recorded order must win."""
 
@@ -70,9 +74,9 @@ def _mechanics(rank, world_size):
     model = GPT(CFG, seed=0)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
-    opt = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=BUCKET)
+    opt = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=BUCKET, **PER_MODULE)
     g = opt._stage.gatherer
-    out["units"] = [type(u.module).__name__ for u in g.units]
+    out["units"] = [type(u.modules[0]).__name__ for u in g.units]
     log = gather_log(opt)
     seen = _snapshots(model, log)
 
@@ -151,7 +155,7 @@ def _mechanics(rank, world_size):
 
     # no prefetch with one live unit
     m1 = GPT(CFG, seed=0)
-    o1 = ShardedOptimizer(m1, **HYPER, stage=3, bucket_numel=BUCKET, max_live_units=1)
+    o1 = ShardedOptimizer(m1, **HYPER, stage=3, bucket_numel=BUCKET, max_live_units=1, **PER_MODULE)
     seen1 = _snapshots(m1, gather_log(o1))
     _step(m1, o1, 0, rank)
     out["seen_live1"] = list(seen1)
@@ -159,7 +163,7 @@ def _mechanics(rank, world_size):
 
     # the forward order is recorded on the first step and used from then on
     m2 = ReversedGPT(CFG, seed=0)
-    o2 = ShardedOptimizer(m2, **HYPER, stage=3, bucket_numel=BUCKET)
+    o2 = ShardedOptimizer(m2, **HYPER, stage=3, bucket_numel=BUCKET, **PER_MODULE)
     _step(m2, o2, 0, rank)
     log2 = gather_log(o2)
     out["schedule_reversed"] = list(o2._stage.gatherer.schedule)
@@ -261,7 +265,7 @@ def test_training_continues_after_exception_and_writeback(mech):
 def test_bf16_resident_state_is_16_psi():
     from fused_zero import ShardedOptimizer
     model = GPT(CFG, seed=0).to(torch.bfloat16)
-    opt = ShardedOptimizer(model, stage=3, bucket_numel=BUCKET)
+    opt = ShardedOptimizer(model, stage=3, bucket_numel=BUCKET, **PER_MODULE)
     _step(model, opt, 0, 0)
     m = opt.memory_bytes()
     n = sum(part.layout.shard_numel for part in opt.partitions)
@@ -272,7 +276,7 @@ def test_bf16_resident_state_is_16_psi():
 def test_groups_with_module():
     from fused_zero import ShardedOptimizer
     model = TinyNet()
-    opt = ShardedOptimizer(param_groups(model), stage=3, module=model, bucket_numel=1000)
+    opt = ShardedOptimizer(param_groups(model), stage=3, module=model, bucket_numel=1000, **PER_MODULE)
     assert [g["lr"] for g in opt.param_groups] == [2e-3, 1e-3, 3e-3]
     assert {part.group_index for part in opt.partitions} == {0, 1, 2}
 
@@ -294,7 +298,7 @@ def test_foreign_parameter_in_groups():
 
 def test_add_param_group_after_construction():
     from fused_zero import ShardedOptimizer
-    opt = ShardedOptimizer(GPT(CFG), stage=3)
+    opt = ShardedOptimizer(GPT(CFG), stage=3, **PER_MODULE)
     with pytest.raises(RuntimeError, match="module=model"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     assert len(opt.param_groups) == 1
@@ -306,6 +310,13 @@ def test_units_need_stage_3():
         ShardedOptimizer(GPT(CFG), stage=2, units=[Block])
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1M"])
+def test_invalid_min_unit_numel(bad):
+    from fused_zero import ShardedOptimizer
+    with pytest.raises(ValueError, match=r"min_unit_numel must be an int >= 0 \(0: one stage-3 unit per module\)"):
+        ShardedOptimizer(GPT(CFG), stage=3, min_unit_numel=bad)
+
+
 def test_invalid_max_live_units():
     from fused_zero import ShardedOptimizer
     with pytest.raises(ValueError, match="max_live_units"):
@@ -315,7 +326,7 @@ def test_invalid_max_live_units():
 def test_full_parameters_inside_forward_raises():
     from fused_zero import ShardedOptimizer
     model = GPT(CFG)
-    opt = ShardedOptimizer(model, stage=3)
+    opt = ShardedOptimizer(model, stage=3, **PER_MODULE)
 
     def hook(module, args):
         with opt.full_parameters():
@@ -334,5 +345,73 @@ def test_user_units_classes():
     from gpt import MLP
     model = GPT(CFG)
     opt = ShardedOptimizer(model, stage=3, units=[MLP])
-    assert [type(u.module).__name__ for u in opt._stage.gatherer.units] == ["GPT", "MLP", "MLP", "MLP"]
+    assert [type(u.modules[0]).__name__ for u in opt._stage.gatherer.units] == ["GPT", "MLP", "MLP", "MLP"]
     _step(model, opt, 0, 0)
+
+
+# -- small units merged (min_unit_numel) ---------------------------------------------------------
+
+CFG4 = GPTConfig(vocab=96, d_model=32, n_layer=4, n_head=2, seq_len=16)
+
+
+def _merged(rank, world_size):
+    """Units of two blocks each (min_unit_numel of two blocks), in model order and in reverse."""
+    from fused_zero import ShardedOptimizer
+    out = {}
+    for name, cls in (("forward", GPT), ("reversed", ReversedGPT)):
+        model = cls(CFG4, seed=0)
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+        per_block = sum(p.numel() for p in model.blocks[0].parameters())
+        opt = ShardedOptimizer(model, **HYPER, stage=3, bucket_numel=BUCKET, min_unit_numel=2 * per_block)
+        g = opt._stage.gatherer
+        out[name, "units"] = [[type(m).__name__ for m in u.modules] for u in g.units]
+        log = gather_log(opt)
+        steps = []
+        for step in range(3):
+            log.clear()
+            idx, tgt = synthetic_batch(CFG4, 4, step=step, rank=rank)
+            opt.zero_grad()
+            loss = model(idx, tgt)[1]
+            steps.append(list(log))
+            loss.backward()
+            steps[-1] = (steps[-1], list(log)[len(steps[-1]):])
+            out[name, "peak"], out[name, "pool"] = g.peak_bytes, g.pool_bytes()
+            opt.step()
+            ref_opt.zero_grad()
+            for r in range(world_size):
+                i, t = synthetic_batch(CFG4, 4, step=step, rank=r)
+                (ref(i, t)[1] / world_size).backward()
+            ref_opt.step()
+        out[name, "log"] = steps
+        out[name, "released"] = [p.numel() for p in model.parameters()]
+        with opt.full_parameters():
+            refs = dict(ref.named_parameters())
+            out[name, "err"] = max(rel(p, refs[n]) for n, p in model.named_parameters() if not n.endswith("qkv.bias"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged():
+    return run_ranks(_merged, 2, timeout=240)
+
+
+def test_small_units_merge_in_model_order(merged):
+    for r in merged:
+        for name in ("forward", "reversed"):
+            assert r[name, "units"][1:] == [["Block", "Block"], ["Block", "Block"]]  # the root apart
+            assert r[name, "released"] == [0] * len(r[name, "released"])  # every unit released after the step
+            assert 0 < r[name, "peak"] <= r[name, "pool"]
+            assert r[name, "err"] < 1e-5  # trains as torch AdamW on the averaged gradients
+
+
+def test_a_merged_unit_is_gathered_once_a_forward_and_once_a_backward(merged):
+    """Gathered at its first module, released after its last: not once per module."""
+    for r in merged:
+        # the root, then both units ahead (prefetch); backward gathers them again in reverse
+        assert r["forward", "log"][1:] == [([0, 1, 2], [2, 1])] * 2
+        # blocks run in reverse: the first forward (registration order, unit 1 prefetched) releases the unit of
+        # blocks 2-3 after block 3 (its last in model order) and block 2 gathers it again, and so for unit 1;
+        # from then on each is released after the module that ran last in it
+        assert r["reversed", "log"][0][0] == [0, 1, 2, 2, 1]
+        assert r["reversed", "log"][1:] == [([0, 2, 1], [1, 2])] * 2

@@ -26,6 +26,10 @@ TOL = 1e-5
 GPT_CFG = GPTConfig(vocab=96, d_model=32, n_layer=3, n_head=2, seq_len=16)
 
 
+#: one stage-3 unit per module (no merging of small units): these tests watch each unit's gathers
+PER_MODULE = dict(min_unit_numel=0)
+
+
 def _build(name: str):
     """(model, ShardedOptimizer kwargs, reference-groups flag)."""
     if name == "gpt":
@@ -61,10 +65,10 @@ def _run(rank, world_size, name, options):
     kwargs.update(options)
     ref, ref_opt = ddp_reference(model, groups=groups)
     params = param_groups(model) if groups else model
-    opt = ShardedOptimizer(params, **HYPER, stage=3, module=model, **kwargs)
+    opt = ShardedOptimizer(params, **HYPER, stage=3, module=model, **kwargs, **PER_MODULE)
     # TinyNet's frozen unit, and units a rank's backward skips, stay gathered until the end of
     # backward (no gradient tells when their backward is over): the bound adds them.
-    extra = sum(u.nbytes for u in opt._stage.gatherer.units if u.module in (model.frozen, model.branch, model.side)) \
+    extra = sum(u.nbytes for u in opt._stage.gatherer.units if u.modules[0] in (model.frozen, model.branch, model.side)) \
         if name == "tiny" else 0
     out = {"loss": 0.0, "gathered_after_step": 0, "peak": 0, "pool": opt._stage.gatherer.pool_bytes() + extra,
            "units": len(opt._stage.gatherer.units)}
@@ -153,7 +157,7 @@ def test_world_size_one_matches_torch_adamw():
     model, kwargs, _ = _build("gpt")
     ref = copy.deepcopy(model)
     from fused_zero import ShardedOptimizer
-    opt = ShardedOptimizer(model, **HYPER, stage=3, **kwargs)
+    opt = ShardedOptimizer(model, **HYPER, stage=3, **kwargs, **PER_MODULE)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
     for step in range(5):
         for m, o in ((model, opt), (ref, ref_opt)):

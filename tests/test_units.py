@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from _models import BNNet, PlainNet, TinyNet
-from fused_zero.sharding.units import default_units, plan_units, resolve_units
+from fused_zero.sharding.units import default_units, merge_small, plan_units, resolve_units
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, Block, GPTConfig  # noqa: E402
@@ -25,9 +25,15 @@ def same(got, want):
     assert all(a is b for a, b in zip(got, want)), [(type(a).__name__, type(b).__name__) for a, b in zip(got, want)]
 
 
+def single(plan):
+    """The one module of each unit (the plans here merge nothing)."""
+    assert all(len(ms) == 1 for ms in plan.modules), [len(ms) for ms in plan.modules]
+    return [ms[0] for ms in plan.modules]
+
+
 def check_partition(model, plan):
     """Unit 0 is the model; each parameter in exactly one unit; each unit non-empty, in model order."""
-    assert plan.modules[0] is model and len(plan.modules) == len(plan.params)
+    assert plan.modules[0] == (model,) and len(plan.modules) == len(plan.params)
     pos = {id(p): i for i, p in enumerate(model.parameters())}
     assert sorted(pos[id(p)] for ps in plan.params for p in ps) == list(range(len(pos)))
     for i, ps in enumerate(plan.params):
@@ -109,7 +115,7 @@ def test_resolve_empty_list_means_no_units():
     model = GPT(CFG)
     same(resolve_units(model, []), [])
     plan = plan_units(model, [])
-    same(plan.modules, [model])
+    same(single(plan), [model])
     same(plan.params[0], model.parameters())
 
 
@@ -120,7 +126,7 @@ def test_plan_gpt_default_tied():
     assert model.lm_head.weight is model.tok_emb.weight
     plan = plan_units(model)
     check_partition(model, plan)
-    same(plan.modules, [model, *model.blocks])
+    same(single(plan), [model, *model.blocks])
     same(plan.params[0], [model.tok_emb.weight, model.pos_emb.weight, model.ln_f.weight, model.ln_f.bias])
     for b, ps in zip(model.blocks, plan.params[1:]):
         same(ps, b.parameters())
@@ -132,7 +138,7 @@ def test_plan_gpt_tied_embedding_unit_goes_to_root():
     check_partition(model, plan)
     # tok_emb.weight is also lm_head.weight (under the root): it goes to the root, and the
     # tok_emb unit, left with nothing, is dropped
-    same(plan.modules, [model, model.pos_emb])
+    same(single(plan), [model, model.pos_emb])
     same(plan.params[1], [model.pos_emb.weight])
     same(plan.params[0], [model.tok_emb.weight, *(p for b in model.blocks for p in b.parameters()),
                           model.ln_f.weight, model.ln_f.bias])
@@ -142,7 +148,7 @@ def test_plan_gpt_untied_embedding_units():
     model = GPT(GPTConfig(vocab=16, d_model=8, n_layer=2, n_head=2, seq_len=8, tie_weights=False))
     plan = plan_units(model, [nn.Embedding])
     check_partition(model, plan)
-    same(plan.modules, [model, model.tok_emb, model.pos_emb])
+    same(single(plan), [model, model.tok_emb, model.pos_emb])
     same(plan.params[1], [model.tok_emb.weight])
     same(plan.params[2], [model.pos_emb.weight])
     assert any(p is model.lm_head.weight for p in plan.params[0])
@@ -152,7 +158,7 @@ def test_plan_nested_units_innermost_wins():
     model = GPT(CFG)
     plan = plan_units(model, [Block, nn.LayerNorm])
     check_partition(model, plan)
-    same(plan.modules, [model] + [m for b in model.blocks for m in (b, b.ln1, b.ln2)] + [model.ln_f])
+    same(single(plan), [model] + [m for b in model.blocks for m in (b, b.ln1, b.ln2)] + [model.ln_f])
     same(plan.params[0], [model.tok_emb.weight, model.pos_emb.weight])
     for i, b in enumerate(model.blocks):
         same(plan.params[1 + 3 * i], [*b.attn.parameters(), *b.mlp.parameters()])
@@ -165,11 +171,11 @@ def test_plan_drops_units_without_params():
     model = GPT(CFG)
     plan = plan_units(model, [Block, nn.Linear, nn.LayerNorm])  # every Block param is in a Linear or LayerNorm
     check_partition(model, plan)
-    assert not any(isinstance(m, Block) for m in plan.modules)
-    assert model.lm_head not in plan.modules  # its only weight is tied to tok_emb (root)
+    assert not any(isinstance(m, Block) for m in single(plan))
+    assert model.lm_head not in single(plan)  # its only weight is tied to tok_emb (root)
     net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))
     plan = plan_units(net, [net[1][0], net[0]])
-    same(plan.modules, [net, net[0], net[1][0]])
+    same(single(plan), [net, net[0], net[1][0]])
     same(plan.params[0], [])  # the root stays even when it owns nothing
     plan = plan_units(nn.Sequential(nn.GELU(), nn.ModuleList([nn.ReLU()])))
     assert len(plan.modules) == 1 and plan.params == ((),)
@@ -181,13 +187,13 @@ def test_plan_shared_module_in_two_units_goes_to_root():
     model = nn.Sequential(blocks)
     plan = plan_units(model)
     check_partition(model, plan)
-    same(plan.modules, [model, blocks[0], blocks[1]])
+    same(single(plan), [model, blocks[0], blocks[1]])
     same(plan.params[0], [shared.weight, shared.bias])
     same(plan.params[1], blocks[0][0].parameters())
     same(plan.params[2], blocks[1][1].parameters())
     # the shared module is itself a unit: it owns its parameters wherever it appears
     plan = plan_units(model, [blocks[1], shared, blocks[0]])
-    same(plan.modules, [model, blocks[0], shared, blocks[1]])
+    same(single(plan), [model, blocks[0], shared, blocks[1]])
     same(plan.params[2], [shared.weight, shared.bias])
 
 
@@ -200,7 +206,7 @@ def test_plan_param_shared_with_non_unit_sibling_goes_to_root():
     same_unit[1].weight = same_unit[0].weight
     plan = plan_units(model)
     check_partition(model, plan)
-    same(plan.modules, [model, *model.blocks])
+    same(single(plan), [model, *model.blocks])
     same(plan.params[0], [model.blocks[1][0].weight, model.head.bias])
     same(plan.params[1], [same_unit[0].weight, same_unit[0].bias, same_unit[1].bias])
     same(plan.params[2], [model.blocks[1][0].bias, *model.blocks[1][1].parameters()])
@@ -220,7 +226,7 @@ def test_plan_param_order_follows_model_parameters():
         same(ps, [unit.scale, unit.lin.weight, unit.lin.bias])
     tiny = TinyNet()  # every parameter in a child unit: the root owns nothing, units keep model order
     plan = plan_units(tiny)
-    same(plan.modules[1:], default_units(tiny))
+    same(single(plan)[1:], default_units(tiny))
     same([p for ps in plan.params for p in ps], tiny.parameters())
     assert plan.params[0] == ()
 
@@ -295,3 +301,33 @@ def test_stage3_trains_a_model_of_nested_modulelists():
     with opt.full_parameters():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- merging small units
+def test_merge_small_runs():
+    assert merge_small([], 10) == []
+    assert merge_small([3, 3, 3], 0) == [range(0, 1), range(1, 2), range(2, 3)]  # 0: one unit each
+    assert merge_small([3, 3, 3, 3, 3], 6) == [range(0, 2), range(2, 5)]  # the small tail joins the run before
+    assert merge_small([3, 3, 3, 3], 6) == [range(0, 2), range(2, 4)]
+    # a unit at least min_numel stands alone; small ones before it join it; a small tail joins the last run
+    assert merge_small([10, 1, 10, 1], 5) == [range(0, 1), range(1, 4)]
+    assert merge_small([2, 2], 100) == [range(0, 2)]  # all smaller than one: a single unit
+    runs = merge_small([7, 1, 1, 9, 2, 5, 5], 6)
+    assert [i for r in runs for i in r] == list(range(7)) and all(len(r) for r in runs)
+
+
+def test_plan_merges_small_default_units_only():
+    model = GPT(GPTConfig(vocab=16, d_model=8, n_layer=6, n_head=2, seq_len=8))
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    plan = plan_units(model, min_unit_numel=2 * per_block)
+    check_partition(model, plan)
+    assert plan.modules[1:] == ((model.blocks[0], model.blocks[1]), (model.blocks[2], model.blocks[3]),
+                                (model.blocks[4], model.blocks[5]))
+    same(plan.params[1], [*model.blocks[0].parameters(), *model.blocks[1].parameters()])
+    plan = plan_units(model, min_unit_numel=10 ** 9)  # all blocks in one unit, the root apart
+    check_partition(model, plan)
+    assert plan.modules == ((model,), tuple(model.blocks))
+    same(single(plan_units(model, min_unit_numel=per_block)), [model, *model.blocks])  # each big enough
+    # units= given explicitly are the user's choice: never merged
+    same(single(plan_units(model, list(model.blocks), min_unit_numel=10 ** 9)), [model, *model.blocks])
+    same(single(plan_units(model, [Block], min_unit_numel=10 ** 9)), [model, *model.blocks])

@@ -14,6 +14,9 @@ forward, then agreed by all ranks); a unit's pre-forward hook issues the
 schedule up to that unit and prefetches the next while fewer than
 ``max_live_units`` units are gathered; the end of the forward issues (and
 releases) whatever the schedule has left, such as a branch this rank skipped.
+A unit merged from several small modules (sharding/units.py) is gathered when
+the first of them runs and released after its ``last`` (model order until the
+first forward recorded which ran last, agreed by all ranks with the schedule).
 Backward walks the reversed schedule the same way, triggered by hooks on the
 units' outputs; a unit is released as soon as all of its trainable parameters
 got their gradient, and the end of backward releases the rest. The root unit
@@ -68,9 +71,11 @@ class UnitState(enum.Enum):
 class _Unit:
     """One unit's partitions and where it is in the gather cycle."""
 
-    def __init__(self, index: int, module: nn.Module, parts: list[Partition]) -> None:
+    def __init__(self, index: int, modules: tuple[nn.Module, ...], parts: list[Partition]) -> None:
         self.index = index
-        self.module = module
+        self.modules = modules  # one, or several consecutive ones merged (sharding/units.py)
+        self.last = modules[-1]  # a forward releases the unit after this one's: model order, then as recorded
+        self.ran_last: int | None = None  # the recording forward: which of ``modules`` ran last
         self.parts = parts
         self.trainable = {p for part in parts for p in part.params if p.requires_grad}
         # frozen weights are read by backward but get no gradient: such a unit is released once the gradient of
@@ -82,6 +87,7 @@ class _Unit:
         self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
         self.grads_seen: set[nn.Parameter] = set()
         self.backward_started = False
+        self.entered = -1  # the forward (ParamGatherer._forwards) this unit's first module last ran in
 
     @property
     def gathered(self) -> bool:
@@ -91,7 +97,7 @@ class _Unit:
 class ParamGatherer:
     """The hooks that gather, prefetch and release the units of one model."""
 
-    def __init__(self, root: nn.Module, modules: tuple[nn.Module, ...], parts: list[list[Partition]],
+    def __init__(self, root: nn.Module, modules: tuple[tuple[nn.Module, ...], ...], parts: list[list[Partition]],
                  sync: ParamSync, max_live_units: int, reshard_after_forward: bool,
                  begin_backward: Callable[[], None], names: dict,
                  first_forward: Callable[[], None] | None = None) -> None:
@@ -108,6 +114,8 @@ class ParamGatherer:
         self._grad_forward = False
         self._order: list[int] = []
         self._cursor = 0
+        self._place: dict[int, int] = {}  # unit index -> its position in _order (no slice searched per unit)
+        self._forwards = 0  # forwards started: a merged unit knows which of its modules runs first in each
         self.peak_bytes = 0  # the most gathered bytes seen since the last step
         # running totals of the units not RELEASED (kept by _issue and _release, so no gather walks every unit)
         self.live_bytes = 0  # their full buffers' bytes (gathered_bytes() counts the storages themselves)
@@ -122,14 +130,15 @@ class ParamGatherer:
         # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
         pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for u in self.units:
-            self._handles.append(u.module.register_forward_pre_hook(pre, prepend=True))
-            self._handles.append(u.module.register_forward_hook(post, always_call=True))
+            for m in u.modules:
+                self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+                self._handles.append(m.register_forward_hook(post, always_call=True))
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
         self._handles.append(root.register_state_dict_post_hook(functools.partial(self._check_state_dict)))
         self._handles.append(root.register_load_state_dict_pre_hook(self._before_load))
         self._handles.append(root.register_load_state_dict_post_hook(self._after_load))
         self._load_prefix = ""
-        self._unit_of = {id(u.module): u for u in self.units}
+        self._unit_of = {id(m): u for u in self.units for m in u.modules}
         self._unit_of_param = {p: u for u in self.units for p in u.trainable}
         self._params = [p for u in self.units for part in u.parts for p in part.params]
         self._param_ids = {id(p) for p in self._params}
@@ -233,10 +242,12 @@ class ParamGatherer:
     # -- schedule ---------------------------------------------------------
     def _start(self, state: TrainingState, order: list[int]) -> None:
         self.state, self._order, self._cursor = state, order, 0
+        self._place = {index: k for k, index in enumerate(order)}
+        self._forwards += state is TrainingState.FORWARD
 
     def _require(self, u: _Unit) -> None:
         """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
-        if u.index in self._order[self._cursor:]:
+        if self._place.get(u.index, -1) >= self._cursor:
             while u.state is UnitState.RELEASED:
                 self._issue(self.units[self._order[self._cursor]])
                 self._cursor += 1
@@ -271,12 +282,14 @@ class ParamGatherer:
                 check, self._first_forward = self._first_forward, None
                 check()
             self._start(TrainingState.FORWARD, list(self.schedule))
-        elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None \
-                and u.index and u.index not in self._record:
-            self._record.append(u.index)
+        elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None and u.index:
+            if u.index not in self._record:
+                self._record.append(u.index)
+            u.ran_last = next(k for k, m in enumerate(u.modules) if m is module)
         self._require(u)
         if self.state is TrainingState.FORWARD:
-            if u.frozen and self._grad_forward:
+            first, u.entered = u.entered != self._forwards, self._forwards
+            if first and u.frozen and self._grad_forward:  # the unit's inputs: those of its first module to run
                 self._hook_inputs(u, args)
             self._prefetch()
 
@@ -305,8 +318,8 @@ class ParamGatherer:
             self._hook_outputs(u, output)
         if u.index == 0:
             self._end_forward()
-        elif self.state is TrainingState.IDLE or not grad or self.reshard_after_forward:
-            self._release(u)
+        elif self.state is TrainingState.IDLE or ((not grad or self.reshard_after_forward) and module is u.last):
+            self._release(u)  # a merged unit: after its last module (one skipped: the end of the forward releases)
 
     def _hook_outputs(self, u: _Unit, output) -> None:
         u.backward_started = False
@@ -332,12 +345,16 @@ class ParamGatherer:
 
     def _agree_on_schedule(self) -> None:
         record, self._record = self._record, None
-        orders = self.comm.all_gather_object(record)
+        lasts = [u.ran_last for u in self.units]  # a merged unit is released after the module that ran last
+        orders = self.comm.all_gather_object((record, lasts))
         if any(o != orders[0] for o in orders):
             warnings.warn("the units ran in a different order on different ranks in the first forward; "
                           "keeping the model's registration order for gathers and prefetch", stacklevel=3)
             return
         self.schedule = record + [i for i in self.schedule if i not in record]
+        for u, k in zip(self.units, lasts):
+            if k is not None:
+                u.last = u.modules[k]
 
     def _abort(self) -> None:
         """An exception escaped the forward: release everything this forward gathered."""

@@ -135,7 +135,7 @@ class ZeroStrategy(DDPStrategy):
     Args:
         stage: 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
         **zero_options: ShardedOptimizer options (``bucket_numel``, ``reduce_dtype``, ``overlap``,
-            ``units``, ``max_live_units``, ``reshard_after_forward``, ``offload_optimizer``,
+            ``units``, ``max_live_units``, ``min_unit_numel``, ``reshard_after_forward``, ``offload_optimizer``,
             ``offload_params``, ``nvme_path``, ``offload_chunk_numel``, ``nvme_direct``); the clip norm is
             ``Trainer(gradient_clip_val=)``.
 

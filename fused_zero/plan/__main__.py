@@ -49,14 +49,19 @@ def nbytes(text: str) -> int:
     return int(_number(text, _BYTES, "a size (e.g. 80GiB, 80GB; a plain number is GiB)"))
 
 
-def positive(text: str) -> int:
+def positive(text: str, minimum: int = 1) -> int:
     try:
         value = int(float(text)) if float(text).is_integer() else None
     except ValueError:
         value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
     return value
+
+
+def nonnegative(text: str) -> int:
+    """A whole number >= 0."""
+    return positive(text, minimum=0)
 
 
 def fraction(text: str) -> float:
@@ -80,6 +85,8 @@ _JOB = (
     ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
     ("--bucket-numel", "positive", 1 << 24, "N", "elements per bucket (default 2**24)"),
     ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
+    ("--min-unit-numel", "nonnegative", 1 << 20, "N", "stage 3: default units smaller than this many elements are "
+                                                "merged (default 2**20; 0: one unit per module)"),
     ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
     ("--headroom", "fraction", 0.1, "F", "fraction of the GPU (and of the host memory) kept free (default 0.1)"),
 )
@@ -103,7 +110,7 @@ _ACTIVATIONS = (
 
 
 def _add(group, options) -> None:
-    types = {"positive": positive, "nbytes": nbytes, "fraction": fraction}
+    types = {"positive": positive, "nonnegative": nonnegative, "nbytes": nbytes, "fraction": fraction}
     for flag, kind, default, metavar, text in options:
         if isinstance(kind, tuple):
             group.add_argument(flag, choices=kind, default=default, help=text)
@@ -143,7 +150,8 @@ def main(argv=None) -> int:
                         gpu_memory=args.gpu_memory, headroom=args.headroom, activations=args.activations,
                         seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, layers=args.layers,
                         heads=args.heads, activation_checkpointing=args.activation_checkpointing,
-                        max_live_units=args.max_live_units, host_memory=args.host_memory,
+                        max_live_units=args.max_live_units, min_unit_numel=args.min_unit_numel,
+                        host_memory=args.host_memory,
                         max_offload=args.max_offload, offload_chunk_numel=args.offload_chunk_numel)
         if args.model is not None:
             plan = _named(plan, args.model)

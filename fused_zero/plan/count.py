@@ -72,12 +72,14 @@ def flat_count(numel: int, dtype: str) -> ModelCount:
     return ModelCount((ParamSpec(numel, dtype, True, 0),), exact=False, source=f"--params {shown}")
 
 
-def count_module(model: nn.Module, source: str, dtype: str | None = None, units=None) -> ModelCount:
-    """Every parameter of ``model`` with its unit; ``dtype`` plans them as if cast to it (the model is not touched)."""
+def count_module(model: nn.Module, source: str, dtype: str | None = None, units=None,
+                 min_unit_numel: int = 0) -> ModelCount:
+    """Every parameter of ``model`` with its unit (default units smaller than ``min_unit_numel`` merged, as
+    the optimizer merges them); ``dtype`` plans them as if cast to it (the model is not touched)."""
     if not isinstance(model, nn.Module):
         raise TypeError("model must be a torch.nn.Module (best built on the meta device), "
                         f"got a {type(model).__name__}")
-    plan = plan_units(model, units)
+    plan = plan_units(model, units, min_unit_numel)
     unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
     specs = []
     for name, p in model.named_parameters():

@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 from fused_zero.config import ALIGN, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, StageTraits, ZeroConfig
 from fused_zero.sharding.layout import FlatLayout, build_layout
+from fused_zero.sharding.units import merge_small
 from fused_zero.tiers.tier import Tier
 
 from .count import ModelCount, ParamSpec
@@ -137,6 +138,7 @@ class Job:
     max_live_units: int
     reshard_after_forward: bool = True
     offload_chunk_numel: int = ZeroConfig.offload_chunk_numel
+    min_unit_numel: int = ZeroConfig.min_unit_numel  # stage 3: default units smaller than this are merged
 
     @property
     def chunk(self) -> int:
@@ -334,7 +336,8 @@ def _gathered(unit_bytes: dict[int, int], count: ModelCount, job: Job) -> int:
 
 
 def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | None) -> StageEstimate:
-    """``--params`` at stage 3: every parameter sits in ``layers`` equal units (embeddings unknown).
+    """``--params`` at stage 3: every parameter sits in ``layers`` equal units (embeddings unknown), merged
+    where a layer holds fewer than ``min_unit_numel`` elements, as the optimizer merges its default units.
 
     Backward gathers the units again (3Ψ per step, as the paper counts); without ``layers``
     the gathered units' size is unknown and left at 0. With ``layers`` an offload tier stages
@@ -345,13 +348,17 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     p = BYTES[count.params[0].dtype]
     gather_again = est.detail["param_full"] if job.reshard_after_forward and job.world_size > 1 else 0
     detail = dict(est.detail, all_gather=est.detail["all_gather"] + gather_again)
-    gathered, staging, units = 0, 0, layers or 1
+    gathered, staging, units = 0, 0, 1
     par = tier_options(est.offload)[1]
     moved = detail["host_params"] + detail["nvme_params"]
-    if layers:
-        live = layers if not job.reshard_after_forward else min(job.max_live_units, layers)
-        gathered = p * live * -(-count.numel() // layers)
-        staging = _in_flight({u: -(-moved // layers) for u in range(layers)}, job) if moved else 0
+    if layers:  # layers smaller than min_unit_numel merge, as the optimizer's default units do
+        per_layer = -(-count.numel() // layers)
+        runs = merge_small([per_layer] * layers, job.min_unit_numel)
+        units = len(runs)
+        sizes = sorted((len(run) for run in runs), reverse=True)
+        live = units if not job.reshard_after_forward else min(job.max_live_units, units)
+        gathered = p * per_layer * sum(sizes[:live])
+        staging = _in_flight({u: -(-moved // layers) * len(run) for u, run in enumerate(runs)}, job) if moved else 0
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
     reads = Tier.of(par) is Tier.NVME  # "nvme" reads the staged shards to the host first
     chunks = detail["host_staging"] - (detail["device_staging"] if reads else 0)  # shared by the units

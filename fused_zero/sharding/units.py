@@ -26,10 +26,33 @@ from torch import nn
 
 
 class UnitPlan(NamedTuple):
-    """Units (index 0 the root) and the parameters each one owns, in model order."""
+    """Units (index 0 the root) and the parameters each one owns, in model order.
 
-    modules: tuple[nn.Module, ...]
+    ``modules[i]`` holds the modules of unit ``i``: one, or several consecutive ones merged
+    (``merge_small``); the root's is ``(model,)``.
+    """
+
+    modules: tuple[tuple[nn.Module, ...], ...]
     params: tuple[tuple[nn.Parameter, ...], ...]
+
+
+def merge_small(sizes: Sequence[int], min_numel: int) -> list[range]:
+    """Consecutive runs of ``sizes`` (the units below the root, model order): each run is as short as
+    holds at least ``min_numel`` elements, except the last, which is added to the run before it when
+    it alone holds fewer (a small tail is not left a unit of its own). ``min_numel`` 0: one unit each."""
+    runs: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total >= min_numel:
+            runs.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        if runs:
+            runs[-1] = range(runs[-1].start, len(sizes))
+        else:
+            runs.append(range(start, len(sizes)))
+    return runs
 
 
 #: Modules whose forward never runs: hooks on them would never fire.
@@ -98,8 +121,9 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     return sorted(unique.values(), key=lambda m: order[id(m)])
 
 
-def plan_units(model: nn.Module, units=None) -> UnitPlan:
-    """Assign every parameter of ``model`` to one unit; drop units that own none."""
+def plan_units(model: nn.Module, units=None, min_unit_numel: int = 0) -> UnitPlan:
+    """Assign every parameter of ``model`` to one unit; drop units that own none; merge default units
+    smaller than ``min_unit_numel`` elements with their neighbours (``merge_small``)."""
     candidates = [model] + resolve_units(model, units)
     index = {id(m): i for i, m in enumerate(candidates)}
     owners: dict[nn.Parameter, set[int]] = {}
@@ -123,5 +147,11 @@ def plan_units(model: nn.Module, units=None) -> UnitPlan:
     for p in model.parameters():  # model order, each parameter once
         where = owners[p]
         owned[next(iter(where)) if len(where) == 1 else 0].append(p)
-    keep = [0] + [i for i in range(1, len(candidates)) if owned[i]]
-    return UnitPlan(tuple(candidates[i] for i in keep), tuple(tuple(owned[i]) for i in keep))
+    keep = [i for i in range(1, len(candidates)) if owned[i]]
+    if units is None and min_unit_numel > 0:
+        runs = merge_small([sum(p.numel() for p in owned[i]) for i in keep], min_unit_numel)
+    else:
+        runs = [range(k, k + 1) for k in range(len(keep))]
+    groups = [[keep[k] for k in run] for run in runs]
+    return UnitPlan(((model,),) + tuple(tuple(candidates[i] for i in g) for g in groups),
+                    (tuple(owned[0]),) + tuple(tuple(p for i in g for p in owned[i]) for g in groups))
