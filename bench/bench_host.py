@@ -11,11 +11,13 @@ shared machine hits them alike; FUSED_ZERO_BENCH_WARMUP rounds (default 3) are d
 FUSED_ZERO_BENCH_STEPS (default 20) kept.
 
 - world 1: this process, no process group: torch ``AdamW(fused=True)`` (the baseline) and
-  ShardedOptimizer stages 1-3 (stage 3 takes the model: one unit per block).
+  ShardedOptimizer stages 1-3 (stage 3 takes the model: ``sharded_s3`` with the default units,
+  the blocks merged into units of at least ``min_unit_numel`` elements, all 200 into one;
+  ``s3_per_block`` one unit per block, ``min_unit_numel=0``).
 - world 2: two gloo ranks, barrier to barrier, the max over ranks: DDP + ``AdamW(fused=True)``
   (the baseline) and stages 1-3 (no DDP).
-- stage-3 scaling, world 1: 50, 200 and 800 blocks; the step's microseconds per parameter
-  show whether host cost grows linearly with the model.
+- stage-3 scaling, world 1: 50, 200 and 800 blocks (both stage-3 variants); the step's
+  microseconds per parameter show whether host cost grows linearly with the model.
 
 Each table gives the median, its ratio to the baseline of the same run, the quartiles, and
 the final losses (equal across variants: a check that every variant trains the same model).
@@ -74,16 +76,17 @@ def _ddp_fused(model):
     return model, torch.optim.AdamW(model.parameters(), fused=True, **HPARAMS)
 
 
-def _sharded(stage: int):
+def _sharded(stage: int, **options):
     def build(model):
-        return model, ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **HPARAMS)
+        return model, ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **HPARAMS, **options)
     return build
 
 
-WORLD1 = {"torch_fused": _torch_fused, "sharded_s1": _sharded(1), "sharded_s2": _sharded(2),
-          "sharded_s3": _sharded(3)}
-WORLD2 = {"ddp_fused": _ddp_fused, "sharded_s1": _sharded(1), "sharded_s2": _sharded(2),
-          "sharded_s3": _sharded(3)}
+#: stage 3 as the defaults build it (the blocks merged into units of at least min_unit_numel elements)
+#: and with one unit per block (min_unit_numel=0)
+STAGE3 = {"sharded_s3": _sharded(3), "s3_per_block": _sharded(3, min_unit_numel=0)}
+WORLD1 = {"torch_fused": _torch_fused, "sharded_s1": _sharded(1), "sharded_s2": _sharded(2), **STAGE3}
+WORLD2 = {"ddp_fused": _ddp_fused, "sharded_s1": _sharded(1), "sharded_s2": _sharded(2), **STAGE3}
 
 
 def _step(model, opt, x) -> float:
@@ -151,7 +154,7 @@ def run_world2(blocks: int = BLOCKS) -> dict:
 
 def run_scaling() -> dict:
     """Stage 3 and its baseline at each size of SCALING, world 1."""
-    builders = {"torch_fused": _torch_fused, "sharded_s3": _sharded(3)}
+    builders = {"torch_fused": _torch_fused, **STAGE3}
     return {blocks: run_world1(blocks, builders) for blocks in SCALING}
 
 
@@ -207,7 +210,7 @@ def test_host_world2(benchmark, world2, variant):
 
 @pytest.mark.benchmark(group="host-stage3-scaling", timer=CLOCK)
 @pytest.mark.parametrize("blocks", SCALING)
-@pytest.mark.parametrize("variant", ["torch_fused", "sharded_s3"])
+@pytest.mark.parametrize("variant", ["torch_fused", *STAGE3])
 def test_host_stage3_scaling(benchmark, scaling, blocks, variant):
     replay(benchmark, CLOCK, scaling[blocks][variant], world_size=1, blocks=blocks)
     same_model(scaling[blocks], "torch_fused", variant, rtol=1e-5)
