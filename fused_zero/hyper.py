@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .host_read import to_host
+
 
 def _scalar(value, what: str):
     if isinstance(value, torch.Tensor):
@@ -62,7 +64,9 @@ def check_group(group: dict) -> None:
 
 def as_float(value) -> float:
     """A hyperparameter as the kernels take it (a 1-element tensor lr from a scheduler included)."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    return float(value.item() if value.device.type == "cpu" else to_host(value, "tensor hyperparameter"))  # host tensor
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

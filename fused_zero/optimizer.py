@@ -30,6 +30,7 @@ from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .hooks import HookSet, Relay
+from .host_read import to_host
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
@@ -415,7 +416,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 found = torch.maximum(found, scaler.found_inf.to(found))
             if scaler.state is not None:
                 scaler.state["found_inf_per_device"] = {found.device: found}
-            if found.item():
+            if to_host(found, "overflow verdict"):
                 self._end_step()
                 return loss
         coef = None

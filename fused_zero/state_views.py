@@ -113,5 +113,5 @@ class StepCounts:
             self.flat += 1
         else:
             self.flat.index_add_(0, torch.tensor(active), torch.ones(len(active)))
-        values = self.flat.tolist()
+        values = self.flat.tolist()  # host tensor: the step counts live on the host
         return {i: int(values[i]) for i in active}

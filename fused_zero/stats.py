@@ -17,6 +17,7 @@ import torch
 from . import ops
 from .comm.collectives import Comm
 from .config import STATS_HEAD as HEAD
+from .host_read import to_host
 from .sharding.partition import Partition
 
 # A checksum travels as two small integers and their squares, with as many bits as keep their
@@ -59,7 +60,7 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm
     stats[2:HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
     stats[HEAD:] = torch.tensor(flags, dtype=torch.float32)
     comm.all_reduce(stats)
-    host = stats[2:].tolist()  # one host read: the flags decide which kernels run
+    host = to_host(stats[2:], "step stats")  # the one read a step makes: the flags decide which kernels run
     n = comm.world_size
     agreed = all(n * int(host[i + 1]) == int(host[i]) ** 2 for i in (0, 2))
     flags = iter(v > 0 for v in host[HEAD - 2:])

@@ -13,6 +13,7 @@ import bisect
 
 import torch
 
+from ..host_read import host_copy
 from .errors import CheckpointError
 from .reshard import numel_of
 from .torch_format import check_torch_state, piece_of, shapes_of, slice_into_shards, torch_param_groups
@@ -68,7 +69,7 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
                 comm.all_gather(out, opt.read_shard(k, kind, s, e, settle=keep).to(device))
                 if not keep:
                     continue
-                out = out.cpu()
+                out = host_copy(out, "checkpoint")
                 for r, rank_pieces in enumerate(pieces):
                     for j, p_off, sh_off, cnt in _meeting(rank_pieces, s, e):
                         if j in targets:

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from . import rendezvous
 from .works import _DONE, Handle, _AllWorks, _copy_local, _Watched
 from ..habits import torchrun_without_process_group
+from ..host_read import host_copy, to_host
 from ..sharding.intervals import overlaps
 
 # torch 2.13 renamed the flat-tensor collectives and deprecates the old names
@@ -357,13 +358,13 @@ class Comm:
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         self._launch(_all_gather, sizes, mine).wait()
-        sizes = sizes.tolist()
+        sizes = to_host(sizes, "all_gather_object")
         longest = max(sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[:data.numel()] = data.to(device)
         out = torch.empty(self.world_size * longest, dtype=torch.uint8, device=device)
         self._launch(_all_gather, out, padded).wait()
-        out = out.cpu()
+        out = host_copy(out, "all_gather_object")
         return [pickle.loads(out[r * longest: r * longest + n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
     def barrier(self) -> None:

@@ -56,7 +56,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     if isinstance(lr, torch.Tensor):
         check_scalar_tensor("lr", lr, (torch.float32, torch.float64), device)
         if lr.device.type == "cpu":  # read for free on the host; a device lr is not read (no sync), as step
-            check_real("lr", lr.item(), 0.0)
+            check_real("lr", lr.item(), 0.0)  # host tensor
     else:
         check_real("lr", lr, 0.0)
         lr = float(lr)
@@ -102,7 +102,7 @@ def _host_scalar(name: str, value, device: torch.device):
         if value.numel() != 1:
             raise ValueError(f"{name} must hold one element (a 0-d tensor), got shape "
                              f"{tuple(value.shape)}")
-        return value.item()
+        return value.item()  # host tensor
     return value
 
 
@@ -136,7 +136,7 @@ def _native(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, we
     against torch.optim.AdamW / Adam in tests/test_adamw_native.py and
     tests/test_adamw_amsgrad.py.
     """
-    if found_inf is not None and found_inf.item() != 0:
+    if found_inf is not None and found_inf.item() != 0:  # host tensor: the CPU backend
         return
     if grad_scale is not None:  # a new fp32 tensor: the caller's grad stays as it is
         grad = grad * grad_scale if grad.dtype == torch.float32 else grad.float().mul_(grad_scale)

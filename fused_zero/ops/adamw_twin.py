@@ -33,7 +33,7 @@ def _scalars(step, lr, beta1, beta2, weight_decay, device):
 
 
 def _f32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()
+    return torch.tensor(x, dtype=torch.float32).item()  # host tensor
 
 
 def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ def _bucket_views(bucket: torch.Tensor, offsets, sizes) -> list:
     cuts = np.empty(2 * len(order) + 1, dtype=np.int64)
     cuts[0:-1:2], cuts[1::2] = gaps, lens
     cuts[-1] = bucket.numel() - (ends[-1] if len(ends) else 0)
-    pieces = bucket.split(cuts.tolist())
+    pieces = bucket.split(cuts.tolist())  # host tensor: the CPU twin's plan
     views = [bucket[:0]] * len(num)
-    for k, i in enumerate(order.tolist()):
+    for k, i in enumerate(order.tolist()):  # host tensor
         views[i] = pieces[2 * k + 1]
     return views
 
