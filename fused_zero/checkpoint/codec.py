@@ -36,7 +36,7 @@ def encode(obj: Any) -> Any:
         return {"__dict__": [[encode(k), encode(v)] for k, v in obj.items()]}
     if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() <= _TENSOR_JSON_MAX
             and obj.layout == torch.strided and not obj.is_complex() and not obj.requires_grad):
-        return {"__tensor__": encode(obj.tolist()),  # host tensor "dtype": str(obj.dtype).removeprefix("torch."),
+        return {"__tensor__": encode(obj.tolist()), "dtype": str(obj.dtype).removeprefix("torch."),  # host tensor
                 "shape": list(obj.shape)}
     raise NotJSON(f"{type(obj).__name__} is not represented in JSON")
 
