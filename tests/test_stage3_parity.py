@@ -68,8 +68,8 @@ def _run(rank, world_size, name, options):
     opt = ShardedOptimizer(params, **HYPER, stage=3, module=model, **kwargs, **PER_MODULE)
     # TinyNet's frozen unit, and units a rank's backward skips, stay gathered until the end of
     # backward (no gradient tells when their backward is over): the bound adds them.
-    extra = sum(u.nbytes for u in opt._stage.gatherer.units if u.modules[0] in (model.frozen, model.branch, model.side)) \
-        if name == "tiny" else 0
+    skipped = (model.frozen, model.branch, model.side) if name == "tiny" else ()
+    extra = sum(u.nbytes for u in opt._stage.gatherer.units if u.modules[0] in skipped)
     out = {"loss": 0.0, "gathered_after_step": 0, "peak": 0, "pool": opt._stage.gatherer.pool_bytes() + extra,
            "units": len(opt._stage.gatherer.units)}
     for step in range(STEPS):

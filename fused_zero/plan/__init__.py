@@ -91,7 +91,8 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
              headroom: float = 0.1, activations=None, seq_len=None, micro_batch=None, hidden=None,
              layers=None, heads=None, activation_checkpointing: bool = False,
              max_live_units: int = _DEFAULTS.max_live_units, reshard_after_forward: bool = True,
-             units=None, min_unit_numel: int = _DEFAULTS.min_unit_numel, host_memory=None, offload_chunk_numel: int = _DEFAULTS.offload_chunk_numel,
+             units=None, min_unit_numel: int = _DEFAULTS.min_unit_numel, host_memory=None,
+             offload_chunk_numel: int = _DEFAULTS.offload_chunk_numel,
              max_offload: str = "nvme") -> Plan:
     """Plan the memory per rank of training ``params`` elements, or ``model`` (an nn.Module, best on meta).
 
@@ -113,7 +114,8 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     job = Job(world_size, _count("bucket_numel", bucket_numel),
               None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
               _count("max_live_units", max_live_units), bool(reshard_after_forward),
-              _count("offload_chunk_numel", offload_chunk_numel), _count("min_unit_numel", min_unit_numel, minimum=0))
+              _count("offload_chunk_numel", offload_chunk_numel),
+              _count("min_unit_numel", min_unit_numel, minimum=0))
     if max_offload not in OFFLOAD:
         raise ValueError(f"max_offload must be one of {', '.join(OFFLOAD)} (how far the recommendation may "
                          f"offload), got {max_offload!r}")

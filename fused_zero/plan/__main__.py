@@ -85,8 +85,8 @@ _JOB = (
     ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
     ("--bucket-numel", "positive", 1 << 24, "N", "elements per bucket (default 2**24)"),
     ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
-    ("--min-unit-numel", "nonnegative", 1 << 20, "N", "stage 3: default units smaller than this many elements are "
-                                                "merged (default 2**20; 0: one unit per module)"),
+    ("--min-unit-numel", "nonnegative", 1 << 20, "N", "stage 3: default units smaller than this many elements "
+                                                      "are merged (default 2**20; 0: one unit per module)"),
     ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
     ("--headroom", "fraction", 0.1, "F", "fraction of the GPU (and of the host memory) kept free (default 0.1)"),
 )
