@@ -7,10 +7,12 @@ always live on the host (step counts, a CPU lr, the CPU backend's own scalars, c
 already on the host) are not device reads: they stay plain ``.item()``/``.tolist()`` with a
 ``# host tensor`` mark, and tests/test_host_reads.py fails on any unmarked read outside this module.
 
-What a training step still reads (tests/test_host_reads.py counts it): the step's stats
-all-reduce once (which parameters got a gradient anywhere, and the ranks' checksum verdict), once
-more when ``clip_grad_norm_`` was called (its own all-reduce), and with a GradScaler the overflow
-verdict. Offload adds none here: the host update reads host tensors.
+What a training step reads (tests/test_host_reads.py counts it): nothing, at every stage, with
+clipping, a GradScaler and accumulation. The verdicts stay on the device (the update kernel skips
+on them; the ranks' checksum verdict reaches the host asynchronously, deferred.py). One read by
+design: a rank that saw some parameter without a gradient in a step reads the has-grad flags
+("has-grad flags"). Offload reads where the host update runs: the skip flag and the gradient
+scale ("offload: ..."), each once per partition; on a CPU-only run those are host tensors.
 """
 from __future__ import annotations
 

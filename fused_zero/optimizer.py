@@ -30,7 +30,7 @@ from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .hooks import HookSet, Relay
-from .host_read import to_host
+from .deferred import DeferredFlags
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
 from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
@@ -126,6 +126,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip: PendingClip | None = None  # clip_grad_norm_ called since the last step
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
+        self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
+        self._backwards = 0  # backward passes begun (a clip's stats serve the step only if none began since)
+        self._clip_stats: tuple[StepStats, int] | None = None
+        self._last_update = None  # what the last update used: the next stats all-reduce checks it
+        self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
@@ -297,6 +302,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _begin_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
+            self._backwards += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay(self._end_backward))
 
     def _end_backward(self) -> None:
@@ -344,7 +350,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_sync.zero_grad(set_to_none)
-        self._clip = None
+        self._clip, self._clip_stats = None, None
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
@@ -363,11 +369,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
         self.grad_sync.prepare_step()
+        self._raise_if_disagreed()
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         stats = self._stats(with_norm=True, site="clip_grad_norm_")
         total = stats.total_norm(inv_scale)
         self._clip = PendingClip(max_norm, stats.sq_norm, total, resolved=grad_scaler is not None)
+        self._clip_stats = (stats, self._backwards)  # step() acts on them: one all-reduce for both calls
         return total
 
     @torch.no_grad()
@@ -375,7 +383,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """One AdamW step of every parameter that got a gradient on some rank (every rank calls it).
 
         Under a ``torch.amp.GradScaler`` (``scaler.step(optimizer)``), the scaler's loss scale and
-        the overflow verdict every rank agrees on are taken from it (``amp.py``).
+        the overflow verdict every rank agrees on are taken from it (``amp.py``); an overflow skips
+        the update on the device (no element changes, no step count advances) and the host does not
+        wait for the verdict.
+
+        Ranks that disagree on a step (a param group's hyperparameters, the options, whether it
+        clips, clip_grad_norm_ called on some ranks only) are found in the step's all-reduce, on
+        the device: that step is skipped on every rank, and the next ``step()`` or
+        ``clip_grad_norm_()`` raises RuntimeError on every rank, as do ``state_dict()`` and
+        ``fused_zero.checkpoint.save`` before they write anything. Hyperparameters changed between
+        ``clip_grad_norm_()`` and ``step()`` are checked one step later.
         """
         self._check_open()
         grad_scaler = calling_scaler(self)
@@ -393,6 +410,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         refuse_unfrozen(self._stage.frozen, self._names)  # before any collective, on every rank
         # 1. reduce, and take in what user code did to the parameters since the last step
         self.grad_sync.prepare_step()
+        self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
         # 2. update
         scaler = self._scaler(grad_scaler)
@@ -409,16 +427,21 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        stats = self._stats(with_norm=need_norm or amp, site="step")
+        clip_stats, self._clip_stats = self._clip_stats, None
+        if clip_stats is not None and clip_stats[1] == self._backwards:
+            stats = clip_stats[0]  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
+            agreed = self._agreed()  # the next all-reduce checks what the update uses
+        else:
+            stats = self._stats(with_norm=need_norm or amp, site="step")
+            agreed = self._stats_agreed
+        skip = stats.disagree
         if amp:
             found = (stats.nonfinite > 0).float()
             if scaler.found_inf is not None:
                 found = torch.maximum(found, scaler.found_inf.to(found))
             if scaler.state is not None:
                 scaler.state["found_inf_per_device"] = {found.device: found}
-            if to_host(found, "overflow verdict"):
-                self._end_step()
-                return loss
+            skip = found if skip is None else torch.maximum(found, skip)
         coef = None
         if self._clip is not None:
             coef = self._clip.coef(scaler)
@@ -428,7 +451,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         grad_scale = scaler.inv_scale
         if coef is not None:
             grad_scale = coef if grad_scale is None else grad_scale * coef
-        self._update(stats.has_grad, grad_scale)
+        self._last_update = agreed
+        self._update(stats.has_grad, grad_scale, skip)
         # 3. gather (stages 1-2) or release (stage 3: the next forward gathers)
         self._stage.after_update(self.partitions, stats.has_grad)
         self._end_step()
@@ -440,23 +464,40 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
 
     def _stats(self, with_norm: bool, site: str) -> StepStats:
-        """The one all-reduce of step() (or of clip_grad_norm_, the ``site``); raises on every rank if
-        ranks disagree on what must agree, or reached it from different calls."""
-        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm,
-                                 checksum((self._agreed(), with_norm, site), self.comm.world_size))
-        if not stats.agreed:
-            self.grad_sync.end_step()
-            raise RuntimeError(
-                "ranks disagree on this step: a param group's hyperparameters (lr, betas, eps, weight_decay, ...), "
-                "the optimizer's options, or whether this step clips or uses a GradScaler differ across ranks; "
-                "set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank")
+        """The one all-reduce of step() (or of clip_grad_norm_, the ``site``). Its checksum covers what
+        every rank must agree on now, how it got here, and what the last update used; the verdict stays
+        on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
+        self._stats_agreed = self._agreed()
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update), self.comm.world_size)
+        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check)
+        self._verdicts.post(stats.disagree)
         return stats
 
-    def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None) -> None:
+    def _raise_if_disagreed(self, every: bool = False) -> None:
+        """Raise on every rank if a step's all-reduce found the ranks disagreeing (``every``: also the step in
+        progress; else the steps that ended). Called after the step's reductions, before its own all-reduce."""
+        if self._verdicts.check_all() if every else self._verdicts.check_due():
+            if not every:  # inside step() or clip_grad_norm_: this step's gradients are dropped
+                self.grad_sync.end_step()
+                self._clip, self._clip_stats = None, None
+            raise RuntimeError(
+                "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
+                "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
+                "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks; "
+                "set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank")
+
+    def check_agreement(self) -> None:
+        """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""
+        self._raise_if_disagreed(every=True)
+
+    def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
+                skip: torch.Tensor | None) -> None:
         with label(UPDATE):
-            update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, self.config.adam_w_mode)
+            update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
+                       self.config.adam_w_mode)
 
     def _end_step(self) -> None:
+        self._verdicts.end_step()
         self.grad_sync.end_step()
         self._clip = None
         self._last_traffic = self.comm.traffic()

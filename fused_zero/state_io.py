@@ -37,6 +37,7 @@ class StateAccess:
         goes under the extra state key "master"), in bounded chunks; identical on every rank.
         ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
         """
+        self.check_agreement()  # a step whose ranks disagreed raises here, on every rank, before any gather
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
         with self.collective_call("state_dict()"):

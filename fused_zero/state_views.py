@@ -77,41 +77,96 @@ def attach_all(state: dict, partitions) -> None:
 
 
 class StepCounts:
-    """The step counts of one partition's parameters: one flat fp32 tensor whose 0-dim views are
-    ``state[p]["step"]`` (torch keeps a 0-dim fp32 tensor per parameter), so a step advances every
-    count in one op and reads them back in one, not one tensor op per parameter.
+    """The step counts of one partition's parameters: one flat fp32 tensor, on the device the update runs
+    on, whose 0-dim views are ``state[p]["step"]`` (torch keeps a 0-dim fp32 tensor per parameter; its
+    fused AdamW keeps it on the parameter's device), so a step advances every count in one op.
+
+    Nothing is read back: a step skipped on the device (a GradScaler's overflow, ranks that disagree)
+    advances the counts by 0 there. The host knows instead which counts are equal: ``keys`` gives
+    each parameter a class, and parameters of one class have advanced together since their counts
+    were last set, so each run of them in the shard is updated by one launch that reads its step
+    count on the device (``runs``).
 
     A count that user code replaced (``load_state_dict``, ``state[p]["step"] = t``) is taken in at
-    the next advance: its value is copied into the view, which takes its place.
+    the next advance: its value is copied into the view, which takes its place; replaced counts of
+    equal value share a class.
     """
 
-    def __init__(self, n: int) -> None:
-        self.flat = torch.zeros(n)
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.flat = torch.zeros(n, device=device)
         self.views = list(self.flat.unbind()) if n else []
+        self.keys = [0] * n  # equal keys: equal counts
+        self._before = None
+        self._runs: dict = {}  # (pieces' identity, active) -> runs, for the current keys
 
-    def advance(self, state: dict, part, flags) -> dict[int, int]:
-        """Advance the count of every parameter of ``part`` flagged in ``flags``, giving new states their
-        moment views; returns {position: new step count}."""
-        active = []
+    def advance(self, state: dict, part, flags, skip: torch.Tensor | None) -> list[int]:
+        """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
+        device tensor, is set), giving new states their moment views; returns the advanced positions."""
         views = self.views
-        for i, (p, flag) in enumerate(zip(part.params, flags)):
-            if flag:
-                s = state[p]
-                count = s.get("step")
-                if count is not views[i]:
-                    if count is None:  # a new state: step 0 and its moment views
-                        views[i].zero_()
-                        s["step"] = views[i]
-                        attach(state, part, i)
-                    else:
-                        views[i].fill_(float(count))
-                        s["step"] = views[i]
-                active.append(i)
+        active = [i for i, flag in enumerate(flags) if flag]
         if not active:
-            return {}
+            return []
+        new_keys = None
+        for i in active:
+            s = state[part.params[i]]
+            count = s.get("step")
+            if count is not views[i]:
+                new_keys = new_keys or list(self.keys)
+                if count is None:  # a new state: step 0 and its moment views
+                    views[i].zero_()
+                    s["step"] = views[i]
+                    attach(state, part, i)
+                    new_keys[i] = ("new",)
+                else:
+                    value = float(count)  # host tensor: a count user code put in (a load reads from the host)
+                    views[i].fill_(value)
+                    s["step"] = views[i]
+                    new_keys[i] = ("set", value)
+        if len(active) != len(views):  # the others did not advance: split their classes from these
+            new_keys = new_keys or list(self.keys)
+            for i in active:
+                if not isinstance(new_keys[i], tuple):
+                    new_keys[i] = ("advanced", new_keys[i])
+        if new_keys is not None:
+            numbers: dict = {}
+            self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
+            self._runs.clear()
+        self._before = self.flat.clone()
+        by = 1.0 if skip is None else 1.0 - skip.to(self.flat)
         if len(active) == len(views):
-            self.flat += 1
+            self.flat += by
         else:
-            self.flat.index_add_(0, torch.tensor(active), torch.ones(len(active)))
-        values = self.flat.tolist()  # host tensor: the step counts live on the host
-        return {i: int(values[i]) for i in active}
+            index = torch.tensor(active, device=self.flat.device)
+            self.flat.index_add_(0, index, torch.ones(len(active), device=self.flat.device) * by)
+        return active
+
+    def rollback(self) -> None:
+        """Undo the last advance (a failed update)."""
+        if self._before is not None:
+            self.flat.copy_(self._before)
+            self._before = None
+
+    def runs(self, part, active: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+        """Maximal [start, end) shard ranges of the ``active`` parameters sharing a class, with the step
+        count (a 0-d view, on the device) they share. Padding between two pieces of one run is updated
+        too (it stays zero)."""
+        key = (len(active), active[0], active[-1]) if len(active) == len(self.views) else tuple(active)
+        cached = self._runs.get(key)
+        if cached is not None:
+            return cached
+        on = set(active)
+        runs: list[list] = []
+        current = None
+        for piece in part.pieces:
+            i = piece.param_index
+            if i not in on:
+                current = None
+                continue
+            if current is not None and current[2] == self.keys[i]:
+                current[1] = piece.shard_offset + piece.numel
+            else:
+                current = [piece.shard_offset, piece.shard_offset + piece.numel, self.keys[i], i]
+                runs.append(current)
+        out = [(a, b, self.views[i]) for a, b, _, i in runs]
+        self._runs[key] = out
+        return out

@@ -6,6 +6,14 @@ norm and a non-finite flag when clipping or a GradScaler needs them, and a
 checksum of what every rank must agree on (hyperparameters, options, whether
 this step clips), folded into the same collective so that checking costs no
 extra round trip.
+
+Nothing here is read on the host in a step where this rank saw a gradient for
+every parameter (the usual case): then every rank's flags are all set, the norm
+and the non-finite flag stay device tensors, and the checksum's verdict is a
+device flag (``disagree``) that the update acts on (it skips) and the host
+learns one step later (deferred.py). Only a rank that saw some parameter
+without a gradient reads the flags (one read), as it cannot know otherwise
+whether another rank saw one.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ class StepStats(NamedTuple):
     sq_norm: torch.Tensor  # squared L2 norm of the averaged gradient (0 if not asked for)
     nonfinite: torch.Tensor  # > 0 if any rank's gradient shard holds inf or nan
     has_grad: tuple[tuple[bool, ...], ...]  # per partition, per parameter: got a gradient on some rank
-    agreed: bool  # every rank sent the same checksum
+    disagree: torch.Tensor | None  # 0-d fp32 on the device: 1 if the ranks' checksums differ (None alone)
 
     def total_norm(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
         total = self.sq_norm.sqrt()
@@ -52,17 +60,24 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm
                      check: tuple[int, int]) -> StepStats:
     flags = present.flat()  # a grad_sync.Presence: per partition, per parameter
     device = partitions[0].flat.device if partitions else torch.device("cpu")
-    stats = torch.zeros(HEAD + len(flags), dtype=torch.float32, device=device)
+    c1, c2 = check
+    # built on the host and sent in one copy that does not wait (page-locked on CUDA)
+    host = torch.tensor([0.0, 0.0, c1, c1 * c1, c2, c2 * c2, *flags], dtype=torch.float32,
+                        pin_memory=device.type == "cuda")
+    stats = host.to(device, non_blocking=True)
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])
         stats[0], stats[1] = norm.sq_sum.to(device), norm.nonfinite.to(device)  # offloaded: the shards are on the host
-    c1, c2 = check
-    stats[2:HEAD] = torch.tensor([c1, c1 * c1, c2, c2 * c2], dtype=torch.float32)
-    stats[HEAD:] = torch.tensor(flags, dtype=torch.float32)
     comm.all_reduce(stats)
-    host = to_host(stats[2:], "step stats")  # the one read a step makes: the flags decide which kernels run
     n = comm.world_size
-    agreed = all(n * int(host[i + 1]) == int(host[i]) ** 2 for i in (0, 2))
-    flags = iter(v > 0 for v in host[HEAD - 2:])
-    has_grad = tuple(tuple(next(flags) for _ in part.params) for part in partitions)
-    return StepStats(stats[0], stats[1], has_grad, agreed)
+    disagree = None
+    if n > 1:  # exact in float64: the sums are exact in fp32 by construction, their squares are not
+        c = stats[2:HEAD].double()
+        disagree = ((c[1] * n != c[0] * c[0]) | (c[3] * n != c[2] * c[2])).float()
+    if all(flags):  # this rank saw every gradient, so every rank's sum is positive: nothing to read
+        has_grad = tuple((True,) * len(part.params) for part in partitions)
+    else:
+        host = to_host(stats[HEAD:], "has-grad flags")
+        it = iter(v > 0 for v in host)
+        has_grad = tuple(tuple(next(it) for _ in part.params) for part in partitions)
+    return StepStats(stats[0], stats[1], has_grad, disagree)

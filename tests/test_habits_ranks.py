@@ -53,25 +53,47 @@ def _disagreements(rank, world_size):
     opt = ShardedOptimizer(model.parameters(), **HYPER)
     _train(model, opt, 0, rank)
     opt.step()
-    if rank == 1:
-        opt.param_groups[0]["lr"] = 5e-3  # a scheduler stepped on one rank only
-    _train(model, opt, 1, rank)
-    out["lr_mid_run"] = _caught(opt.step)
-    opt.param_groups[0]["lr"] = HYPER["lr"]
+
+    def total(m):
+        return float(sum(p.detach().double().sum() for p in m.parameters()))
+
+    def then_next_step(m, o, disagreeing_step):
+        """The disagreeing step is skipped on every rank (nothing changes) and the next step() raises."""
+        before = total(m)
+        first = _caught(disagreeing_step)
+        unchanged = total(m) == before
+        _train(m, o, 5, rank)
+        return first or _caught(o.step), unchanged
+
+    def lr_on_rank1():
+        if rank == 1:
+            opt.param_groups[0]["lr"] = 5e-3  # a scheduler stepped on one rank only
+        _train(model, opt, 1, rank)
+        opt.step()
+        opt.param_groups[0]["lr"] = HYPER["lr"]
+    out["lr_mid_run"], out["lr_mid_run_unchanged"] = then_next_step(model, opt, lr_on_rank1)
 
     def clip_on_rank0(m, o):
         _train(m, o, 2, rank)
         if rank == 0:
             o.clip_grad_norm_(1.0)
         o.step()
-    out["clip_one_rank"] = _caught(lambda: clip_on_rank0(model, opt))
+    out["clip_one_rank"], out["clip_one_rank_unchanged"] = then_next_step(model, opt, lambda: clip_on_rank0(model, opt))
     # with max_grad_norm set, step() also computes a norm: only the call site tells the two apart
     clipped = PlainNet()
     copt = ShardedOptimizer(clipped.parameters(), **HYPER, max_grad_norm=1.0)
-    out["clip_one_rank_max_norm"] = _caught(lambda: clip_on_rank0(clipped, copt))
+    out["clip_one_rank_max_norm"], out["clip_one_rank_max_norm_unchanged"] = then_next_step(
+        clipped, copt, lambda: clip_on_rank0(clipped, copt))
+    # a disagreement found in the last step raises in state_dict() before anything is gathered
+    if rank == 1:
+        opt.param_groups[0]["lr"] = 5e-3
+    _train(model, opt, 4, rank)
+    opt.step()
+    opt.param_groups[0]["lr"] = HYPER["lr"]
+    out["state_dict_after"] = _caught(opt.state_dict)
     _train(model, opt, 3, rank)  # and the optimizer still works after all that
     opt.step()
-    out["after"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    out["after"] = total(model)
     return out
 
 
@@ -85,13 +107,15 @@ def disagreements():
     ("stage", "differ across ranks"), ("reduce_dtype", "differ across ranks"),
     ("max_grad_norm", "differ across ranks"), ("lr_mid_run", "ranks disagree on this step"),
     ("clip_one_rank", "ranks disagree on this step"),
-    ("clip_one_rank_max_norm", "ranks disagree on this step")])
+    ("clip_one_rank_max_norm", "ranks disagree on this step"),
+    ("state_dict_after", "ranks disagree on this step")])
 def test_rank_differences_raise_on_every_rank(disagreements, case, words):
     for r in disagreements:
         assert r[case] is not None, case
         kind, message = r[case]
         assert kind in ("ValueError", "RuntimeError"), (case, kind)
         assert words in message, (case, message)
+        assert r.get(case + "_unchanged", True), f"{case}: the disagreeing step changed the parameters"
     assert disagreements[0]["after"] == disagreements[1]["after"]
 
 

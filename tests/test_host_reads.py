@@ -1,13 +1,15 @@
-"""Device-to-host reads: all go through fused_zero.host_read, and a training step makes the ones it names.
+"""Device-to-host reads: all go through fused_zero.host_read, and a training step makes none.
 
 On CUDA a read of a device tensor's values waits for the device; here on CPU the same call
 sites are counted (host_read.counting) so that what a GPU step would sync on is known from
-a CPU run. Steps 2-10 at each stage, 2 gloo ranks, with accumulation under ``no_sync()``:
-with ``max_grad_norm`` one read of the step's stats; with a ``torch.amp.GradScaler`` and
-``optimizer.clip_grad_norm_`` one more for the clip's own all-reduce and one for the overflow
-verdict; nothing per parameter, per bucket or per micro-batch.
+a CPU run. Steps 2-10 at each stage, 2 gloo ranks, with accumulation under ``no_sync()``,
+with ``max_grad_norm`` or with a ``torch.amp.GradScaler`` and ``optimizer.clip_grad_norm_``:
+no read at all. The one exception, by design: a step in which this rank saw some parameter
+without a gradient reads the has-grad flags once (it cannot know otherwise whether another
+rank saw one).
 """
 import ast
+import contextlib
 import pathlib
 
 import pytest
@@ -35,7 +37,7 @@ def test_every_read_goes_through_host_read_or_is_marked_a_host_tensor():
     assert not unmarked, "device reads outside fused_zero.host_read:\n" + "\n".join(unmarked)
 
 
-def _reads(rank, world_size, stage, amp):
+def _reads(rank, world_size, stage, amp, unused):
     from fused_zero import ShardedOptimizer
     from fused_zero.host_read import counting
 
@@ -49,8 +51,9 @@ def _reads(rank, world_size, stage, amp):
             opt.zero_grad()
             for micro in range(2):  # accumulation: the first micro-batch does not reduce
                 x, y = batch(2 * t + micro, rank)
+                uses = flags(t, rank) if unused else {"use_branch": True, "use_side": True}
                 with opt.no_sync() if micro == 0 else torch.enable_grad():
-                    scaler.scale(loss_fn(model(x, **flags(t, rank)), y)).backward()
+                    scaler.scale(loss_fn(model(x, **uses), y)).backward()
             if amp:
                 scaler.unscale_(opt)
                 opt.clip_grad_norm_(0.05)
@@ -62,8 +65,57 @@ def _reads(rank, world_size, stage, amp):
 
 @pytest.mark.parametrize("amp", [False, True], ids=["clip", "scaler_and_clip"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_step_reads_its_stats_once(stage, amp):
-    # clip_grad_norm_ makes its own stats all-reduce (and read) before step()'s
-    want = {"step stats": 2, "overflow verdict": 1} if amp else {"step stats": 1}
-    for per_step in run_ranks(_reads, 2, stage, amp, timeout=180):
-        assert per_step[1:] == [want] * 9, per_step
+def test_a_step_reads_nothing(stage, amp):
+    for per_step in run_ranks(_reads, 2, stage, amp, False, timeout=180):
+        assert per_step[1:] == [{}] * 9, per_step
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rank_that_missed_a_gradient_reads_the_flags_once(stage):
+    # flags(): "branch" is unused on even steps on every rank, "side" on rank 1 every third step
+    for rank, per_step in enumerate(run_ranks(_reads, 2, stage, True, True, timeout=180)):
+        missed = [t % 2 == 0 or (rank == 1 and t % 3 == 0) for t in range(10)]
+        assert per_step[1:] == [{"has-grad flags": 1} if m else {} for m in missed[1:]], (rank, per_step)
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _sync_free_steps(stage, amp):
+    from fused_zero import ShardedOptimizer
+
+    torch.manual_seed(0)
+    model = TinyNet().cuda()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000,
+                           max_grad_norm=None if amp else 0.05)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, enabled=amp)
+    uses = {"use_branch": True, "use_side": True}
+    xs = [batch(t, 0) for t in range(20)]
+    xs = [(x.cuda(), y.cuda()) for x, y in xs]
+    for t in range(10):
+        with _syncs_raise() if t > 0 else contextlib.nullcontext():
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = xs[2 * t + micro]
+                with opt.no_sync() if micro == 0 else torch.enable_grad():
+                    scaler.scale(loss_fn(model(x, **uses), y)).backward()
+            if amp:
+                scaler.unscale_(opt)
+                opt.clip_grad_norm_(0.05)
+            scaler.step(opt)
+            scaler.update()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("amp", [False, True], ids=["clip", "scaler_and_clip"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cuda_steps_never_sync(stage, amp):
+    """Steps 2-10 under torch.cuda.set_sync_debug_mode("error"): any host sync in them raises."""
+    _sync_free_steps(stage, amp)

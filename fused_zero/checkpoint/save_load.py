@@ -57,6 +57,8 @@ def save(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
     strings, lists, tuples and dicts; load returns it. Returns the tag.
     """
     comm_of(optimizer)
+    if hasattr(optimizer, "check_agreement"):  # a step whose ranks disagreed raises on every rank, before any write
+        optimizer.check_agreement()
     with optimizer.collective_call("checkpoint.save()"):
         return _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel)
 
