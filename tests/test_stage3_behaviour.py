@@ -187,8 +187,9 @@ def test_units_are_root_then_blocks(mech):
 def test_forward_then_reversed_backward_gather_order(mech):
     for r in mech:
         assert r["log_forward"] == [0, 1, 2, 3]
-        # the root stays gathered through backward; every block is gathered again, last first
-        assert r["log_step"] == [0, 1, 2, 3, 3, 2, 1]
+        # the root and the last block stay gathered into backward (it needs that block first, as FSDP2
+        # keeps its root); every other block is gathered again, last first
+        assert r["log_step"] == [0, 1, 2, 3, 2, 1]
 
 
 def test_next_unit_is_prefetched_before_the_current_one_computes(mech):
@@ -215,7 +216,7 @@ def test_peak_gathered_bytes_within_pool(mech):
 def test_recorded_forward_order_drives_gathers(mech):
     for r in mech:
         assert r["schedule_reversed"] == [3, 2, 1]
-        assert r["log_reversed"] == [0, 3, 2, 1, 1, 2, 3]
+        assert r["log_reversed"] == [0, 3, 2, 1, 2, 3]  # unit 1 ran last: kept gathered into backward
 
 
 def test_parameters_are_empty_placeholders_between_steps(mech):
@@ -227,9 +228,9 @@ def test_parameters_are_empty_placeholders_between_steps(mech):
     assert r["live"][0][0] > 0 and r["live"][-1][0] == sum(r["unit_bytes"])  # (after forward; all gathered)
 
 
-def test_traffic_is_3_psi_minus_the_root_kept_through_backward(mech):
+def test_traffic_is_3_psi_minus_the_root_and_last_unit_kept_through_backward(mech):
     for r in mech:
-        blocks = sum(r["unit_bytes"][1:])
+        blocks = sum(r["unit_bytes"][1:-1])  # the last block (the schedule's last unit) is not gathered again
         assert r["comm"]["all_gather"] == r["flat_bytes"] + blocks
         assert r["comm"]["reduce_scatter"] == r["flat_bytes"]
 
@@ -409,9 +410,11 @@ def test_a_merged_unit_is_gathered_once_a_forward_and_once_a_backward(merged):
     """Gathered at its first module, released after its last: not once per module."""
     for r in merged:
         # the root, then both units ahead (prefetch); backward gathers them again in reverse
-        assert r["forward", "log"][1:] == [([0, 1, 2], [2, 1])] * 2
-        # blocks run in reverse: the first forward (registration order, unit 1 prefetched) releases the unit of
-        # blocks 2-3 after block 3 (its last in model order) and block 2 gathers it again, and so for unit 1;
-        # from then on each is released after the module that ran last in it
-        assert r["reversed", "log"][0][0] == [0, 1, 2, 2, 1]
-        assert r["reversed", "log"][1:] == [([0, 2, 1], [1, 2])] * 2
+        # the root, then both units ahead (prefetch); backward gathers the first again (the last unit of the
+        # schedule stays gathered into backward, which needs it first)
+        assert r["forward", "log"][1:] == [([0, 1, 2], [1])] * 2
+        # blocks run in reverse: the first forward (registration order, unit 1 prefetched, unit 2 the one kept)
+        # releases the unit of blocks 0-1 after block 1 (its last in model order) and block 0 gathers it again;
+        # from then on each is released after the module that ran last in it, and unit 1 (now last) is kept
+        assert r["reversed", "log"][0] == ([0, 1, 2, 1], [1])
+        assert r["reversed", "log"][1:] == [([0, 2, 1], [2])] * 2

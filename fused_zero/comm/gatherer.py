@@ -18,9 +18,12 @@ A unit merged from several small modules (sharding/units.py) is gathered when
 the first of them runs and released after its ``last`` (model order until the
 first forward recorded which ran last, agreed by all ranks with the schedule).
 Backward walks the reversed schedule the same way, triggered by hooks on the
-units' outputs; a unit is released as soon as all of its trainable parameters
-got their gradient, and the end of backward releases the rest. The root unit
-stays gathered from the start of a training forward to the end of backward.
+units' outputs (a pre-hook on the autograd node that made each output); a unit is
+released as soon as all of its trainable parameters got their gradient, and the
+end of backward releases the rest. The root unit stays gathered from the start of
+a training forward to the end of backward, and so does the last unit of the
+schedule (backward needs it first: releasing it after the forward would only
+gather it again at once, as FSDP2 keeps its root).
 
 The gathers run on their own process group (``Comm.duplicate``), so their
 order never interleaves with the gradient reduce-scatters of GradSync.
@@ -50,6 +53,18 @@ from ..ownership import claim, release
 from ..profiling import ALL_GATHER, label
 from .param_sync import ParamSync
 from ..sharding.partition import Partition
+
+
+def _eager_only(hook: Callable) -> Callable:
+    """``hook`` kept out of torch.compile's graph: called through ``torch.compiler.disable`` while Dynamo
+    traces, directly otherwise (the wrapper's own cost, paid per module per forward, is then saved)."""
+    disabled = torch.compiler.disable(hook)
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return disabled(*args)
+        return hook(*args)
+    return call
 
 
 class TrainingState(enum.Enum):
@@ -82,10 +97,11 @@ class _Unit:
         # its inputs is in as well (nothing of its backward is left then); without grad-requiring inputs, at the end
         self.frozen = any(part.frozen for part in parts)
         self.inputs_done = False
+        self.pre_backward = None  # the gatherer's pre-backward hook for this unit (made once)
         self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
         self.state = UnitState.RELEASED
         self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
-        self.grads_seen: set[nn.Parameter] = set()
+        self.grads_seen: set[int] = set()  # ids of the trainable parameters whose gradient is in
         self.backward_started = False
         self.entered = -1  # the forward (ParamGatherer._forwards) this unit's first module last ran in
 
@@ -128,7 +144,7 @@ class ParamGatherer:
         self._handles = []
         # The hooks resize storages and re-point p.data: torch.compile must never trace them. (Wrapped
         # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
-        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
+        pre, post = _eager_only(self._pre_forward), _eager_only(self._post_forward)
         for u in self.units:
             for m in u.modules:
                 self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
@@ -139,7 +155,7 @@ class ParamGatherer:
         self._handles.append(root.register_load_state_dict_post_hook(self._after_load))
         self._load_prefix = ""
         self._unit_of = {id(m): u for u in self.units for m in u.modules}
-        self._unit_of_param = {p: u for u in self.units for p in u.trainable}
+        self._unit_of_param = {id(p): u for u in self.units for p in u.trainable}  # by id: no Tensor.__hash__ call
         self._params = [p for u in self.units for part in u.parts for p in part.params]
         self._param_ids = {id(p) for p in self._params}
         self._closed = False
@@ -147,7 +163,8 @@ class ParamGatherer:
         # model finds this gatherer here and closes it, giving the parameters back first.
         claim(self, self._params)
         for u in self.units:
-            self._release(u)
+            u.pre_backward = functools.partial(self._pre_backward, u.index)
+            self._release(u, force=True)  # the parameters still hold their full values: placeholders now
 
     def owns(self, p: nn.Parameter) -> bool:
         return not self._closed and id(p) in self._param_ids
@@ -218,13 +235,14 @@ class ParamGatherer:
             part.mark_synced()
         u.state = UnitState.GATHERED
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: _Unit, force: bool = False) -> None:
         self._wait(u)  # never free a buffer a collective still writes into
-        if self._holding:
-            return
+        if self._holding or (u.state is UnitState.RELEASED and not force):
+            return  # (released: its parameters are placeholders, or what user code assigned since, taken in later)
         expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
         for part in u.parts:
-            part.release(self._placeholder)
+            placeholder = self._placeholder(part.params[0]) if part.params else None
+            part.release(lambda p: placeholder)  # a partition's parameters share dtype and device
         self._mark_released(u)
 
     def _mark_released(self, u: _Unit) -> None:
@@ -318,15 +336,24 @@ class ParamGatherer:
             self._hook_outputs(u, output)
         if u.index == 0:
             self._end_forward()
-        elif self.state is TrainingState.IDLE or ((not grad or self.reshard_after_forward) and module is u.last):
+        elif self.state is TrainingState.IDLE or (module is u.last and (
+                not grad or (self.reshard_after_forward and not self._kept(u)))):
             self._release(u)  # a merged unit: after its last module (one skipped: the end of the forward releases)
+
+    def _kept(self, u: _Unit) -> bool:
+        """Whether a training forward keeps ``u`` gathered for backward: the schedule's last unit."""
+        return bool(self.schedule) and u.index == self.schedule[-1]
 
     def _hook_outputs(self, u: _Unit, output) -> None:
         u.backward_started = False
         u.grads_seen.clear()
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(self._pre_backward, u.index))
+                node = t.grad_fn
+                if node is not None:  # before the node that made the output runs (cheaper than a tensor hook)
+                    node.register_prehook(u.pre_backward)
+                else:
+                    t.register_hook(u.pre_backward)
 
     def _end_forward(self) -> None:
         self._drain()
@@ -338,7 +365,8 @@ class ParamGatherer:
                 self._release(u)
         elif self.reshard_after_forward:
             for u in self.units[1:]:
-                self._release(u)
+                if not self._kept(u):
+                    self._release(u)
         if self._grad_forward and self._record is not None:
             self._agree_on_schedule()
         self.state = TrainingState.IDLE
@@ -363,7 +391,7 @@ class ParamGatherer:
         self.state = TrainingState.IDLE
 
     # -- backward ---------------------------------------------------------
-    def _pre_backward(self, index: int, grad) -> None:
+    def _pre_backward(self, index: int, grad) -> None:  # grad: the output's gradient (or the node's, a tuple)
         u = self.units[index]
         if self.state is not TrainingState.BACKWARD:
             order = list(reversed(self.schedule)) if self.reshard_after_forward else []
@@ -377,10 +405,10 @@ class ParamGatherer:
 
     def on_grad(self, p: nn.Parameter) -> None:
         """``p``'s gradient was accumulated: release its unit once all of the unit's are in."""
-        u = self._unit_of_param.get(p)
+        u = self._unit_of_param.get(id(p))
         if self.state is not TrainingState.BACKWARD or u is None or u.index == 0:
             return
-        u.grads_seen.add(p)
+        u.grads_seen.add(id(p))
         if len(u.grads_seen) == len(u.trainable) and (not u.frozen or u.inputs_done):
             self._release(u)
 

@@ -250,6 +250,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     unit_bytes: dict[int, int] = {}
     moved: dict[int, int] = {}  # unit -> bytes of its offloaded param shards (staged for each gather)
     parts = _partitions(count, job, stage)
+    kept = max((part.unit for part in parts), default=0)  # the schedule's last unit: gathered into backward
     for part in parts:
         p, shard, full = BYTES[part.dtype], part.layout.shard_numel, part.layout.numel
         reduce = job.reduce_dtype or part.dtype
@@ -274,8 +275,9 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
             pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
         reduced = sum(part.layout.buckets[k].numel for k in launched)
         d["reduce_scatter"] += r * reduced
-        # stage 3 gathers every unit in forward and, resharded, every unit but the root again in backward
-        again = full if part.unit and job.reshard_after_forward else 0
+        # stage 3 gathers every unit in forward and, resharded, every unit but the root and the last (kept
+        # gathered into backward, which needs it first) again in backward
+        again = full if part.unit and part.unit != kept and job.reshard_after_forward else 0
         d["all_gather"] += p * (full + again if traits.shards_params else reduced)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
@@ -339,7 +341,7 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     """``--params`` at stage 3: every parameter sits in ``layers`` equal units (embeddings unknown), merged
     where a layer holds fewer than ``min_unit_numel`` elements, as the optimizer merges its default units.
 
-    Backward gathers the units again (3Ψ per step, as the paper counts); without ``layers``
+    Backward gathers the units again but the last (about 3Ψ per step, as the paper counts); without ``layers``
     the gathered units' size is unknown and left at 0. With ``layers`` an offload tier stages
     per partition (one per unit) and offload_params stages the in-flight units' shards only.
     """
@@ -347,7 +349,7 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         return est
     p = BYTES[count.params[0].dtype]
     gather_again = est.detail["param_full"] if job.reshard_after_forward and job.world_size > 1 else 0
-    detail = dict(est.detail, all_gather=est.detail["all_gather"] + gather_again)
+    detail = dict(est.detail)
     gathered, staging, units = 0, 0, 1
     par = tier_options(est.offload)[1]
     moved = detail["host_params"] + detail["nvme_params"]
@@ -359,6 +361,9 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         live = units if not job.reshard_after_forward else min(job.max_live_units, units)
         gathered = p * per_layer * sum(sizes[:live])
         staging = _in_flight({u: -(-moved // layers) * len(run) for u, run in enumerate(runs)}, job) if moved else 0
+        if gather_again:  # the last unit stays gathered into backward
+            gather_again = p * per_layer * (layers - len(runs[-1]))
+    detail["all_gather"] += gather_again
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
     reads = Tier.of(par) is Tier.NVME  # "nvme" reads the staged shards to the host first
     chunks = detail["host_staging"] - (detail["device_staging"] if reads else 0)  # shared by the units
