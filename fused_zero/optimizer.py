@@ -191,9 +191,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self._hooks = HookSet(self)
         self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
-        for p in self._params:
-            if p.requires_grad:
-                self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
+        for p in self.grad_sync.hooked(self._params):
+            self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
         self._buffers = [] if self.module is None or self.comm.world_size == 1 else list(self.module.buffers())
         self._buffers_due = True
         if self._buffers and self.config.broadcast_buffers:
@@ -396,6 +395,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """
         self._check_open()
         grad_scaler = calling_scaler(self)
+        if not self._habits_checked:  # no hooked gradient seen yet (stage 1 hooks one parameter per bucket)
+            self._check_habits()
         if not self._framework_checked:  # once, on every rank, before any collective
             self._framework_checked = True
             message = framework_without_integration(self)

@@ -126,6 +126,10 @@ class GradSync:
         self._accumulated = False  # a backward ran under no_sync() since the last step
 
     # -- backward ---------------------------------------------------------
+    def hooked(self, params) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient hook the optimizer registers (every trainable one by default)."""
+        return [p for p in params if p.requires_grad]
+
     def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
         """``p``'s gradient was accumulated (the optimizer's hook; ``entry`` is ``self.entries[p]``)."""
         if not self.sync:
@@ -199,9 +203,25 @@ class ReduceAtStep(GradSync):
         # .grad's version counter when backward left it, per partition and position (None: not seen)
         self._grad_versions = [[None] * len(part.params) for part in partitions]
 
+    def hooked(self, params) -> list[torch.nn.Parameter]:
+        """One hook per bucket: nothing is reduced in backward, a hook only has to see that a backward runs
+        (the optimizer's end-of-backward callback, close_round, then records every .grad at once), not 800
+        Python calls for 800 parameters. (If no hooked parameter gets a gradient, the versions stay unknown
+        and grads_edited() cannot warn; the step is the same.)"""
+        chosen = {}
+        for bucket in self.buckets:
+            p = next((q for q in bucket.params if q.requires_grad), None)
+            if p is not None:
+                chosen.setdefault(id(p), p)
+        return list(chosen.values())
+
     def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
-        # .grad is kept: see grads_edited(); it is checked where it is packed, at step (prepare_step)
-        self._grad_versions[entry.pi][entry.index] = p.grad._version
+        pass  # .grad is kept; checked where it is packed, at step (prepare_step)
+
+    def close_round(self) -> None:
+        """The end of a backward: remember each kept .grad's version counter (see grads_edited)."""
+        for part, versions in zip(self.partitions, self._grad_versions):
+            versions[:] = [None if p.grad is None else p.grad._version for p in part.params]
 
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
