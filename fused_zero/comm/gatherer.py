@@ -294,6 +294,9 @@ class ParamGatherer:
     # -- forward ----------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
         u = self._unit_of[id(module)]
+        if u.entered == self._forwards and u.state is UnitState.GATHERED and self.state is TrainingState.FORWARD \
+                and self._record is None:
+            return  # a later module of a merged unit in this forward: its first gathered it and prefetched
         if u.index == 0 and self.state is TrainingState.IDLE:
             self._grad_forward = torch.is_grad_enabled()
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
@@ -347,7 +350,7 @@ class ParamGatherer:
     def _hook_outputs(self, u: _Unit, output) -> None:
         u.backward_started = False
         u.grads_seen.clear()
-        for t in tree_flatten(output)[0]:
+        for t in (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]:  # (pytree costs µs)
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 node = t.grad_fn
                 if node is not None:  # before the node that made the output runs (cheaper than a tensor hook)

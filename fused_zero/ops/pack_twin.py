@@ -49,6 +49,25 @@ def _cached_views(plan, bucket: torch.Tensor) -> list:
     return entry[1]
 
 
+def _copy_shaped(plan, bucket: torch.Tensor, views: list, tensors) -> None:
+    """``views[i].copy_(tensors[i])`` for all i in one ``_foreach_copy_``, through views of the bucket shaped like
+    the tensors (made once per plan and bucket: reshaping 800 gradients flat costs more than copying them).
+
+    A tensor whose shape changed makes the copy raise (the same number of elements broadcasts only where the
+    order of elements is the same): the shaped views are then made again."""
+    key = ("shaped", bucket.data_ptr())
+    shaped = plan.state.get(key)
+    if shaped is not None and shaped[0] is views:
+        try:
+            torch._foreach_copy_(shaped[1], list(tensors))
+            return
+        except RuntimeError:
+            pass
+    shaped = (views, [v.view(t.shape) for v, t in zip(views, tensors)])
+    plan.state[key] = shaped
+    torch._foreach_copy_(shaped[1], list(tensors))
+
+
 def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
               scale=None) -> torch.Tensor:
     """Twin of kernels.pack: ``bucket[o:o+n] = round(t * scale [+ bucket[o:o+n]])``.
@@ -66,6 +85,11 @@ def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
         # or an fp32 bucket), since the copy then rounds nothing and the scale rounds once.
         exact = scale is None or bucket.dtype == torch.float32 or all(
             t is None or t.dtype == bucket.dtype for t in tensors)
+        if exact and tensors and not any(t is None for t in tensors):
+            _copy_shaped(plan, bucket, views, tensors)
+            if scale is not None:
+                torch._foreach_mul_([v for v in views if v.numel()], scale)
+            return bucket
         if exact:
             dsts, srcs, zeros = [], [], []
             for t, dst in zip(tensors, views):
