@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .host_read import to_host
+
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -82,7 +84,9 @@ class StepCounts:
     fused AdamW keeps it on the parameter's device), so a step advances every count in one op.
 
     Nothing is read back: a step skipped on the device (a GradScaler's overflow, ranks that disagree)
-    advances the counts by 0 there. The host knows instead which counts are equal: ``keys`` gives
+    advances the counts by 0 there. Only a step that would give some parameter its first state reads
+    the skip verdict first (once), so that a skipped step creates no state, as torch.optim.AdamW
+    under a GradScaler. The host knows instead which counts are equal: ``keys`` gives
     each parameter a class, and parameters of one class have advanced together since their counts
     were last set, so each run of them in the shard is updated by one launch that reads its step
     count on the device (``runs``).
@@ -106,6 +110,9 @@ class StepCounts:
         active = [i for i, flag in enumerate(flags) if flag]
         if not active:
             return []
+        if skip is not None and any("step" not in state.get(part.params[i], ()) for i in active) \
+                and to_host(skip, "verdict before new states"):
+            return []  # as torch.optim.AdamW under a GradScaler: a skipped step creates no state
         new_keys = None
         for i in active:
             s = state[part.params[i]]
