@@ -38,6 +38,19 @@ def test_every_read_goes_through_host_read_or_is_marked_a_host_tensor():
     assert not unmarked, "device reads outside fused_zero.host_read:\n" + "\n".join(unmarked)
 
 
+def _step(model, opt, scaler, batches, uses, amp):
+    """One training step: two micro-batches (the first under no_sync()), the AMP recipe with clipping."""
+    opt.zero_grad()
+    for micro, (x, y) in enumerate(batches):  # accumulation: the first micro-batch does not reduce
+        with opt.no_sync() if micro == 0 else torch.enable_grad():
+            scaler.scale(loss_fn(model(x, **uses), y)).backward()
+    if amp:
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.05)
+    scaler.step(opt)
+    scaler.update()
+
+
 def _reads(rank, world_size, stage, amp, unused):
     from fused_zero import ShardedOptimizer
     from fused_zero.host_read import counting
@@ -48,18 +61,9 @@ def _reads(rank, world_size, stage, amp, unused):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, enabled=amp)
     per_step = []
     for t in range(10):
+        uses = flags(t, rank) if unused else {"use_branch": True, "use_side": True}
         with counting() as counts:
-            opt.zero_grad()
-            for micro in range(2):  # accumulation: the first micro-batch does not reduce
-                x, y = batch(2 * t + micro, rank)
-                uses = flags(t, rank) if unused else {"use_branch": True, "use_side": True}
-                with opt.no_sync() if micro == 0 else torch.enable_grad():
-                    scaler.scale(loss_fn(model(x, **uses), y)).backward()
-            if amp:
-                scaler.unscale_(opt)
-                opt.clip_grad_norm_(0.05)
-            scaler.step(opt)
-            scaler.update()
+            _step(model, opt, scaler, [batch(2 * t + micro, rank) for micro in range(2)], uses, amp)
         per_step.append(dict(counts))
     return per_step
 
@@ -104,16 +108,7 @@ def _sync_free_steps(stage, amp):
     xs = [(x.cuda(), y.cuda()) for x, y in xs]
     for t in range(10):
         with _syncs_raise() if t > 0 else contextlib.nullcontext():
-            opt.zero_grad()
-            for micro in range(2):
-                x, y = xs[2 * t + micro]
-                with opt.no_sync() if micro == 0 else torch.enable_grad():
-                    scaler.scale(loss_fn(model(x, **uses), y)).backward()
-            if amp:
-                scaler.unscale_(opt)
-                opt.clip_grad_norm_(0.05)
-            scaler.step(opt)
-            scaler.update()
+            _step(model, opt, scaler, xs[2 * t: 2 * t + 2], uses, amp)
     torch.cuda.synchronize()
 
 
