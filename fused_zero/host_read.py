@@ -12,8 +12,9 @@ clipping, a GradScaler and accumulation. The verdicts stay on the device (the up
 on them; the ranks' checksum verdict reaches the host asynchronously, deferred.py). One read by
 design: a rank that saw some parameter without a gradient in a step reads the has-grad flags
 ("has-grad flags"), and a step that would give a parameter its first state reads the skip verdict
-("verdict before new states": a skipped step creates no state, as in torch). Offload reads where the host update runs: the skip flag and the gradient
-scale ("offload: ..."), each once per partition; on a CPU-only run those are host tensors.
+("verdict before new states": a skipped step creates no state, as in torch). Offload reads where
+the host update runs: the skip flag and the gradient scale ("offload: ..."), each once per
+partition; on a CPU-only run those are host tensors.
 """
 from __future__ import annotations
 

@@ -435,8 +435,9 @@ class ParamGatherer:
                     part.adopt_assigned(self.names, self._placeholder)
 
     def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        released = [self.names.get(p, tuple(shape)) for u in self.units if u.state is not UnitState.GATHERED for part in u.parts
-                    for p, shape in zip(part.params, part.shapes) if p.numel() == 0 and shape.numel() > 0]
+        released = [self.names.get(p, tuple(shape)) for u in self.units if u.state is not UnitState.GATHERED
+                    for part in u.parts for p, shape in zip(part.params, part.shapes)
+                    if p.numel() == 0 and shape.numel() > 0]
         if released:
             raise RuntimeError(
                 f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
