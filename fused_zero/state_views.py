@@ -84,12 +84,12 @@ class StepCounts:
     fused AdamW keeps it on the parameter's device), so a step advances every count in one op.
 
     Nothing is read back: a step skipped on the device (a GradScaler's overflow, ranks that disagree)
-    advances the counts by 0 there. Only a step that would give some parameter its first state reads
-    the skip verdict first (once), so that a skipped step creates no state, as torch.optim.AdamW
-    under a GradScaler. The host knows instead which counts are equal: ``keys`` gives
+    advances the counts by 0 there. The host knows instead which counts are equal: ``keys`` gives
     each parameter a class, and parameters of one class have advanced together since their counts
     were last set, so each run of them in the shard is updated by one launch that reads its step
-    count on the device (``runs``).
+    count on the device (``runs``). Only a step that would give some parameter its first state reads
+    the skip verdict first (once), so that a skipped step creates no state, as torch.optim.AdamW
+    under a GradScaler.
 
     A count that user code replaced (``load_state_dict``, ``state[p]["step"] = t``) is taken in at
     the next advance: its value is copied into the view, which takes its place; replaced counts of
@@ -101,7 +101,7 @@ class StepCounts:
         self.views = list(self.flat.unbind()) if n else []
         self.keys = [0] * n  # equal keys: equal counts
         self._before = None
-        self._runs: dict = {}  # (pieces' identity, active) -> runs, for the current keys
+        self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
 
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
@@ -157,7 +157,7 @@ class StepCounts:
         """Maximal [start, end) shard ranges of the ``active`` parameters sharing a class, with the step
         count (a 0-d view, on the device) they share. Padding between two pieces of one run is updated
         too (it stays zero)."""
-        key = (len(active), active[0], active[-1]) if len(active) == len(self.views) else tuple(active)
+        key = None if len(active) == len(self.views) else tuple(active)
         cached = self._runs.get(key)
         if cached is not None:
             return cached
