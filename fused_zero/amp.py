@@ -13,9 +13,12 @@ is on the stack (it is the caller, through the step wrappers of torch.optim).
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .stats import StepStats
 
 
 class ScalerInputs(NamedTuple):
@@ -92,9 +95,11 @@ class PendingClip(NamedTuple):
     """clip_grad_norm_ before step(): the norm it returned and what step() needs to clip."""
 
     max_norm: float
-    sq_norm: torch.Tensor  # of the gradient shards as they were (scaled, under a GradScaler)
+    stats: StepStats  # the clip's all-reduce (stats.py): its sq_norm is of the shards as they were (scaled,
+    # under a GradScaler); step() acts on all of it, one all-reduce for both calls
     total: torch.Tensor  # the tensor returned to the user
     resolved: bool  # total is already the norm of unscaled gradients
+    backwards: int  # backward passes begun when it was made: the stats serve step() only if none began since
 
     def coef(self, scaler: ScalerInputs) -> torch.Tensor:
         """The clip factor; unscales the returned norm in place if a scaler turned up at step()."""
@@ -102,5 +107,5 @@ class PendingClip(NamedTuple):
 
         if not self.resolved and scaler.inv_scale is not None and scaler.state is not None \
                 and scaler.state["stage"] is OptState.UNSCALED:
-            self.total.copy_(self.sq_norm.sqrt() * scaler.inv_scale)
+            self.total.copy_(self.stats.sq_norm.sqrt() * scaler.inv_scale)
         return torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)

@@ -128,7 +128,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
         self._backwards = 0  # backward passes begun (a clip's stats serve the step only if none began since)
-        self._clip_stats: tuple[StepStats, int] | None = None
         self._last_update = None  # what the last update used: the next stats all-reduce checks it
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
@@ -349,7 +348,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_sync.zero_grad(set_to_none)
-        self._clip, self._clip_stats = None, None
+        self._clip = None
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
@@ -373,8 +372,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         stats = self._stats(with_norm=True, site="clip_grad_norm_")
         total = stats.total_norm(inv_scale)
-        self._clip = PendingClip(max_norm, stats.sq_norm, total, resolved=grad_scaler is not None)
-        self._clip_stats = (stats, self._backwards)  # step() acts on them: one all-reduce for both calls
+        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None, backwards=self._backwards)
         return total
 
     @torch.no_grad()
@@ -428,9 +426,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        clip_stats, self._clip_stats = self._clip_stats, None
-        if clip_stats is not None and clip_stats[1] == self._backwards:
-            stats = clip_stats[0]  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
+        if self._clip is not None and self._clip.backwards == self._backwards:
+            stats = self._clip.stats  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
             agreed = self._agreed()  # the next all-reduce checks what the update uses
         else:
             stats = self._stats(with_norm=need_norm or amp, site="step")
@@ -480,7 +477,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._verdicts.check_all() if every else self._verdicts.check_due():
             if not every:  # inside step() or clip_grad_norm_: this step's gradients are dropped
                 self.grad_sync.end_step()
-                self._clip, self._clip_stats = None, None
+                self._clip = None
             raise RuntimeError(
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
