@@ -4,7 +4,8 @@
   without offload: every parameter bitwise equal after every step (chunks cut at 704-element
   blocks, so runs of the update are split as they never are in memory), through accumulation
   under no_sync() and over two synced backwards with clip_grad_norm_ and GradScaler steps with a skipped overflow; the reduced
-  gradient shard is reported on the host.
+  gradient shard is reported on the host. On CPU the reduction lands in the host shard directly; one
+  run takes the GPU's way (reduce in the pool buffer, copy down) to test that path here.
 - a checkpoint saved with NVMe offload resumes without it, and the reverse, bitwise.
 - a full disk midway through a step raises an OSError naming the file and leaves the states,
   step counts and parameters as before the step; training then goes on as if nothing happened.
@@ -24,6 +25,7 @@ from _dist import run_ranks
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
+from fused_zero.comm.grad_buckets import BucketPipe
 from fused_zero.tiers.store_nvme import check_nvme_path
 
 def _direct_ok(folder) -> bool:
@@ -80,7 +82,8 @@ def _params(model, opt):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def _lockstep(rank, world_size, stage, folder):
+def _lockstep(rank, world_size, stage, folder, copy_down=False):
+    BucketPipe.copy_down = copy_down  # the GPU's way: reduce in the pool buffer, then copy down to the host shard
     folder = os.path.join(folder, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
     models = [TinyNet() for _ in TIERS]
@@ -102,9 +105,9 @@ def _lockstep(rank, world_size, stage, folder):
             "partitions": len(opts[2].partitions)}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offload_is_bitwise_the_run_without(stage, tmp_path):
-    for r in run_ranks(_lockstep, 2, stage, str(tmp_path), timeout=240):
+@pytest.mark.parametrize("stage,copy_down", [(1, False), (2, False), (3, False), (2, True)])
+def test_offload_is_bitwise_the_run_without(stage, copy_down, tmp_path):
+    for r in run_ranks(_lockstep, 2, stage, str(tmp_path), copy_down, timeout=240):
         assert r["unequal"] == []
         device, host, nvme = r["mem"][:3]
         assert all(m == nvme for m in r["mem"][3:])  # O_DIRECT changes how, not where

@@ -11,7 +11,9 @@ reduce dtype), the reductions in flight (finished oldest first: every rank launc
 order) and, with the states offloaded (``Partition.grad_tier`` is ``Tier.HOST``), the copies down to
 the host shard: each bucket is reduced in place (this rank's slice of the pool buffer) and copied
 down once its reduction completes (``tiers/transfer.py``: on a GPU on a side stream); a round that
-accumulates lands in a host scratch per pool buffer and is added on the host.
+accumulates lands in a host scratch per pool buffer and is added on the host. Where the pool buffers are
+host memory too (a CPU-only run) the reduction lands in the host shard directly, as without offload
+(``BucketPipe.copy_down`` makes the tests take the GPU's way there).
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ class GradBucket:
             ops.pack_checked_(self._plan, tensors, buf, scale=1.0 / n if n > 1 else None)
         dst = part.shard(part.grad_shard, b)
         acc = down = None
-        if part.grad_tier is Tier.HOST:  # reduce in place, copy down once reduced
+        if part.grad_tier is Tier.HOST and (pipe.copy_down or dst.device != buf.device):  # reduce in place, copy down
             out = buf[part.own(b)]
             down = dst
             if accumulate:
@@ -152,6 +154,10 @@ class GradBucket:
 
 class BucketPipe:
     """The pool buffers, the reductions in flight and the copies down that every bucket shares."""
+
+    #: host tier with host pool buffers (a CPU-only run): reduce in place and copy down as on a GPU
+    #: (True: the tests' way to run that path on CPU), rather than land in the host shard directly
+    copy_down = False
 
     def __init__(self, partitions: list[Partition], comm: Comm) -> None:
         self.partitions = partitions
