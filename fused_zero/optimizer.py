@@ -42,7 +42,7 @@ from .state_io import StateAccess
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
 from .tiers.tier import Tier
-from .update import update_all
+from .update import UpdatePlan, plan_update, rollback, update_all
 
 
 class _Unset:
@@ -70,6 +70,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+
+    @property
+    def state(self):
+        """torch.optim's per-parameter state (``step``, ``exp_avg``, ``exp_avg_sq``): read after the update
+        that may still run behind the last ``step()`` (stage 3 with offloaded states) has ended."""
+        self._settle_update()
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = value
+
+    def _settle_update(self) -> None:
+        """Wait for the update running behind the last step (stage 3 with offloaded states; raises if it
+        failed on some rank, after undoing it)."""
+        stage = self.__dict__.get("_stage")
+        if stage is not None and stage.behind is not None:
+            stage.behind.wait()
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -261,7 +279,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.grad_sync.wait()
             if self._hooks is not None:
                 self._hooks.remove()
-            self._stage.close()
+            self._stage.close()  # waits for the update behind the last step first
             for part in self.partitions:
                 part.close()
             self._closed = True
@@ -299,6 +317,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _begin_backward(self) -> None:
         if not self._in_backward:
+            self._settle_update()  # the reductions land in the gradient shards the update reads
             self._in_backward = True
             self._backwards += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay(self._end_backward))
@@ -347,6 +366,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroes the gradient shards the update behind step() may still read
+            self._settle_update()
         self.grad_sync.zero_grad(set_to_none)
         self._clip = None
         super().zero_grad(set_to_none=set_to_none)
@@ -364,6 +385,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         the right value from ``scaler.step(opt)`` on (read it after the step).
         """
         self._check_open()
+        self._settle_update()
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
         self.grad_sync.prepare_step()
@@ -392,6 +414,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         ``clip_grad_norm_()`` and ``step()`` are checked one step later.
         """
         self._check_open()
+        self._settle_update()
         grad_scaler = calling_scaler(self)
         if not self._habits_checked:  # no hooked gradient seen yet (stage 1 hooks one parameter per bucket)
             self._check_habits()
@@ -450,9 +473,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if coef is not None:
             grad_scale = coef if grad_scale is None else grad_scale * coef
         self._last_update = agreed
+        # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
         self._update(stats.has_grad, grad_scale, skip)
-        # 3. gather (stages 1-2) or release (stage 3: the next forward gathers)
-        self._stage.after_update(self.partitions, stats.has_grad)
         self._end_step()
         return loss
 
@@ -490,9 +512,25 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
                 skip: torch.Tensor | None) -> None:
-        with label(UPDATE):
-            update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                       self.config.adam_w_mode)
+        """The update, then the stage's ``after_update``. Stage 3 with offloaded states plans the update
+        here, releases the units, and leaves the host update running behind the step (behind.py)."""
+        behind = self._stage.behind
+        if behind is None:
+            with label(UPDATE):
+                update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
+                           self.config.adam_w_mode)
+            self._stage.after_update(self.partitions, has_grad)
+            return
+        plan = UpdatePlan([], [])
+        try:
+            with label(UPDATE):
+                plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
+                                   self.config.adam_w_mode, plan.advanced)
+        except BaseException:
+            rollback(self.partitions, plan.advanced)
+            raise
+        self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
+        behind.start(self.partitions, plan, self._stage.update_order(plan.jobs))
 
     def _end_step(self) -> None:
         self._verdicts.end_step()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
+import torch
 from torch import nn
 
 from .comm.collectives import Comm
@@ -30,7 +31,9 @@ from .frozen import gather_frozen, load_frozen, split_frozen
 from .sharding.layout import build_layout
 from .sharding.partition import Partition
 from .sharding.units import plan_units
+from .behind import UpdateBehind
 from .tiers.factory import Tiers
+from .tiers.tier import Tier
 from .tiers.staging import Staging
 
 
@@ -41,6 +44,8 @@ class Stage1:
     traits = STAGE_TRAITS[1]
     reducer = ReduceAtStep
     can_add_groups = True
+    #: the host update running behind step() (stage 3 with offloaded states, behind.py), or None: inside step()
+    behind: UpdateBehind | None = None
 
     @property
     def shards_params(self) -> bool:
@@ -214,6 +219,11 @@ class Stage3(Stage2):
         self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward)
+        device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
+        if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
+            # the host update overlaps the next forward, unit by unit (behind.py)
+            agree = self.comm.duplicate(backend="gloo") if self.comm.world_size > 1 else None
+            self.behind = self.gatherer.behind = UpdateBehind(device, agree)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
     hooks_grads = True
@@ -229,6 +239,14 @@ class Stage3(Stage2):
 
     def after_update(self, partitions, updated) -> None:
         self.gatherer.release_all()  # the next forward gathers the new values
+
+    def update_order(self, jobs: list) -> list:
+        """``jobs`` keyed by unit, in the order the next forward gathers the units (the root first)."""
+        unit_of = {id(part): u.index for u in self.gatherer.units for part in u.parts}
+        by_unit: dict[int, list] = {}
+        for job in jobs:
+            by_unit.setdefault(unit_of[id(job.part)], []).append(job)
+        return [(i, by_unit[i]) for i in [0] + self.gatherer.schedule if i in by_unit]
 
     @contextmanager
     def full_parameters(self):
@@ -248,8 +266,12 @@ class Stage3(Stage2):
         return out
 
     def close(self) -> None:
-        if self.gatherer is not None:
-            self.gatherer.close()
+        try:
+            if self.behind is not None:
+                self.behind.close()  # the update behind the last step ends (or raises) before the files go
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.close()
         for part in self.frozen_parts:  # the optimizer closes its own partitions; these are the stage's
             part.close()
 

@@ -37,6 +37,7 @@ class StateAccess:
         goes under the extra state key "master"), in bounded chunks; identical on every rank.
         ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
         """
+        self._settle_update()  # stage 3 with offloaded states: the update behind the last step ends first
         self.check_agreement()  # a step whose ranks disagreed raises here, on every rank, before any gather
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
@@ -59,6 +60,7 @@ class StateAccess:
         Runs inside that wait (comm/rendezvous.py): this rank's states are the last step's, which every
         rank finished; the reductions it waits for touch none of them.
         """
+        self._settle_update()
         with self.collective_call("state_dict()"):
             gather_state_dict(self, self._control_comm(), keep=False)
 
@@ -71,6 +73,7 @@ class StateAccess:
         saved "master" where it rounds to them. A bad dict raises on every rank.
         """
         self._check_open()
+        self._settle_update()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
@@ -101,6 +104,7 @@ class StateAccess:
 
         ``settle=False`` reads without waiting for the reductions in flight (which write gradients only).
         """
+        self._settle_update()
         if settle:
             self.grad_sync.wait()
         return self.partitions[partition].store.read(kind, start, end)
@@ -114,6 +118,7 @@ class StateAccess:
         """
         if len(staged) != len(self.partitions):
             raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
+        self._settle_update()
         self.grad_sync.wait()
         for part, new in zip(self.partitions, staged):
             for kind, t in new.items():

@@ -7,6 +7,12 @@ shard over the same range, where the states live). A store that fails midway (a 
 rolls back: the states, the step counts and the narrow param shards stay as before the step;
 only when every partition succeeded do the stores commit.
 
+Two halves: ``plan_update`` runs where the optimizer's Python state lives (it advances the counts,
+creates states, reads the param groups) and hands out one ``PartitionJob`` per partition;
+``run_job`` touches only that partition's shards, so it may run on a worker thread
+(``behind.UpdateBehind``: stage 3 with offloaded states overlaps it with the next forward).
+``update_all`` runs both here, now.
+
 ``skip`` (a 0-d fp32 device tensor, or None) is the step's verdict, decided on the device: a
 GradScaler's overflow or ranks that disagree. Where it is set, no element changes and no step count
 advances, and the host never reads it: the kernels take it as ``found_inf``. Only an update that
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 from contextlib import closing
+from typing import NamedTuple
 
 import torch
 
@@ -28,40 +35,81 @@ from .state_views import StepCounts
 from .tiers.store import AMSGRAD_KIND
 
 
+class PartitionJob(NamedTuple):
+    """The update of one partition in one step, decided on the host: what ``run_job`` runs (on any thread)."""
+
+    part: Partition
+    ranges: list  # [(start, end)]: the runs' ranges, cut where the narrow param shard needs it
+    runs: list  # [(start, end, step count)]: maximal runs of parameters sharing a step count
+    hyper: dict  # the group's hyperparameters, read when the step was taken (a scheduler may change them after)
+    amsgrad: bool
+    grad_scale: torch.Tensor | None  # where the update runs
+    skip: torch.Tensor | None  # where the update runs; None where the host already knows it is unset
+
+
+class UpdatePlan(NamedTuple):
+    """A step's update: the jobs (partition order) and the step counts they advanced (what a rollback undoes)."""
+
+    jobs: list[PartitionJob]
+    advanced: list[StepCounts]
+
+
 def update_all(partitions: list[Partition], groups: list[dict], state: dict,
                has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
                skip: torch.Tensor | None, adam_w_mode: bool) -> None:
-    advanced: list[StepCounts] = []
+    """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises)."""
+    plan = UpdatePlan([], [])
     try:
-        for part, flags in zip(partitions, has_grad):
-            _update_partition(part, groups[part.group_index], state, flags, grad_scale, skip, adam_w_mode, advanced)
+        plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode, plan.advanced)
+        for job in plan.jobs:
+            run_job(job)
     except BaseException:
-        for part in partitions:
-            part.store.rollback()
-            if part.pshard is not None:
-                part.pshard.discard()
-            part.param_shard_from_master()
-        for counts in advanced:
-            counts.rollback()
+        rollback(partitions, plan.advanced)
         raise
-    for part in partitions:
-        part.store.commit()
+    commit(partitions)
 
 
-def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bool, ...], grad_scale, skip,
-                      adam_w_mode: bool, advanced: list) -> None:
+def plan_update(partitions: list[Partition], groups: list[dict], state: dict,
+                has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
+                skip: torch.Tensor | None, adam_w_mode: bool, advanced: list | None = None) -> UpdatePlan:
+    """Advance the step counts (in one op per partition, on the device) and decide each partition's job.
+
+    Runs where the optimizer's Python state lives (the caller's thread): it creates states and reads the
+    param groups; ``run_job`` then touches only the partition's shards. ``advanced`` collects the counts
+    advanced so far, for a rollback if this raises midway."""
+    advanced = [] if advanced is None else advanced
+    jobs = []
+    host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
+    for part, flags in zip(partitions, has_grad):
+        job = _plan_partition(part, groups[part.group_index], state, flags, grad_scale, skip, adam_w_mode,
+                              advanced, host)
+        if job is not None:
+            jobs.append(job)
+    return UpdatePlan(jobs, advanced)
+
+
+def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool, ...], grad_scale, skip,
+                    adam_w_mode: bool, advanced: list, host: dict) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
     if part.step_counts is None:
         part.step_counts = StepCounts(len(part.params), device)
+    on_host = device.type == "cpu"
     if skip is not None:
-        skip = host_copy(skip, "offload: the host update's skip verdict") if device.type == "cpu" else skip.to(device)
+        if on_host:
+            if "skip" not in host:
+                host["skip"] = host_copy(skip, "offload: the host update's skip verdict")
+            skip = host["skip"]
+        else:
+            skip = skip.to(device)
     active = part.step_counts.advance(state, part, flags, skip)  # in one op, on the device
     if not active:
-        return
+        return None
     advanced.append(part.step_counts)  # what a rollback takes back
-    if skip is not None and device.type == "cpu":
-        if skip.item() != 0:  # host tensor: the update runs on the host
-            return
+    if skip is not None and on_host:
+        if "skipped" not in host:
+            host["skipped"] = skip.item() != 0  # host tensor: the update runs on the host
+        if host["skipped"]:
+            return None
         skip = None
     amsgrad = bool(group.get("amsgrad", False))
     if amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
@@ -73,20 +121,48 @@ def _update_partition(part: Partition, group: dict, state: dict, flags: tuple[bo
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
     runs = part.step_counts.runs(part, active)
+    if grad_scale is not None:  # once per step where the update runs, not per chunk
+        if on_host:
+            if "scale" not in host:
+                host["scale"] = host_copy(grad_scale, "offload: the host update's gradient scale")
+            grad_scale = host["scale"]
+        else:
+            grad_scale = grad_scale.to(device)
+    return PartitionJob(part, part.update_ranges([(a, b) for a, b, _ in runs]), runs, hyper, amsgrad,
+                        grad_scale, skip)
+
+
+def run_job(job: PartitionJob) -> None:
+    """Run one partition's fused AdamW over the chunks its store hands out (touches only its shards)."""
+    part, runs = job.part, job.runs
     starts = [a for a, _, _ in runs]
     sink = part.param_sink()
-    if grad_scale is not None:  # once per partition, not per chunk
-        grad_scale = host_copy(grad_scale, "offload: the host update's gradient scale") if device.type == "cpu" \
-            else grad_scale.to(device)
     # closing(): a failed chunk closes the store's generator at once (its copies in flight are settled)
-    with closing(part.store.update_chunks(part.update_ranges([(a, b) for a, b, _ in runs]), part.grad_shard,
-                                          sink)) as chunks:
+    with closing(part.store.update_chunks(job.ranges, part.grad_shard, sink)) as chunks:
         for chunk in chunks:
             step = runs[bisect.bisect_right(starts, chunk.start) - 1][2]  # a chunk lies inside one run
             if step.device != chunk.master.device:  # states kept elsewhere than the gradient shard
                 step = step.to(chunk.master.device)
-            extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if amsgrad else {}
+            extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if job.amsgrad else {}
             ops.adamw_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
-                       param_out=chunk.param_out, grad_scale=grad_scale, found_inf=skip, **hyper, **extra)
+                       param_out=chunk.param_out, grad_scale=job.grad_scale, found_inf=job.skip, **job.hyper,
+                       **extra)
     if part.pshard is not None:
         part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
+
+
+def commit(partitions: list[Partition]) -> None:
+    """Every job succeeded: the stores make the step's writes their states."""
+    for part in partitions:
+        part.store.commit()
+
+
+def rollback(partitions: list[Partition], advanced: list[StepCounts]) -> None:
+    """A job failed: states, step counts and narrow param shards go back to before the step."""
+    for part in partitions:
+        part.store.rollback()
+        if part.pshard is not None:
+            part.pshard.discard()
+        part.param_shard_from_master()
+    for counts in advanced:
+        counts.rollback()

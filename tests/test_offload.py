@@ -5,7 +5,8 @@
   blocks, so runs of the update are split as they never are in memory), through accumulation
   under no_sync() and over two synced backwards with clip_grad_norm_ and GradScaler steps with a skipped overflow; the reduced
   gradient shard is reported on the host. On CPU the reduction lands in the host shard directly; one
-  run takes the GPU's way (reduce in the pool buffer, copy down) to test that path here.
+  run takes the GPU's way (reduce in the pool buffer, copy down) to test that path here. Stage 3 runs
+  the update behind step() (tests/test_offload_behind.py), as it does with the parameters on a GPU.
 - a checkpoint saved with NVMe offload resumes without it, and the reverse, bitwise.
 - a full disk midway through a step raises an OSError naming the file and leaves the states,
   step counts and parameters as before the step; training then goes on as if nothing happened.
@@ -25,6 +26,7 @@ from _dist import run_ranks
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
+from fused_zero.behind import UpdateBehind
 from fused_zero.comm.grad_buckets import BucketPipe
 from fused_zero.tiers.store_nvme import check_nvme_path
 
@@ -84,6 +86,7 @@ def _params(model, opt):
 
 def _lockstep(rank, world_size, stage, folder, copy_down=False):
     BucketPipe.copy_down = copy_down  # the GPU's way: reduce in the pool buffer, then copy down to the host shard
+    UpdateBehind.on_cpu = True  # stage 3: the update behind step(), as with the parameters on a GPU
     folder = os.path.join(folder, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
     models = [TinyNet() for _ in TIERS]

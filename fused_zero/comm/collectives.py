@@ -155,12 +155,13 @@ class Comm:
             _ranks_met = True
         self.reset_traffic()
 
-    def duplicate(self) -> "Comm":
+    def duplicate(self, backend: str | None = None) -> "Comm":
         """A Comm over a new process group with the same ranks (every rank must call it).
 
         Collectives are matched across ranks by their order within a group; work
         whose order depends on timing (stage 3's gathers against the reducer's
         reduce-scatters) gets a group of its own so the two never interleave.
+        ``backend``: another backend for the new group ("gloo": host flags beside an NCCL group).
         """
         if self._local:  # nothing to keep apart: the same (local) communicator, own traffic count
             twin = copy.copy(self)
@@ -169,9 +170,28 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         # new_group() without timeout= gets torch's default (30 min), not the user's: pass theirs.
         timeout = _group_timeout(self.group)
-        group = dist.new_group(ranks=ranks, backend=self.backend, use_local_synchronization=self.group is not None,
+        group = dist.new_group(ranks=ranks, backend=backend or self.backend,
+                               use_local_synchronization=self.group is not None,
                                **({"timeout": timeout} if timeout is not None else {}))
         return Comm(group)
+
+    def any_rank(self, flag: bool, site: str) -> bool:
+        """Whether ``flag`` is set on some rank: a blocking all-reduce of one host number (a gloo group).
+
+        Any thread may call it (the host update's worker does, on a group of its own): its tensor lives
+        as long as this Comm, so no Work ever holds the last reference to it and nothing is pinned; its
+        bytes are not counted as traffic. ``site``: what the read is, for host_read's counts."""
+        if self._local:
+            return flag
+        if self.backend != "gloo":
+            raise ValueError(f"any_rank needs a gloo group (host numbers), this one is {self.backend}: "
+                             "make it with duplicate(backend=\"gloo\")")
+        t = self.__dict__.get("_flag")
+        if t is None:
+            t = self._flag = torch.zeros(1)
+        t.fill_(float(flag))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(to_host(t[0], site))
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"

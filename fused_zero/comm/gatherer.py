@@ -159,6 +159,7 @@ class ParamGatherer:
         self._params = [p for u in self.units for part in u.parts for p in part.params]
         self._param_ids = {id(p) for p in self._params}
         self._closed = False
+        self.behind = None  # the host update running behind the last step (behind.py), set by Stage3
         # The model (through these hooks) outlives a dropped optimizer: a new optimizer over the
         # model finds this gatherer here and closes it, giving the parameters back first.
         claim(self, self._params)
@@ -180,6 +181,8 @@ class ParamGatherer:
             return
         if self.state is not TrainingState.IDLE:
             raise RuntimeError("the stage-3 optimizer cannot be closed inside the model's forward or backward")
+        if self.behind is not None:
+            self.behind.wait()
         for u in self.units:
             self._issue(u)
             self._wait(u)
@@ -210,6 +213,8 @@ class ParamGatherer:
     def _issue(self, u: _Unit) -> None:
         if u.state is not UnitState.RELEASED:
             return
+        if self.behind is not None:
+            self.behind.wait(u.index)  # its shards are the new ones (raises if some rank's update failed)
         handles = []
         for part in u.parts:  # an offloaded param shard: start every read before the first gather waits
             part.fetch_params()
@@ -275,11 +280,14 @@ class ParamGatherer:
         expect(u.state, UnitState.GATHERED, what=f"stage-3 unit {u.index} about to run")
 
     def _prefetch(self) -> None:
+        behind = self.behind
         while self._cursor < len(self._order) and self._live_units < self.max_live_units:
+            if behind is not None and not behind.ready(self._order[self._cursor]):
+                return  # its update is still running behind the step: gathered when needed, not waited for here
             self._issue(self.units[self._order[self._cursor]])
             self._cursor += 1
-        if self._cursor < len(self._order):  # offloaded param shards: read the next unit's ahead of its gather
-            for part in self.units[self._order[self._cursor]].parts:
+        if self._cursor < len(self._order) and (behind is None or behind.ready(self._order[self._cursor])):
+            for part in self.units[self._order[self._cursor]].parts:  # offloaded param shards: read ahead
                 part.fetch_params()
 
     def _drain(self) -> None:
@@ -447,6 +455,8 @@ class ParamGatherer:
     def _before_load(self, module, state_dict, prefix, *args) -> None:
         """model.load_state_dict between steps: give released parameters full-size memory to load into."""
         self._load_prefix = prefix
+        if self.behind is not None:
+            self.behind.wait()  # the load writes the shards
         for u in self.units:
             if u.state is not UnitState.GATHERED:
                 self._wait(u)
@@ -480,6 +490,8 @@ class ParamGatherer:
     def full_parameters(self):
         if self.state is not TrainingState.IDLE:
             raise RuntimeError("full_parameters() cannot be entered inside the model's forward or backward")
+        if self.behind is not None:
+            self.behind.wait()
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
         for u in order:
             self._issue(u)

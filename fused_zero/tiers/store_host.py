@@ -11,7 +11,7 @@ Why the update waits for step() rather than running per bucket during backward (
 down do): clipping and a GradScaler's overflow check need the global norm of the whole step's
 gradient (every bucket, every micro-batch) before any element may change, and the result must
 be bitwise that of the update without offload. torchao's CPUOffloadOptimizer makes the same
-choice.
+choice. At stage 3 it then runs behind step(), overlapping the next forward (``behind.py``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,201 @@
+"""Stage 3 with offloaded optimizer states: the host update runs behind step() and overlaps the next forward
+(with the parameters on a GPU; here on CPU through ``UpdateBehind.on_cpu``).
+
+- ordering (world size 1, each tier, with and without offload_params): with each unit's update slowed
+  down, the next forward gathers the root before the last unit's update ended, and no unit is gathered
+  before its own update ended on this rank; the parameters stay bitwise those of the run without offload;
+- reads between steps (optimizer.state, state_dict(), read_shard, full_parameters(), model.load_state_dict,
+  the next step) see the whole update, however slow;
+- a failed update (a full disk on one of 2 gloo ranks) raises on every rank at the next forward, leaves
+  every rank's states, step counts and parameters as before the step, and training then goes on
+  exactly as if that step had not been taken.
+(Bitwise equality over 10 mixed steps at 2 ranks, every tier: tests/test_offload.py.)
+"""
+import errno
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from fused_zero import ShardedOptimizer
+import fused_zero.behind as behind_module
+from fused_zero.behind import UpdateBehind
+
+WIDTH, LAYERS = 24, 6
+TIERS = [dict(offload_optimizer="cpu"), dict(offload_optimizer="nvme"),
+         dict(offload_optimizer="cpu", offload_params="cpu"), dict(offload_optimizer="nvme", offload_params="nvme")]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
+
+
+def _opt(model, folder, **kw):
+    if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_params")):
+        kw["nvme_path"] = str(folder)
+    return ShardedOptimizer(model, lr=1e-2, stage=3, min_unit_numel=0, bucket_numel=200,
+                            offload_chunk_numel=128, **kw)
+
+
+def _batch(t, rank=0):
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return torch.randn(5, WIDTH, generator=g)
+
+
+def _train_step(model, opt, t, rank=0):
+    opt.zero_grad()
+    model(_batch(t, rank)).square().mean().backward()
+    opt.step()
+
+
+def _full(model, opt):
+    with opt.full_parameters():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(autouse=True)
+def behind_on_cpu(monkeypatch):
+    """A CPU-only run updates inside step() by default (behind.UpdateBehind.on_cpu): run the overlap here."""
+    monkeypatch.setattr(UpdateBehind, "on_cpu", True)
+
+
+@pytest.fixture
+def slow_updates(monkeypatch):
+    """Each partition's update takes 20 ms longer, on the worker thread."""
+    real = behind_module.run_job
+
+    def slow(job):
+        time.sleep(0.02)
+        real(job)
+    monkeypatch.setattr(behind_module, "run_job", slow)
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda kw: "+".join(f"{k}={v}" for k, v in kw.items()))
+def test_next_forward_gathers_each_unit_once_its_update_ended(tier, tmp_path, slow_updates):
+    model, ref = _model(), _model()
+    opt, ref_opt = _opt(model, tmp_path, **tier), ShardedOptimizer(ref, lr=1e-2, stage=3, min_unit_numel=0,
+                                                                   bucket_numel=200)
+    behind = opt._stage.behind
+    assert behind is not None and ref_opt._stage.behind is None
+    log = behind.log = []
+    gatherer = opt._stage.gatherer
+    real_issue = gatherer._issue
+
+    def issue(u):
+        if u.state.name == "RELEASED":
+            real_issue(u)
+            log.append(("gathered", u.index))
+        else:
+            real_issue(u)
+    gatherer._issue = issue
+    trained = [u.index for u in gatherer.units if u.trainable]
+    for t in range(4):
+        _train_step(ref, ref_opt, t)
+        opt.zero_grad()
+        model(_batch(t)).square().mean().backward()
+        log.clear()
+        opt.step()
+        assert behind.pending
+        with torch.no_grad():  # the next forward (an evaluation one: it gathers every unit too)
+            model(_batch(99))
+        updated = [k for e, k in log if e == "updated"]
+        gathered = [k for e, k in log if e == "gathered"]
+        assert sorted(updated) == trained and sorted(gathered) == list(range(len(gatherer.units)))
+        # the forward ran while the update still did: the first unit updated was gathered (and ran) before
+        # the last unit's update ended
+        assert updated == [i for i in gathered if i in trained]  # updated in the order the forward gathers
+        assert log.index(("gathered", updated[0])) < log.index(("updated", updated[-1]))
+        for k in updated:  # and no unit was gathered before its own update ended
+            assert log.index(("updated", k)) < log.index(("gathered", k))
+        assert all(torch.equal(a, b) for a, b in zip(_full(ref, ref_opt), _full(model, opt)))
+    opt.close()
+
+
+@pytest.mark.parametrize("tier", TIERS[:2], ids=["cpu", "nvme"])
+def test_reads_between_steps_see_the_whole_update(tier, tmp_path, slow_updates):
+    model, ref = _model(), _model()
+    opt, ref_opt = _opt(model, tmp_path, **tier), _opt(ref, tmp_path)
+    for t in range(2):
+        _train_step(ref, ref_opt, t)
+    expect_sd = ref_opt.state_dict()
+    expect = _full(ref, ref_opt)
+    reads = {
+        "state_dict": lambda: opt.state_dict()["state"],
+        "read_shard": lambda: [opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
+                               for k, part in enumerate(opt.partitions)],
+        "full_parameters": lambda: _full(model, opt),
+        "state": lambda: [float(s["step"]) for s in opt.state.values()],
+    }
+    for name, read in reads.items():
+        model.load_state_dict(_model().state_dict())  # back to the start (waits for the update in flight)
+        opt2 = _opt(model, tmp_path, **tier)  # a new optimizer over the same model takes it over
+        for t in range(2):
+            _train_step(model, opt2, t)
+        opt = opt2
+        assert opt._stage.behind.pending, name
+        got = read()
+        if name == "state_dict":
+            assert all(torch.equal(got[i][k], expect_sd["state"][i][k]) for i in got for k in got[i]), name
+        elif name == "read_shard":
+            want = [ref_opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
+                    for k, part in enumerate(ref_opt.partitions)]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+        elif name == "full_parameters":
+            assert all(torch.equal(a, b) for a, b in zip(got, expect)), name
+        else:
+            assert got == [2.0] * len(got), name
+    opt.close()
+
+
+def _failed_update(rank, world_size, folder):
+    UpdateBehind.on_cpu = True
+    folder = os.path.join(folder, f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    model, ref = _model(), _model()
+    opt = _opt(model, folder, offload_optimizer="nvme")
+    ref_opt = ShardedOptimizer(ref, lr=1e-2, stage=3, min_unit_numel=0, bucket_numel=200)
+    for t in range(2):
+        _train_step(model, opt, t, rank)
+        _train_step(ref, ref_opt, t, rank)
+    opt._stage.behind.wait()
+    before = _full(model, opt)
+    steps = sorted(float(s["step"]) for s in opt.state.values())
+    real, calls = os.pwritev, [0]
+
+    def full_disk(fd, buffers, offset):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers, offset)
+    if rank == 1:
+        os.pwritev = full_disk
+    opt.zero_grad()
+    model(_batch(2, rank)).square().mean().backward()
+    opt.step()  # returns: the update runs behind it
+    error = None
+    try:
+        model(_batch(3, rank))  # the next forward waits, unit by unit
+    except (OSError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    os.pwritev = real
+    out = {"error": error, "undone": all(torch.equal(a, b) for a, b in zip(before, _full(model, opt))),
+           "steps": sorted(float(s["step"]) for s in opt.state.values()) == steps}
+    for t in range(2, 5):  # the disk has room again: training goes on as if the step was never taken
+        _train_step(model, opt, t, rank)
+        _train_step(ref, ref_opt, t, rank)
+    out["resumed"] = all(torch.equal(a, b) for a, b in zip(_full(ref, ref_opt), _full(model, opt)))
+    opt.close()
+    ref_opt.close()
+    return out
+
+
+def test_a_failed_update_raises_on_every_rank_and_is_undone(tmp_path):
+    r0, r1 = run_ranks(_failed_update, 2, str(tmp_path), timeout=180)
+    assert r1["error"] is not None and "No space left" in r1["error"] and r1["error"].startswith("OSError")
+    assert r0["error"] is not None and "failed on another rank" in r0["error"]
+    for r in (r0, r1):
+        assert r["undone"] and r["steps"] and r["resumed"], r
