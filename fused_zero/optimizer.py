@@ -26,6 +26,7 @@ from torch import nn
 from .amp import PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm
+from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
@@ -61,7 +62,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     Replace ``torch.optim.AdamW(model.parameters(), ...)`` with
     ``ShardedOptimizer(model.parameters(), ...)`` and do not wrap the model
     in DDP: gradients are averaged over ``process_group`` (the default group
-    when one is initialised, else a single rank) by the optimizer itself.
+    when one is initialised, else a single rank) by the optimizer itself, or
+    over ``mesh``, a 1-D ``DeviceMesh`` or the data-parallel sub-mesh of a
+    larger one (``mesh["dp"]``; see comm/topology.py).
     Takes torch.optim.AdamW's whole signature (``amsgrad``, ``maximize``,
     ``decoupled_weight_decay`` per group as in torch.optim.Adam; ``foreach``
     and ``fused`` are accepted and change nothing: the update is always
@@ -91,7 +94,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None,
+                 decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None, mesh=None,
                  module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
                  max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET,
@@ -127,10 +130,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.module = module
         self._units = units
         self.config = config
-        self.comm = Comm(process_group)
+        self.topology = Topology(process_group, mesh)  # which group each collective uses
+        self.comm = self.topology.shard
         self._rendezvous = self.comm.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
-        self._stage = make_stage(self.comm, config)
+        self._stage = make_stage(self.topology, config)
         self.partitions: list[Partition] = []
         self.grad_sync: GradSync | None = None
         self._hooks: HookSet | None = None
@@ -189,8 +193,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             message = lightning_without_strategy()  # on every rank, before any collective
             if message is not None:
                 raise RuntimeError(message)
+            if params:
+                self.topology.check_device(params[0].device)
             for previous in claim(self, params):
                 previous.close()
+            self.comm.check_same(self.topology.describe(), "meshes", hint="pass mesh= of the same shape and "
+                                 "dimension names on every rank (or process_group= on every rank)")
             self.comm.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
                                       "hyperparameters on every rank")

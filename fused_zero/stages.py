@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from .comm.collectives import Comm
+from .comm.topology import Topology
 from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
 from .comm.grad_sync import ReduceAtStep, ReduceInBackward
@@ -51,10 +51,11 @@ class Stage1:
     def shards_params(self) -> bool:
         return self.traits.shards_params
 
-    def __init__(self, comm: Comm, config: ZeroConfig) -> None:
-        self.comm = comm
+    def __init__(self, topology: Topology, config: ZeroConfig) -> None:
+        self.topology = topology
+        self.comm = topology.shard
         self.config = config
-        self.sync = ParamSync(comm)
+        self.sync = ParamSync(self.comm)
         self.frozen: list[nn.Parameter] = []  # frozen at build: the user's tensors (stage 3: in frozen_parts)
         self.frozen_parts: list[Partition] = []  # stage 3: the weights-only partitions, gathered with their unit
         # shared by the offloaded stores of every partition
@@ -172,8 +173,8 @@ class Stage3(Stage2):
     traits = STAGE_TRAITS[3]
     can_add_groups = False
 
-    def __init__(self, comm: Comm, config: ZeroConfig) -> None:
-        super().__init__(comm, config)
+    def __init__(self, topology: Topology, config: ZeroConfig) -> None:
+        super().__init__(topology, config)
         self.gatherer: ParamGatherer | None = None
 
     def build(self, groups, names, module, units, begin_backward, previous, first_forward=None):
@@ -216,13 +217,13 @@ class Stage3(Stage2):
             unit_parts.append(parts)
         # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
         # embedding's gradient, which backward produces at the very end.
-        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.comm.duplicate()),
+        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.topology.own_group()),
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
             # the host update overlaps the next forward, unit by unit (behind.py)
-            agree = self.comm.duplicate(backend="gloo") if self.comm.world_size > 1 else None
+            agree = self.topology.own_group(backend="gloo") if self.comm.world_size > 1 else None
             self.behind = self.gatherer.behind = UpdateBehind(device, agree)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
@@ -279,5 +280,5 @@ class Stage3(Stage2):
 STAGES = {1: Stage1, 2: Stage2, 3: Stage3}
 
 
-def make_stage(comm: Comm, config: ZeroConfig) -> Stage1:
-    return STAGES[config.stage](comm, config)
+def make_stage(topology: Topology, config: ZeroConfig) -> Stage1:
+    return STAGES[config.stage](topology, config)

@@ -51,7 +51,7 @@ class StateAccess:
     def _control_comm(self) -> Comm:
         """The process group state_dict() gathers on: its own, so a peer can serve it while it waits in a step."""
         if self._control is None:
-            self._control = self.comm.duplicate()
+            self._control = self.topology.own_group()
         return self._control
 
     def _serve_state_dict(self) -> None:

@@ -129,6 +129,15 @@ def _keep_pins_at_exit() -> None:
         time.sleep(EXIT_GRACE_S)
 
 
+def is_device_mesh(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh`` (comm/topology.py reads it)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch built without torch.distributed
+        return False
+    return isinstance(obj, DeviceMesh)
+
+
 class Comm:
     """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
 

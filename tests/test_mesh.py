@@ -1,0 +1,154 @@
+"""ZeRO on a device mesh (``mesh=``): the data-parallel dimension of a tp x dp mesh, and what is refused.
+
+4 gloo ranks as a 2 x 2 ("tp", "dp") mesh, the ZeRO paper's 3-D layout in small: a Megatron-style MLP
+whose first Linear is column-parallel and second row-parallel over "tp" (hand-written, its all-reduce's
+backward the identity), ZeRO-1 and ZeRO-2 over ``mesh["dp"]``. After 10 steps (odd sizes, two param
+groups, a 1000-element bucket that splits parameters, two micro-batches accumulated under no_sync) every
+rank's tensor-parallel shards equal the unsharded model trained by torch.optim.AdamW in one process on
+both data-parallel batches, to 1e-5. Refused on every rank, naming the fix: a mesh that is not a
+DeviceMesh, mesh= with process_group=, a 2-D ("replicate", "shard") mesh (HSDP, not built yet), a 2-D
+mesh of other names, a mesh of another device type, and ranks of one group passing differently named
+meshes.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from _dist import run_ranks
+from fused_zero import ShardedOptimizer
+
+D, H, OUT, BATCH = 13, 22, 5, 6  # odd sizes: the tp halves of H are 11
+LR = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Row-parallel output: all-reduce (sum) forward, identity backward (every tp rank's gradient is whole)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _full_weights():
+    g = torch.Generator().manual_seed(0)
+    return {"w1": torch.randn(H, D, generator=g) * 0.3, "b1": torch.randn(H, generator=g) * 0.1,
+            "w2": torch.randn(D, H, generator=g) * 0.3, "b2": torch.randn(D, generator=g) * 0.1,
+            "head": torch.randn(OUT, D, generator=g) * 0.3}
+
+
+class MLP(nn.Module):
+    """The whole model (tp_size 1), or this tp rank's shards of it: w1, b1 by rows, w2 by columns."""
+
+    def __init__(self, tp_rank=0, tp_size=1, group=None):
+        super().__init__()
+        full, n = _full_weights(), H // tp_size
+        rows = slice(tp_rank * n, (tp_rank + 1) * n)
+        self.w1 = nn.Parameter(full["w1"][rows].clone())
+        self.b1 = nn.Parameter(full["b1"][rows].clone())
+        self.w2 = nn.Parameter(full["w2"][:, rows].clone())
+        self.b2 = nn.Parameter(full["b2"].clone())
+        self.head = nn.Parameter(full["head"].clone())
+        self.group, self.tp_size = group, tp_size
+
+    def forward(self, x):
+        y = F.gelu(x @ self.w1.T + self.b1) @ self.w2.T
+        if self.tp_size > 1:
+            y = _SumOverTP.apply(y, self.group)
+        return torch.tanh(y + self.b2) @ self.head.T
+
+
+def _batch(t, dp_rank, micro):
+    g = torch.Generator().manual_seed(100 * t + 10 * dp_rank + micro)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def _groups(model):
+    return [{"params": [model.w1, model.w2, model.head]}, {"params": [model.b1, model.b2], "weight_decay": 0.0}]
+
+
+def _tp_dp(rank, world_size, stage):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    tp, dp = mesh["tp"], mesh["dp"]
+    model = MLP(tp.get_local_rank(), 2, tp.get_group())
+    opt = ShardedOptimizer(_groups(model), **LR, weight_decay=0.05, stage=stage, bucket_numel=100, mesh=dp)
+    ref = MLP()
+    ref_opt = torch.optim.AdamW(_groups(ref), **LR, weight_decay=0.05, foreach=False)
+    for t in range(10):
+        opt.zero_grad()
+        with opt.no_sync():
+            x, y = _batch(t, dp.get_local_rank(), 0)
+            (F.mse_loss(model(x), y) / 2).backward()
+        x, y = _batch(t, dp.get_local_rank(), 1)
+        (F.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for d in range(2):  # the same data, in one process: the mean over both dp ranks' micro-batches
+            for micro in range(2):
+                x, y = _batch(t, d, micro)
+                (F.mse_loss(ref(x), y) / 4).backward()
+        ref_opt.step()
+    n, i = H // 2, tp.get_local_rank()
+    want = {"w1": ref.w1[i * n:(i + 1) * n], "b1": ref.b1[i * n:(i + 1) * n], "w2": ref.w2[:, i * n:(i + 1) * n],
+            "b2": ref.b2, "head": ref.head}
+    err = max(((getattr(model, k) - v).abs().max() / v.abs().max()).item() for k, v in want.items())
+    opt.close()
+    return err
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_the_dp_dimension_of_a_tp_dp_mesh_equals_the_unsharded_run(stage):
+    errors = run_ranks(_tp_dp, 4, stage, timeout=180)
+    assert max(errors) < 1e-5, errors
+
+
+def _refusals(rank, world_size):
+    out = {}
+    params = list(MLP().parameters())
+
+    def refused(**kw):
+        try:
+            ShardedOptimizer(params, **kw)
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+    out["not a mesh"] = refused(mesh=dist.group.WORLD)
+    one_d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    out["both"] = refused(mesh=one_d, process_group=dist.group.WORLD)
+    out["hsdp"] = refused(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    out["2-D"] = refused(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")))
+    try:  # a CUDA mesh over CPU parameters (where torch lets a CUDA mesh be described without a GPU)
+        cuda_mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("dp",))
+    except Exception:
+        cuda_mesh = None
+    out["device"] = refused(mesh=cuda_mesh) if cuda_mesh is not None else "(no CUDA mesh here) 'cuda'"
+    # ranks that pass differently named meshes over one group: refused on every rank
+    other = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp" if rank else "data",))
+    try:
+        ShardedOptimizer(params, mesh=other)
+        out["differ"] = None
+    except ValueError as e:
+        out["differ"] = str(e)
+    opt = ShardedOptimizer(MLP().parameters(), mesh=one_d, stage=2)  # a 1-D mesh: its group
+    out["world"] = opt.comm.world_size
+    opt.close()
+    return out
+
+
+def test_bad_meshes_are_refused_on_every_rank_with_the_fix():
+    for r in run_ranks(_refusals, 4, timeout=180):
+        assert r["not a mesh"].startswith("TypeError") and "DeviceMesh" in r["not a mesh"]
+        assert r["both"].startswith("ValueError") and "not both" in r["both"]
+        assert "hybrid sharding" in r["hsdp"] and "process_group=None" in r["hsdp"]
+        assert 'mesh["dp"]' in r["2-D"]
+        assert "'cuda'" in r["device"]
+        assert r["differ"] is not None and "mesh" in r["differ"]
+        assert r["world"] == 4
