@@ -197,9 +197,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.topology.check_device(params[0].device)
             for previous in claim(self, params):
                 previous.close()
-            self.comm.check_same(self.topology.describe(), "meshes", hint="pass mesh= of the same shape and "
+            self.topology.check_same(self.topology.describe(), "meshes", hint="pass mesh= of the same shape and "
                                  "dimension names on every rank (or process_group= on every rank)")
-            self.comm.check_same(self._agreed(), "optimizer options and hyperparameters",
+            self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
                                       "hyperparameters on every rank")
             self._sync_module_buffers()
@@ -214,11 +214,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._params = {p for part in self.partitions for p in part.params}
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
+        self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self._hooks = HookSet(self)
         self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
         for p in self.grad_sync.hooked(self._params):
             self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
-        self._buffers = [] if self.module is None or self.comm.world_size == 1 else list(self.module.buffers())
+        self._buffers = [] if self.module is None or self.topology.world_size == 1 else list(self.module.buffers())
         self._buffers_due = True
         if self._buffers and self.config.broadcast_buffers:
             # collectives inside: kept out of torch.compile's graph, as stage 3's gathers are
@@ -236,7 +237,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics), unless
         broadcast_buffers=False (then DDP never touches them)."""
         if self.module is not None and self.config.broadcast_buffers:
-            self.comm.broadcast_coalesced(list(self.module.buffers()))
+            self.topology.broadcast_coalesced(list(self.module.buffers()))
 
     def _before_forward(self) -> None:
         """DDP's broadcast_buffers=True, as DDP decides it: rank 0's buffers before a forward that follows
@@ -245,7 +246,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._closed:
             return
         if self._buffers_due:
-            self.comm.broadcast_coalesced(self._buffers)
+            self.topology.broadcast_coalesced(self._buffers)
         self._buffers_due = torch.is_grad_enabled() and self.grad_sync.sync
 
     def owns(self, p: nn.Parameter) -> bool:
@@ -344,7 +345,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _check_habits(self) -> None:
         """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
         self._habits_checked = True
-        message = ddp_wrapping(list(self._params)) if self.comm.world_size > 1 else None
+        message = ddp_wrapping(list(self._params)) if self.topology.world_size > 1 else None
         if message is not None:
             raise RuntimeError(message)
 
@@ -496,8 +497,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         every rank must agree on now, how it got here, and what the last update used; the verdict stays
         on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
         self._stats_agreed = self._agreed()
-        check = checksum((self._stats_agreed, with_norm, site, self._last_update), self.comm.world_size)
-        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check)
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update), self.topology.world_size)
+        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check,
+                                 self.topology.replicate)
         self._verdicts.post(stats.disagree)
         return stats
 
@@ -546,6 +548,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
+        if self.topology.replicate is not None:  # HSDP: what crossed between the replicas, apart
+            for kind, n in self.topology.replicate.traffic().items():
+                self._last_traffic[f"replicate_{kind}"] = n
+            self.topology.replicate.reset_traffic()
         for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers
             self._last_traffic[kind] += n
 

@@ -74,7 +74,7 @@ class Stage1:
         self.check_offload()
         signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
-        self.comm.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
+        self.topology.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
                              "in the same groups and order, on every rank")
         built = {id(part.params[0]): part for part in previous}
         partitions, positions, position = [], [], {}
@@ -97,10 +97,10 @@ class Stage1:
         known = set(self.frozen)
         new = [p for p in frozen if p not in known]
         self.frozen += new
-        if self.comm.world_size > 1:
+        if self.topology.world_size > 1:
             for p in new:  # one by one, in place: no second copy of a large frozen base
                 t = p.data if p.data.is_contiguous() else p.data.contiguous()
-                self.comm.broadcast(t, src=0)
+                self.topology.broadcast(t, src=0)
                 if t is not p.data:
                     p.data.copy_(t)
 
@@ -110,14 +110,14 @@ class Stage1:
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
         part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
                          amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers, frozen=frozen)
-        if self.comm.world_size > 1:
-            self.comm.broadcast(part.flat, src=0)
+        if self.topology.world_size > 1:
+            self.topology.broadcast(part.flat, src=0)
             part.load_master_from_params()
         return part
 
     def check_offload(self) -> None:
         """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
-        self.tiers.check(self.comm.agree)
+        self.tiers.check(self.topology.agree)
 
     # -- the training loop --------------------------------------------------
     #: whether ``on_grad`` does anything (the optimizer's hook skips the call otherwise)
@@ -196,7 +196,7 @@ class Stage3(Stage2):
         unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
         signature = [(group_of.get(p, -1), unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
                      for p, name in names.items()]
-        self.comm.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
+        self.topology.check_same(signature, "parameters", hint="build the same model and param groups on every rank")
         position = {p: i for i, p in enumerate(p for ps in plan.params for p in ps)}
         unit_parts, positions = [], []
         for ps in plan.params:
@@ -223,7 +223,7 @@ class Stage3(Stage2):
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
             # the host update overlaps the next forward, unit by unit (behind.py)
-            agree = self.topology.own_group(backend="gloo") if self.comm.world_size > 1 else None
+            agree = self.topology.everyone(backend="gloo") if self.topology.world_size > 1 else None
             self.behind = self.gatherer.behind = UpdateBehind(device, agree)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 

@@ -57,7 +57,9 @@ def checksum(value, world_size: int) -> tuple[int, int]:
 
 
 def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm: bool,
-                     check: tuple[int, int]) -> StepStats:
+                     check: tuple[int, int], replicate: Comm | None = None) -> StepStats:
+    """``replicate`` (HSDP): the replicas of this rank's shard. The norm sums the shards inside ``comm``; the
+    flags, the non-finite count and the checksum span the replicas too (a second all-reduce, without the norm)."""
     flags = present.flat()  # a grad_sync.Presence: per partition, per parameter
     device = partitions[0].flat.device if partitions else torch.device("cpu")
     c1, c2 = check
@@ -70,6 +72,9 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm
         stats[0], stats[1] = norm.sq_sum.to(device), norm.nonfinite.to(device)  # offloaded: the shards are on the host
     comm.all_reduce(stats)
     n = comm.world_size
+    if replicate is not None:
+        replicate.all_reduce(stats[1:])
+        n *= replicate.world_size
     disagree = None
     if n > 1:  # exact in float64: the sums are exact in fp32 by construction, their squares are not
         c = stats[2:HEAD].double()

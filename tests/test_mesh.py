@@ -1,4 +1,15 @@
-"""ZeRO on a device mesh (``mesh=``): the data-parallel dimension of a tp x dp mesh, and what is refused.
+"""ZeRO on a device mesh (``mesh=``): hybrid sharding, the data-parallel dimension of a tp x dp mesh, and
+what is refused.
+
+HSDP: 4 gloo ranks as 2 replicas x 2 shards (a ("replicate", "shard") mesh stands for 2 nodes x 2 GPUs):
+stages 1-3 equal DDP over all 4 ranks + torch.optim.AdamW to 1e-5 over 10 steps (TinyNet: odd sizes,
+three param groups, a frozen parameter, a branch unused on even steps and a parameter unused on one rank,
+two micro-batches accumulated under no_sync, clip_grad_norm_ every other step), and at stages 2-3 with
+the optimizer states offloaded (the gradient shard copied down, the stage-3 update behind step()); every
+all-gather and
+reduce-scatter stays inside the shard group, and only the reduced gradient shards cross between replicas
+(``comm_bytes()``'s "replicate_all_reduce", the same on every rank); checkpoints of an HSDP optimizer are
+refused until built.
 
 4 gloo ranks as a 2 x 2 ("tp", "dp") mesh, the ZeRO paper's 3-D layout in small: a Megatron-style MLP
 whose first Linear is column-parallel and second row-parallel over "tp" (hand-written, its all-reduce's
@@ -6,8 +17,7 @@ backward the identity), ZeRO-1 and ZeRO-2 over ``mesh["dp"]``. After 10 steps (o
 groups, a 1000-element bucket that splits parameters, two micro-batches accumulated under no_sync) every
 rank's tensor-parallel shards equal the unsharded model trained by torch.optim.AdamW in one process on
 both data-parallel batches, to 1e-5. Refused on every rank, naming the fix: a mesh that is not a
-DeviceMesh, mesh= with process_group=, a 2-D ("replicate", "shard") mesh (HSDP, not built yet), a 2-D
-mesh of other names, a mesh of another device type, and ranks of one group passing differently named
+DeviceMesh, mesh= with process_group=, a 2-D mesh of other names, a mesh of another device type, and ranks of one group passing differently named
 meshes.
 """
 import pytest
@@ -18,7 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from _dist import run_ranks
+from _models import TinyNet, ddp_reference, micro_steps, param_error, param_groups, HYPER
 from fused_zero import ShardedOptimizer
+from fused_zero import checkpoint as ckpt
+from fused_zero.behind import UpdateBehind
+from fused_zero.comm.grad_buckets import BucketPipe
 
 D, H, OUT, BATCH = 13, 22, 5, 6  # odd sizes: the tp halves of H are 11
 LR = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
@@ -123,7 +137,6 @@ def _refusals(rank, world_size):
     out["not a mesh"] = refused(mesh=dist.group.WORLD)
     one_d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     out["both"] = refused(mesh=one_d, process_group=dist.group.WORLD)
-    out["hsdp"] = refused(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     out["2-D"] = refused(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")))
     try:  # a CUDA mesh over CPU parameters (where torch lets a CUDA mesh be described without a GPU)
         cuda_mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh_dim_names=("dp",))
@@ -147,8 +160,46 @@ def test_bad_meshes_are_refused_on_every_rank_with_the_fix():
     for r in run_ranks(_refusals, 4, timeout=180):
         assert r["not a mesh"].startswith("TypeError") and "DeviceMesh" in r["not a mesh"]
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
-        assert "hybrid sharding" in r["hsdp"] and "process_group=None" in r["hsdp"]
         assert 'mesh["dp"]' in r["2-D"]
         assert "'cuda'" in r["device"]
         assert r["differ"] is not None and "mesh" in r["differ"]
         assert r["world"] == 4
+
+
+def _hsdp(rank, world_size, stage, folder, offload=None):
+    BucketPipe.copy_down = UpdateBehind.on_cpu = True  # offloaded: the GPU's ways (copy down, update behind)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = TinyNet(seed=rank)  # different on every rank: the optimizer takes rank 0's values, as DDP does
+    ddp, ref_opt = ddp_reference(TinyNet(seed=0))
+    opt = ShardedOptimizer(param_groups(model), **HYPER, stage=stage, bucket_numel=1000, mesh=mesh,
+                           module=model if stage == 3 else None, offload_optimizer=offload)
+    errors, traffic = [], []
+    for t in range(10):
+        micro_steps(model, opt, t, rank, k=2, sync_ctx=opt.no_sync)
+        micro_steps(ddp, ref_opt, t, rank, k=2, sync_ctx=ddp.no_sync)
+        if t % 2:
+            opt.clip_grad_norm_(0.05)
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        opt.step()
+        ref_opt.step()
+        traffic.append(opt.comm_bytes())
+        with opt.full_parameters():
+            errors.append(param_error(model, ddp.module))
+    try:
+        ckpt.save(folder, model, opt)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) if stage != 3 else None
+    opt.close()
+    return max(errors), traffic[-1], refused, grads
+
+
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (3, None), (2, "cpu"), (3, "cpu")])
+def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
+    results = run_ranks(_hsdp, 4, stage, str(tmp_path), offload, timeout=240)
+    for err, traffic, refused, _ in results:
+        assert err < 1e-5, [r[0] for r in results]
+        assert traffic["replicate_all_reduce"] > 0  # the reduced shards, across the replicas
+        assert "HSDP" in refused
+    assert len({r[1]["replicate_all_reduce"] for r in results}) == 1

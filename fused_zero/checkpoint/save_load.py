@@ -35,6 +35,11 @@ def comm_of(optimizer):
     if not isinstance(optimizer, ShardOwner):
         raise TypeError(f"optimizer must be a fused_zero.ShardedOptimizer, got {type(optimizer).__name__}; "
                         "save a torch.optim optimizer with torch.save(optimizer.state_dict())")
+    topology = getattr(optimizer, "topology", None)
+    if topology is not None and topology.replicate is not None:  # every rank, before any collective
+        raise ValueError("fused_zero.checkpoint does not save or load a hybrid-sharded (HSDP) optimizer yet: "
+                         "every replica would write the same shard files; save optimizer.state_dict() (the "
+                         "full state on every rank) from one rank with torch.save, and load_state_dict() it")
     return optimizer.comm
 
 

@@ -184,6 +184,13 @@ class Comm:
                                **({"timeout": timeout} if timeout is not None else {}))
         return Comm(group)
 
+    def spanning(self, ranks: list[int], backend: str | None = None) -> "Comm":
+        """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it)."""
+        timeout = _group_timeout(self.group)
+        group = dist.new_group(ranks=sorted(ranks), backend=backend or self.backend, use_local_synchronization=True,
+                               **({"timeout": timeout} if timeout is not None else {}))
+        return Comm(group)
+
     def any_rank(self, flag: bool, site: str) -> bool:
         """Whether ``flag`` is set on some rank: a blocking all-reduce of one host number (a gloo group).
 

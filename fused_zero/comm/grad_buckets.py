@@ -113,7 +113,7 @@ class GradBucket:
                 if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
                     g = g.reshape(-1)[s.start: s.start + s.numel]
             tensors.append(g)
-        n = pipe.comm.world_size
+        n = pipe.divisor
         if self._plan is None:
             self._plan = ops.pack_plan(tensors, [s.bucket_offset for s in self.segments], buf,
                                        numels=[s.numel for s in self.segments])
@@ -123,7 +123,9 @@ class GradBucket:
         dst = part.shard(part.grad_shard, b)
         acc = down = None
         if part.grad_tier is Tier.HOST and (pipe.copy_down or dst.device != buf.device):  # reduce in place, copy down
-            out = buf[part.own(b)]
+            # (HSDP: into a tensor of its own, so the pool buffer is free while the replicas all-reduce it)
+            out = buf[part.own(b)] if pipe.replicate is None else torch.empty(b.shard_numel, dtype=buf.dtype,
+                                                                              device=buf.device)
             down = dst
             if accumulate:
                 acc, down = dst, pipe.scratch_of(base, b.shard_numel)
@@ -140,14 +142,26 @@ class GradBucket:
         return True
 
     def finish(self, f: _Inflight) -> None:
-        """Land this bucket's reduction ``f`` (the oldest in flight) in the gradient shard."""
+        """Land this bucket's reduction ``f`` (the oldest in flight) in the gradient shard. HSDP: first launch
+        the all-reduce of the reduced shard over the replicas; it lands once that completes (``BucketPipe``'s
+        ``replicating``), so no hook and no end of backward ever waits for a replica."""
+        pipe = self.pipe
+        if pipe.replicate is not None:
+            f.handle.wait()  # once: an emulated reduce-scatter's copy would overwrite the all-reduce
+            pipe.replicating.append((f, pipe.replicate.all_reduce(f.out, async_op=True)))
+            return
+        self.land(f, f.handle)
+
+    def land(self, f: _Inflight, after: Handle | None) -> None:
+        """``f``'s reduced shard into the gradient shard, once ``after`` (a collective, or None) is complete."""
         pipe = self.pipe
         if f.down is not None:  # host tier: the copy down waits for the reduction, the host does not
-            ticket = pipe.copies.copy(f.down, f.out, after=f.handle)
+            ticket = pipe.copies.copy(f.down, f.out, after=after)
             pipe.landing.append(_Landing(ticket, f.buffer, f.down if f.accumulate_into is not None else None,
                                          f.accumulate_into))
             return
-        f.handle.wait()
+        if after is not None:
+            after.wait()
         if f.accumulate_into is not None:
             f.accumulate_into.add_(f.out)
 
@@ -162,12 +176,19 @@ class BucketPipe:
     def __init__(self, partitions: list[Partition], comm: Comm) -> None:
         self.partitions = partitions
         self.comm = comm
+        self.replicate: Comm | None = None  # HSDP: each reduced shard is all-reduced over the replicas too
+        self.divisor = comm.world_size  # gradients are pre-divided by every rank that trains (DDP's average)
         self.pending: deque[_Inflight] = deque()
+        self.replicating: deque = deque()  # HSDP: (reduction, its all-reduce over the replicas) not yet landed
         self.landing: deque[_Landing] = deque()  # host tier: copies down not yet settled
         self.copies = transfers(partitions[0].flat.device) if partitions else None
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands
         self._pool_cap: dict[torch.dtype, int] = {}
+
+    def span(self, replicate: Comm | None, world_size: int) -> None:
+        """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""
+        self.replicate, self.divisor = replicate, world_size
 
     def count(self, bucket: GradBucket) -> None:
         """``bucket`` is ever reduced: its dtype's pool may hold one more buffer (up to MAX_INFLIGHT)."""
@@ -212,6 +233,9 @@ class BucketPipe:
         copies already down, without blocking: the hooks call it, so shards go down during backward."""
         while self.pending and self.pending[0].handle.done():
             self.finish_oldest()
+        while self.replicating and self.replicating[0][1].done():
+            f, handle = self.replicating.popleft()
+            f.bucket.land(f, handle)
         self.settle(block=False)
 
     def wait(self) -> None:
@@ -219,6 +243,9 @@ class BucketPipe:
         with label(REDUCE_SCATTER):
             while self.pending:
                 self.finish_oldest()
+            while self.replicating:
+                f, handle = self.replicating.popleft()
+                f.bucket.land(f, handle)
             self.settle(block=True)
 
     def settle(self, block: bool, buffer: torch.Tensor | None = None) -> None:

@@ -5,8 +5,10 @@
 - ``mesh=m``, a 1-D ``DeviceMesh``, or the data-parallel sub-mesh of a larger one (``mesh["dp"]`` of a
   tp x dp mesh, as the ZeRO paper's 3-D example runs ZeRO on the data-parallel dimension): shard
   over its group, as ``process_group=m.get_group()`` would;
-- a 2-D mesh named ("replicate", "shard") asks for hybrid sharding (HSDP: shard inside each group,
-  replicate across them), which is not built yet: refused, naming what works today;
+- a 2-D mesh named ("replicate", "shard") is hybrid sharding (HSDP, FSDP2's 2-D mesh): every ZeRO
+  collective runs inside the "shard" group, and the reduced gradient shards are all-reduced over the
+  "replicate" group (``replicate``); what every rank must share (the initial values, the module
+  buffers, the build's agreement checks, the step's stats and verdicts) spans both levels;
 - any other mesh refused, naming the data-parallel sub-mesh to pass.
 
 Every check here is local (each rank holds its own mesh object); the optimizer then checks that the
@@ -27,9 +29,16 @@ class Topology:
 
     def __init__(self, process_group=None, mesh=None) -> None:
         self.mesh = mesh
+        self.replicate: Comm | None = None  # HSDP: the group of this rank's replicas (same shard, other groups)
         if mesh is not None:
             process_group = self._group_of(mesh, process_group)
+            if mesh.ndim == 2:
+                self.replicate = Comm(mesh.get_group("replicate"))
+                if self.replicate.world_size == 1:
+                    self.replicate = None
         self.shard = Comm(process_group)
+        #: every rank that trains the model: the shard group's size times the replicas'
+        self.world_size = self.shard.world_size * (self.replicate.world_size if self.replicate else 1)
 
     @staticmethod
     def _group_of(mesh, process_group):
@@ -42,13 +51,11 @@ class Topology:
         if mesh.ndim == 1:
             return mesh.get_group()
         if mesh.ndim == 2 and names == HSDP_DIMS:
-            raise ValueError(
-                f"a 2-D mesh named {HSDP_DIMS} asks for hybrid sharding (HSDP: shard inside each group, "
-                "replicate across groups), which fused_zero does not do yet; shard over all of its ranks "
-                "instead (process_group=None for the default group, or mesh=mesh._flatten())")
+            return mesh.get_group("shard")
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions {names or '(unnamed)'}: pass the data-parallel sub-mesh the optimizer "
-            "shards over, a 1-D mesh such as mesh[\"dp\"] of a (\"tp\", \"dp\") mesh")
+            "shards over, a 1-D mesh such as mesh[\"dp\"] of a (\"tp\", \"dp\") mesh, or a 2-D mesh named "
+            f"{HSDP_DIMS} for hybrid sharding")
 
     def check_device(self, device) -> None:
         """The mesh's device type is the parameters' (a CUDA mesh over CPU parameters cannot carry them)."""
@@ -65,3 +72,33 @@ class Topology:
     def own_group(self, backend: str | None = None) -> Comm:
         """A new group over the shard group's ranks, for work of its own (every rank must call it)."""
         return self.shard.duplicate(backend)
+
+    def everyone(self, backend: str | None = None) -> Comm:
+        """A new group over every rank of the topology (both levels), for verdicts all of them must share."""
+        if self.replicate is None:
+            return self.shard.duplicate(backend)
+        return self.shard.spanning(self.mesh.mesh.flatten().tolist(), backend)
+
+    # -- what spans both levels -----------------------------------------------
+    def broadcast(self, tensor, src: int = 0) -> None:
+        """Rank 0's ``tensor`` on every rank: over the replicas, then inside the shard group."""
+        if self.replicate is not None:
+            self.replicate.broadcast(tensor, src=src)
+        self.shard.broadcast(tensor, src=src)
+
+    def broadcast_coalesced(self, tensors) -> None:
+        if self.replicate is not None:
+            self.replicate.broadcast_coalesced(tensors)
+        self.shard.broadcast_coalesced(tensors)
+
+    def check_same(self, value, what: str, hint: str = "") -> None:
+        """Every rank of both levels holds the same ``value`` (else every rank raises, naming ``what``)."""
+        self.shard.check_same(value, what, hint=hint)
+        if self.replicate is not None:
+            self.replicate.check_same(value, what, hint=hint)
+
+    def agree(self, fn):
+        """``fn()`` on every rank; if it raises on one, it raises on every rank of both levels."""
+        if self.replicate is None:
+            return self.shard.agree(fn)
+        return self.replicate.agree(lambda: self.shard.agree(fn))
