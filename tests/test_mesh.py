@@ -8,8 +8,9 @@ two micro-batches accumulated under no_sync, clip_grad_norm_ every other step), 
 the optimizer states offloaded (the gradient shard copied down, the stage-3 update behind step()); every
 all-gather and
 reduce-scatter stays inside the shard group, and only the reduced gradient shards cross between replicas
-(``comm_bytes()``'s "replicate_all_reduce", the same on every rank); checkpoints of an HSDP optimizer are
-refused until built.
+(``comm_bytes()``'s "replicate_all_reduce", the same on every rank). A checkpoint of the HSDP optimizer
+(written by one replica: one file per shard) loads on 4 flat ranks and on the 2 x 2 mesh again, and both
+go on equal to DDP.
 
 4 gloo ranks as a 2 x 2 ("tp", "dp") mesh, the ZeRO paper's 3-D layout in small: a Megatron-style MLP
 whose first Linear is column-parallel and second row-parallel over "tp" (hand-written, its all-reduce's
@@ -20,6 +21,8 @@ both data-parallel batches, to 1e-5. Refused on every rank, naming the fix: a me
 DeviceMesh, mesh= with process_group=, a 2-D mesh of other names, a mesh of another device type, and ranks of one group passing differently named
 meshes.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,21 +188,38 @@ def _hsdp(rank, world_size, stage, folder, offload=None):
         traffic.append(opt.comm_bytes())
         with opt.full_parameters():
             errors.append(param_error(model, ddp.module))
-    try:
-        ckpt.save(folder, model, opt)
-        refused = None
-    except ValueError as e:
-        refused = str(e)
-    grads = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) if stage != 3 else None
-    opt.close()
-    return max(errors), traffic[-1], refused, grads
+    # a checkpoint written by the first replica loads on 4 flat ranks, and back on the 2 x 2 mesh
+    tag = ckpt.save(folder, model, opt)
+    expect = [p.detach().clone() for p in (ddp.module.parameters())]
+    flat_model = TinyNet(seed=7)
+    flat = ShardedOptimizer(param_groups(flat_model), **HYPER, stage=stage, bucket_numel=1000,
+                            module=flat_model if stage == 3 else None)
+    ckpt.load(folder, flat_model, flat, tag=tag)
+    hsdp_model = TinyNet(seed=8)
+    hsdp = ShardedOptimizer(param_groups(hsdp_model), **HYPER, stage=stage, bucket_numel=1000, mesh=mesh,
+                            module=hsdp_model if stage == 3 else None, offload_optimizer=offload)
+    ckpt.load(folder, hsdp_model, hsdp, tag=tag)
+    for t in range(10, 12):  # all three go on in lockstep with DDP
+        for m, o in ((model, opt), (flat_model, flat), (hsdp_model, hsdp)):
+            micro_steps(m, o, t, rank, k=2, sync_ctx=o.no_sync)
+            o.step()
+        micro_steps(ddp, ref_opt, t, rank, k=2, sync_ctx=ddp.no_sync)
+        ref_opt.step()
+    resumed = []
+    for m, o in ((model, opt), (flat_model, flat), (hsdp_model, hsdp)):
+        with o.full_parameters():
+            resumed.append(param_error(m, ddp.module))
+        o.close()
+    files = sorted(os.listdir(os.path.join(folder, tag)))
+    return max(errors), traffic[-1], resumed, files
 
 
 @pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (3, None), (2, "cpu"), (3, "cpu")])
 def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
     results = run_ranks(_hsdp, 4, stage, str(tmp_path), offload, timeout=240)
-    for err, traffic, refused, _ in results:
+    for err, traffic, resumed, files in results:
         assert err < 1e-5, [r[0] for r in results]
         assert traffic["replicate_all_reduce"] > 0  # the reduced shards, across the replicas
-        assert "HSDP" in refused
+        assert max(resumed) < 1e-5, resumed  # resumed from the checkpoint: flat 4 ranks and HSDP again
+        assert sorted(f for f in files if f.startswith("shards-")) == [f"shards-rank{r:05d}-of-00002.safetensors" for r in (0, 1)], files  # one replica wrote its 2 shards
     assert len({r[1]["replicate_all_reduce"] for r in results}) == 1

@@ -35,12 +35,13 @@ def comm_of(optimizer):
     if not isinstance(optimizer, ShardOwner):
         raise TypeError(f"optimizer must be a fused_zero.ShardedOptimizer, got {type(optimizer).__name__}; "
                         "save a torch.optim optimizer with torch.save(optimizer.state_dict())")
-    topology = getattr(optimizer, "topology", None)
-    if topology is not None and topology.replicate is not None:  # every rank, before any collective
-        raise ValueError("fused_zero.checkpoint does not save or load a hybrid-sharded (HSDP) optimizer yet: "
-                         "every replica would write the same shard files; save optimizer.state_dict() (the "
-                         "full state on every rank) from one rank with torch.save, and load_state_dict() it")
     return optimizer.comm
+
+
+def replicas_of(optimizer):
+    """HSDP: the group of this rank's replicas (they hold the same shards), or None."""
+    topology = getattr(optimizer, "topology", None)
+    return None if topology is None else topology.replicate
 
 
 def agree(comm, fn, share=None):
@@ -65,7 +66,15 @@ def save(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
     if hasattr(optimizer, "check_agreement"):  # a step whose ranks disagreed raises on every rank, before any write
         optimizer.check_agreement()
     with optimizer.collective_call("checkpoint.save()"):
-        return _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel)
+        replicas = replicas_of(optimizer)
+        if replicas is None:
+            return _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel)
+        # HSDP: the first replica's shard group writes the checkpoint (the others hold the same shards); every
+        # rank returns once it is written, and raises if it failed
+        writer = replicas.rank == 0
+        _, tags = replicas.agree(lambda: _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel)
+                                 if writer else None, share=lambda t: t, errors=(CheckpointError,))
+        return tags[0]
 
 
 def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> str:

@@ -77,7 +77,8 @@ class Topology:
         """A new group over every rank of the topology (both levels), for verdicts all of them must share."""
         if self.replicate is None:
             return self.shard.duplicate(backend)
-        return self.shard.spanning(self.mesh.mesh.flatten().tolist(), backend)
+        ranks = self.mesh.mesh.flatten().tolist()  # host tensor: the mesh's table of global ranks
+        return self.shard.spanning(ranks, backend)
 
     # -- what spans both levels -----------------------------------------------
     def broadcast(self, tensor, src: int = 0) -> None:
