@@ -95,12 +95,7 @@ def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool
         part.step_counts = StepCounts(len(part.params), device)
     on_host = device.type == "cpu"
     if skip is not None:
-        if on_host:
-            if "skip" not in host:
-                host["skip"] = host_copy(skip, "offload: the host update's skip verdict")
-            skip = host["skip"]
-        else:
-            skip = skip.to(device)
+        skip = _where_it_runs(skip, device, host, "offload: the host update's skip verdict")
     active = part.step_counts.advance(state, part, flags, skip)  # in one op, on the device
     if not active:
         return None
@@ -122,14 +117,19 @@ def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool
                  maximize=bool(group.get("maximize", False)))
     runs = part.step_counts.runs(part, active)
     if grad_scale is not None:  # once per step where the update runs, not per chunk
-        if on_host:
-            if "scale" not in host:
-                host["scale"] = host_copy(grad_scale, "offload: the host update's gradient scale")
-            grad_scale = host["scale"]
-        else:
-            grad_scale = grad_scale.to(device)
+        grad_scale = _where_it_runs(grad_scale, device, host, "offload: the host update's gradient scale")
     return PartitionJob(part, part.update_ranges([(a, b) for a, b, _ in runs]), runs, hyper, amsgrad,
                         grad_scale, skip)
+
+
+def _where_it_runs(t: torch.Tensor, device: torch.device, host: dict, site: str) -> torch.Tensor:
+    """``t`` on the update's ``device``; for a host update, copied to the host once a step (kept in ``host``
+    under ``site``, the read's name)."""
+    if device.type != "cpu":
+        return t.to(device)
+    if site not in host:
+        host[site] = host_copy(t, site)
+    return host[site]
 
 
 def run_job(job: PartitionJob) -> None:

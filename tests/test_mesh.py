@@ -190,7 +190,6 @@ def _hsdp(rank, world_size, stage, folder, offload=None):
             errors.append(param_error(model, ddp.module))
     # a checkpoint written by the first replica loads on 4 flat ranks, and back on the 2 x 2 mesh
     tag = ckpt.save(folder, model, opt)
-    expect = [p.detach().clone() for p in (ddp.module.parameters())]
     flat_model = TinyNet(seed=7)
     flat = ShardedOptimizer(param_groups(flat_model), **HYPER, stage=stage, bucket_numel=1000,
                             module=flat_model if stage == 3 else None)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from _faults import full_disk_after
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
@@ -166,14 +167,8 @@ def test_full_disk_midway_leaves_the_step_undone(tmp_path, monkeypatch):
     states = [opt.read_shard(k, kind, 0, part.layout.shard_numel)
               for k, part in enumerate(opt.partitions) for kind in ("master", "exp_avg", "exp_avg_sq")]
     steps = {id(p): float(s["step"]) for p, s in opt.state.items()}
-    real, calls = os.pwritev, [0]
-
-    def full_disk(fd, buffers, offset):
-        calls[0] += 1
-        if calls[0] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, buffers, offset)
-    monkeypatch.setattr(os, "pwritev", full_disk)
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_disk_after(real, 3))
     opt.zero_grad()
     x, y = batch(2, 0)
     loss_fn(model(x, **flags(2, 0)), y).backward()

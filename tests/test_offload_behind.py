@@ -11,7 +11,6 @@
   exactly as if that step had not been taken.
 (Bitwise equality over 10 mixed steps at 2 ranks, every tier: tests/test_offload.py.)
 """
-import errno
 import os
 import time
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from _dist import run_ranks
+from _faults import full_disk_after
 from fused_zero import ShardedOptimizer
 import fused_zero.behind as behind_module
 from fused_zero.behind import UpdateBehind
@@ -164,15 +164,9 @@ def _failed_update(rank, world_size, folder):
     opt._stage.behind.wait()
     before = _full(model, opt)
     steps = sorted(float(s["step"]) for s in opt.state.values())
-    real, calls = os.pwritev, [0]
-
-    def full_disk(fd, buffers, offset):
-        calls[0] += 1
-        if calls[0] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, buffers, offset)
+    real = os.pwritev
     if rank == 1:
-        os.pwritev = full_disk
+        os.pwritev = full_disk_after(real, 3)
     opt.zero_grad()
     model(_batch(2, rank)).square().mean().backward()
     opt.step()  # returns: the update runs behind it
