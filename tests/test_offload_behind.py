@@ -65,11 +65,12 @@ def behind_on_cpu(monkeypatch):
 
 @pytest.fixture
 def slow_updates(monkeypatch):
-    """Each partition's update takes 20 ms longer, on the worker thread."""
+    """Each partition's update takes 40 ms longer, on the worker thread (the ordering test then has 200 ms
+    between the first unit's update and the last's for the forward to gather the first: a loaded machine too)."""
     real = behind_module.run_job
 
     def slow(job):
-        time.sleep(0.02)
+        time.sleep(0.04)
         real(job)
     monkeypatch.setattr(behind_module, "run_job", slow)
 
