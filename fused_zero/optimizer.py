@@ -43,7 +43,7 @@ from .state_io import StateAccess
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
 from .tiers.tier import Tier
-from .update import UpdatePlan, plan_update, rollback, update_all
+from .update import plan_update, update_all
 
 
 class _Unset:
@@ -531,14 +531,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                            self.config.adam_w_mode)
             self._stage.after_update(self.partitions, has_grad)
             return
-        plan = UpdatePlan([], [])
-        try:
-            with label(UPDATE):
-                plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                                   self.config.adam_w_mode, plan.advanced)
-        except BaseException:
-            rollback(self.partitions, plan.advanced)
-            raise
+        with label(UPDATE):
+            plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
+                               self.config.adam_w_mode)
         self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
         behind.start(self.partitions, plan, self._stage.update_order(plan.jobs))
 

@@ -58,9 +58,8 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
                has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
                skip: torch.Tensor | None, adam_w_mode: bool) -> None:
     """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises)."""
-    plan = UpdatePlan([], [])
+    plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode)
     try:
-        plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode, plan.advanced)
         for job in plan.jobs:
             run_job(job)
     except BaseException:
@@ -71,20 +70,24 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
 
 def plan_update(partitions: list[Partition], groups: list[dict], state: dict,
                 has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-                skip: torch.Tensor | None, adam_w_mode: bool, advanced: list | None = None) -> UpdatePlan:
+                skip: torch.Tensor | None, adam_w_mode: bool) -> UpdatePlan:
     """Advance the step counts (in one op per partition, on the device) and decide each partition's job.
 
     Runs where the optimizer's Python state lives (the caller's thread): it creates states and reads the
-    param groups; ``run_job`` then touches only the partition's shards. ``advanced`` collects the counts
-    advanced so far, for a rollback if this raises midway."""
-    advanced = [] if advanced is None else advanced
+    param groups; ``run_job`` then touches only the partition's shards. All or nothing: if it raises
+    midway, the counts it advanced are rolled back first."""
+    advanced: list[StepCounts] = []
     jobs = []
     host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
-    for part, flags in zip(partitions, has_grad):
-        job = _plan_partition(part, groups[part.group_index], state, flags, grad_scale, skip, adam_w_mode,
-                              advanced, host)
-        if job is not None:
-            jobs.append(job)
+    try:
+        for part, flags in zip(partitions, has_grad):
+            job = _plan_partition(part, groups[part.group_index], state, flags, grad_scale, skip, adam_w_mode,
+                                  advanced, host)
+            if job is not None:
+                jobs.append(job)
+    except BaseException:
+        rollback(partitions, advanced)
+        raise
     return UpdatePlan(jobs, advanced)
 
 

@@ -177,17 +177,14 @@ class Comm:
             twin.reset_traffic()
             return twin
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        return self.spanning(ranks, backend, local=self.group is not None)
+
+    def spanning(self, ranks: list[int], backend: str | None = None, local: bool = True) -> "Comm":
+        """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it, and with
+        ``local=False`` every rank of the default group), with this group's timeout."""
         # new_group() without timeout= gets torch's default (30 min), not the user's: pass theirs.
         timeout = _group_timeout(self.group)
-        group = dist.new_group(ranks=ranks, backend=backend or self.backend,
-                               use_local_synchronization=self.group is not None,
-                               **({"timeout": timeout} if timeout is not None else {}))
-        return Comm(group)
-
-    def spanning(self, ranks: list[int], backend: str | None = None) -> "Comm":
-        """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it)."""
-        timeout = _group_timeout(self.group)
-        group = dist.new_group(ranks=sorted(ranks), backend=backend or self.backend, use_local_synchronization=True,
+        group = dist.new_group(ranks=sorted(ranks), backend=backend or self.backend, use_local_synchronization=local,
                                **({"timeout": timeout} if timeout is not None else {}))
         return Comm(group)
 
