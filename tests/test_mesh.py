@@ -10,7 +10,8 @@ all-gather and
 reduce-scatter stays inside the shard group, and only the reduced gradient shards cross between replicas
 (``comm_bytes()``'s "replicate_all_reduce", the same on every rank). A checkpoint of the HSDP optimizer
 (written by one replica: one file per shard) loads on 4 flat ranks and on the 2 x 2 mesh again, and both
-go on equal to DDP.
+go on equal to DDP; it also loads in one process with no process group (parameters bitwise as saved, and at
+stages 1-2 the state_dict() the ranks gave at the save).
 
 4 gloo ranks as a 2 x 2 ("tp", "dp") mesh, the ZeRO paper's 3-D layout in small: a Megatron-style MLP
 whose first Linear is column-parallel and second row-parallel over "tp" (hand-written, its all-reduce's
@@ -190,6 +191,9 @@ def _hsdp(rank, world_size, stage, folder, offload=None):
             errors.append(param_error(model, ddp.module))
     # a checkpoint written by the first replica loads on 4 flat ranks, and back on the 2 x 2 mesh
     tag = ckpt.save(folder, model, opt)
+    with opt.full_parameters():  # what the checkpoint holds: one rank loads it alone below (the test)
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        saved_state = opt.state_dict() if stage < 3 else None
     flat_model = TinyNet(seed=7)
     flat = ShardedOptimizer(param_groups(flat_model), **HYPER, stage=stage, bucket_numel=1000,
                             module=flat_model if stage == 3 else None)
@@ -210,15 +214,36 @@ def _hsdp(rank, world_size, stage, folder, offload=None):
             resumed.append(param_error(m, ddp.module))
         o.close()
     files = sorted(os.listdir(os.path.join(folder, tag)))
-    return max(errors), traffic[-1], resumed, files
+    return max(errors), traffic[-1], resumed, files, tag, saved, saved_state
+
+
+def _load_alone(stage: int, folder: str, tag: str) -> tuple[dict, dict, ShardedOptimizer]:
+    """The HSDP checkpoint loaded by one process with no process group (world size 1)."""
+    model = TinyNet(seed=9)
+    opt = ShardedOptimizer(param_groups(model), **HYPER, stage=stage, bucket_numel=1000,
+                           module=model if stage == 3 else None)
+    ckpt.load(folder, model, opt, tag=tag)
+    with opt.full_parameters():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, opt.state_dict(), opt
 
 
 @pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (3, None), (2, "cpu"), (3, "cpu")])
 def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
     results = run_ranks(_hsdp, 4, stage, str(tmp_path), offload, timeout=240)
-    for err, traffic, resumed, files in results:
+    for err, traffic, resumed, files, *_ in results:
         assert err < 1e-5, [r[0] for r in results]
         assert traffic["replicate_all_reduce"] > 0  # the reduced shards, across the replicas
         assert max(resumed) < 1e-5, resumed  # resumed from the checkpoint: flat 4 ranks and HSDP again
         assert sorted(f for f in files if f.startswith("shards-")) == [f"shards-rank{r:05d}-of-00002.safetensors" for r in (0, 1)], files  # one replica wrote its 2 shards
     assert len({r[1]["replicate_all_reduce"] for r in results}) == 1
+    # ... and on one rank alone: the parameters bitwise as saved, the optimizer state as the ranks' state_dict()
+    tag, saved, saved_state = results[0][4:]
+    params, state, opt = _load_alone(stage, str(tmp_path), tag)
+    for name, value in saved.items():
+        assert torch.equal(params[name], value), name
+    if saved_state is not None:
+        for i, s in saved_state["state"].items():
+            for key, value in s.items():
+                assert torch.equal(state["state"][i][key], value), (i, key)
+    opt.close()
