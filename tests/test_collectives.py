@@ -322,3 +322,36 @@ def test_harness_reports_a_rank_that_dies_without_raising():
         run_ranks(_dies, 1)
     with pytest.raises(TypeError, match="module-level"):
         run_ranks(lambda rank, ws: None, 1)
+
+
+class _RacingWork:
+    """A gloo Work whose sliced wait times out just as the collective ends (ok) or fails (not ok)."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok, self.calls = ok, []
+
+    def wait(self, timeout=None):
+        self.calls.append(timeout)
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        if not self.ok:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+    def is_completed(self) -> bool:
+        return True  # it ended between the time-out and this check
+
+
+def test_a_slice_timing_out_as_the_collective_ends_is_no_error(monkeypatch):
+    from fused_zero.comm import rendezvous, works
+
+    monkeypatch.setattr(rendezvous, "watching", lambda: True)
+    monkeypatch.setattr(rendezvous, "peer_failure", lambda: None)
+    ended = _RacingWork(ok=True)
+    works._Watched(ended).wait()  # returns: the collective succeeded
+    assert ended.calls == [works.WAIT_SLICE, None]
+    with pytest.raises(RuntimeError, match="Connection closed"):  # its own error, not the slice's time-out
+        works._Watched(_RacingWork(ok=False)).wait()
+    monkeypatch.setattr(rendezvous, "peer_failure", lambda: "rank 1 stopped in step(): it raised")
+    with pytest.raises(RuntimeError, match="rank 1 stopped"):
+        works._Watched(_RacingWork(ok=False)).wait()

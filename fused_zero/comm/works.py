@@ -60,17 +60,27 @@ class _Watched(NamedTuple):
                 try:
                     self.work.wait(WAIT_SLICE)
                     return
-                except RuntimeError as e:
-                    if self.work.is_completed():  # the collective itself failed (a peer's process ended)
-                        why = rendezvous.peer_failure()
-                        if why is not None:
-                            raise RuntimeError(why) from e
-                        raise
+                except RuntimeError:
+                    if self.work.is_completed():  # it ended: as the slice ran out, or it failed (a peer ended)
+                        self._wait_ended()
+                        return
                     blocked = True
                     rendezvous.while_blocked()
         finally:
             if blocked:
                 rendezvous.unblocked()
+
+
+    def _wait_ended(self) -> None:
+        """The Work completed: waiting again returns at once if it succeeded (a slice's time-out can race the
+        collective's end) and raises its own error if it failed, with a peer's reason when one left it."""
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            why = rendezvous.peer_failure()
+            if why is not None:
+                raise RuntimeError(why) from e
+            raise
 
 
 class _AllWorks(NamedTuple):
