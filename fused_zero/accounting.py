@@ -3,7 +3,9 @@
 Counted from the partitions' actual storages (what ``plan/memory.py`` predicts exactly): the flat
 parameter buffers, ``.grad`` and the reduced gradient shards, the optimizer states (offloaded ones
 under their tier, "host" or "nvme"), stage 3's narrow param shards, GradSync's pool buffers, and
-the frozen parameters' weights (stage 3: their shards; stages 1-2: the user's whole tensors).
+the frozen parameters' weights (stage 3: their shards; stages 1-2: the user's whole tensors), and with
+hpZ (``secondary_shard``) the node-local copies of the units a forward released ("secondary": its most at
+the end of a training forward, none after the backward).
 """
 from __future__ import annotations
 
@@ -31,4 +33,5 @@ def memory_bytes(opt) -> dict[str, int]:
     if not stage.shards_params:
         totals["params"] += frozen_bytes(stage.frozen)
     totals["buffers"] += opt.grad_sync.buffer_bytes()
+    totals.update(stage.held_bytes())  # stage 3 with hpZ: the node-local copies held now ("secondary")
     return totals

@@ -68,6 +68,13 @@ class ZeroConfig:
         forward and gather them again for its backward (False keeps them
         from forward until the unit's backward is done: less traffic, more
         memory).
+    secondary_shard: stage 3 hierarchical partitioning (ZeRO++'s hpZ, DeepSpeed's
+        ``zero_hpz_partition_size``): None (off), or a group size s >= 2 that divides the
+        shard group's size; consecutive ranks [0..s-1], [s..2s-1], ... stand for nodes. When a
+        unit is released after its forward each rank keeps its 1/s slice of the gathered unit
+        (memory_bytes()'s "secondary"), and the unit's backward all-gathers inside those s
+        ranks only (comm_bytes()'s "secondary_all_gather"): backward's gathers never cross a
+        node. Needs reshard_after_forward=True (False gathers nothing in backward).
     offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq of this
         rank's shard live and the update runs: None (beside the parameters),
         "cpu" (host memory) or "nvme" (files under ``nvme_path``).
@@ -100,6 +107,7 @@ class ZeroConfig:
     max_live_units: int = 2
     min_unit_numel: int = 1 << 20
     reshard_after_forward: bool = True
+    secondary_shard: int | None = None
     offload_optimizer: str | None = None
     offload_params: str | None = None
     nvme_path: str | None = None
@@ -132,6 +140,7 @@ class ZeroConfig:
                 or self.min_unit_numel < 0:
             raise ValueError(f"min_unit_numel must be an int >= 0 (0: one stage-3 unit per module), "
                              f"got {self.min_unit_numel!r}")
+        self._check_secondary_shard()
         if self.offload_optimizer not in (None, "cpu", "nvme"):
             raise ValueError(f'offload_optimizer must be None, "cpu" or "nvme", got {self.offload_optimizer!r}')
         if self.offload_params not in (None, "cpu", "nvme"):
@@ -155,3 +164,22 @@ class ZeroConfig:
             raise ValueError(
                 f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
             )
+
+    def _check_secondary_shard(self) -> None:
+        """hpZ's group size: an int >= 2, at stage 3, with the units released after forward."""
+        s = self.secondary_shard
+        if s is None:
+            return
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"secondary_shard must be an int (ranks per node, e.g. 8) or None, got {s!r}")
+        if s < 2:
+            raise ValueError(f"secondary_shard must be >= 2 (the ranks of one node), got {s}: pass None to turn "
+                             "hierarchical partitioning off")
+        if not STAGE_TRAITS[self.stage].shards_params:
+            raise ValueError(f"secondary_shard={s} needs stage=3 (it keeps a node-local copy of the parameters "
+                             f"stage 3 shards; got stage={self.stage}): pass stage=3 and the model, or drop "
+                             "secondary_shard")
+        if not self.reshard_after_forward:
+            raise ValueError(f"secondary_shard={s} with reshard_after_forward=False: the units stay gathered from "
+                             "forward to backward, so backward gathers nothing for a node-local copy to serve; "
+                             "drop secondary_shard, or pass reshard_after_forward=True")

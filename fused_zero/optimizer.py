@@ -97,13 +97,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                  decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None, mesh=None,
                  module: nn.Module | None = None, units=None, stage=_UNSET, bucket_numel=_UNSET,
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
-                 max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET,
+                 max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET, secondary_shard=_UNSET,
                  offload_optimizer=_UNSET, offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET,
                  nvme_direct=_UNSET, broadcast_buffers=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
                                        max_live_units=max_live_units, min_unit_numel=min_unit_numel,
-                                       reshard_after_forward=reshard_after_forward,
+                                       reshard_after_forward=reshard_after_forward, secondary_shard=secondary_shard,
                                        offload_optimizer=offload_optimizer, offload_params=offload_params,
                                        nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
                                        nvme_direct=nvme_direct, broadcast_buffers=broadcast_buffers,
@@ -130,7 +130,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.module = module
         self._units = units
         self.config = config
-        self.topology = Topology(process_group, mesh)  # which group each collective uses
+        self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
         self.comm = self.topology.shard
         self._rendezvous = self.comm.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
@@ -547,8 +547,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             for kind, n in self.topology.replicate.traffic().items():
                 self._last_traffic[f"replicate_{kind}"] = n
             self.topology.replicate.reset_traffic()
-        for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers
-            self._last_traffic[kind] += n
+        for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers (hpZ's inside a node apart)
+            self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
 
 
 ShardOwner.register(ShardedOptimizer)  # what fused_zero.checkpoint saves and loads

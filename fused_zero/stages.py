@@ -27,6 +27,7 @@ from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
 from .comm.grad_sync import ReduceAtStep, ReduceInBackward
 from .comm.param_sync import ParamSync
+from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
 from .sharding.layout import build_layout
 from .sharding.partition import Partition
@@ -154,6 +155,10 @@ class Stage1:
         """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's)."""
         return {}
 
+    def held_bytes(self) -> dict[str, int]:
+        """memory_bytes()'s keys of this stage's own (stage 3 with hpZ: "secondary"); none here."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -217,9 +222,12 @@ class Stage3(Stage2):
             unit_parts.append(parts)
         # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
         # embedding's gradient, which backward produces at the very end.
-        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, ParamSync(self.topology.own_group()),
-                                      self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
-                                      names, first_forward)
+        sync = ParamSync(self.topology.own_group())
+        # hpZ: backward gathers inside a block of secondary_shard ranks (a group made after the options agreed)
+        secondary = None if self.config.secondary_shard is None else SecondaryCopies(self.topology.secondary())
+        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, sync, self.config.max_live_units,
+                                      self.config.reshard_after_forward, begin_backward, names, first_forward,
+                                      secondary)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
             # the host update overlaps the next forward, unit by unit (behind.py)
@@ -264,7 +272,13 @@ class Stage3(Stage2):
         comm = self.gatherer.comm
         out = comm.traffic()
         comm.reset_traffic()
+        if self.gatherer.secondary is not None:  # hpZ: backward's gathers inside a node, apart
+            out.update(self.gatherer.secondary.traffic())
         return out
+
+    def held_bytes(self) -> dict[str, int]:
+        secondary = self.gatherer.secondary
+        return {} if secondary is None else {"secondary": secondary.nbytes()}
 
     def close(self) -> None:
         try:

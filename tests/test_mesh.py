@@ -8,7 +8,8 @@ two micro-batches accumulated under no_sync, clip_grad_norm_ every other step), 
 the optimizer states offloaded (the gradient shard copied down, the stage-3 update behind step()); every
 all-gather and
 reduce-scatter stays inside the shard group, and only the reduced gradient shards cross between replicas
-(``comm_bytes()``'s "replicate_all_reduce", the same on every rank). A checkpoint of the HSDP optimizer
+(``comm_bytes()``'s "replicate_all_reduce", the same on every rank), each key as the planner's HSDP row of
+traffic per level predicts (``Plan.levels``: inside a node, across nodes). A checkpoint of the HSDP optimizer
 (written by one replica: one file per shard) loads on 4 flat ranks and on the 2 x 2 mesh again, and both
 go on equal to DDP; it also loads in one process with no process group (parameters bitwise as saved, and at
 stages 1-2 the state_dict() the ranks gave at the save).
@@ -37,6 +38,7 @@ from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
 from fused_zero.behind import UpdateBehind
 from fused_zero.comm.grad_buckets import BucketPipe
+from fused_zero.plan import estimate
 
 D, H, OUT, BATCH = 13, 22, 5, 6  # odd sizes: the tp halves of H are 11
 LR = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
@@ -237,6 +239,15 @@ def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
         assert max(resumed) < 1e-5, resumed  # resumed from the checkpoint: flat 4 ranks and HSDP again
         assert sorted(f for f in files if f.startswith("shards-")) == [f"shards-rank{r:05d}-of-00002.safetensors" for r in (0, 1)], files  # one replica wrote its 2 shards
     assert len({r[1]["replicate_all_reduce"] for r in results}) == 1
+    # the planner's HSDP row (shard group = a node of 2): what crosses nodes and what stays inside, per key
+    with torch.device("meta"):
+        model = TinyNet()
+    row = next(r for r in estimate(model=model, world_size=4, nodes=2, bucket_numel=1000).levels
+               if (r.layout, r.stage) == ("hsdp", stage))
+    keys = ["replicate_all_reduce", "reduce_scatter", "all_reduce"] + (["all_gather"] if stage < 3 else [])
+    for _, traffic, *_ in results:  # (stage 3's all-gathers count each micro-batch and the full_parameters() check)
+        assert {k: traffic[k] for k in keys} == {k: row.comm[k] for k in keys}, (traffic, row)
+        assert row.across == traffic["replicate_all_reduce"]
     # ... and on one rank alone: the parameters bitwise as saved, the optimizer state as the ranks' state_dict()
     tag, saved, saved_state = results[0][4:]
     params, state, opt = _load_alone(stage, str(tmp_path), tag)

@@ -245,6 +245,47 @@ def test_plan_is_frozen():
         plan.stages = ()
 
 
+def test_hpz_moves_backward_gathers_inside_a_node_for_copies_of_one_node_share():
+    """secondary_shard=s at stage 3: the same gathers, backward's under "secondary_all_gather"; the copies hold 1/s
+    of every unit backward gathers again (all but the root and the last), counted with the gathered units."""
+    with torch.device("meta"):
+        model = mixed_net()
+    flat = estimate(model=model, world_size=4, bucket_numel=1000, min_unit_numel=0)
+    hpz = estimate(model=model, world_size=4, bucket_numel=1000, min_unit_numel=0, secondary_shard=2)
+    f, h = flat.stage(3).detail, hpz.stage(3).detail
+    assert h["all_gather"] + h["secondary_all_gather"] == f["all_gather"] and h["secondary_all_gather"] > 0
+    assert h["secondary"] * 2 == h["secondary_all_gather"] and f["secondary"] == f["secondary_all_gather"] == 0
+    assert hpz.stage(3).gathered == flat.stage(3).gathered + h["secondary"]
+    assert hpz.stage(3).comm_bytes == flat.stage(3).comm_bytes
+    for n in (1, 2):  # stages 1-2 are planned without it (the optimizer refuses it there)
+        assert hpz.stage(n) == flat.stage(n)
+    # --params with --layers: backward gathers every layer but the last inside the node
+    big = estimate(8e9, world_size=16, nodes=2, layers=8, secondary_shard=8).stage(3).detail
+    assert big["secondary_all_gather"] == big["param_full"] * 7 // 8 == big["secondary"] * 8
+
+
+def test_levels_split_each_layouts_traffic_inside_and_across_nodes():
+    """4 ranks on 2 nodes: flat ZeRO sends everything across; HSDP (shard group = a node) all of ZeRO's
+    collectives inside and the reduced shards' all-reduce across; hpZ backward's gathers inside."""
+    with torch.device("meta"):
+        model = mixed_net()
+    plan = estimate(model=model, world_size=4, nodes=2, bucket_numel=1000, min_unit_numel=0)
+    rows = {(r.layout, r.stage): r for r in plan.levels}
+    assert list(rows) == [("flat", 1), ("hsdp", 1), ("flat", 2), ("hsdp", 2), ("flat", 3), ("hsdp", 3), ("hpz", 3)]
+    for (layout, stage), r in rows.items():
+        assert r.inside + r.across == sum(r.comm.values())
+    flat3 = plan.stage(3).detail
+    assert rows["flat", 3].across == flat3["reduce_scatter"] + flat3["all_gather"] + flat3["all_reduce"]
+    assert rows["flat", 3].inside == 0
+    node = estimate(model=model, world_size=2, bucket_numel=1000, min_unit_numel=0).stage(3).detail
+    assert rows["hsdp", 3].inside == node["reduce_scatter"] + node["all_gather"] + node["all_reduce"]
+    assert rows["hsdp", 3].across == rows["hsdp", 3].comm["replicate_all_reduce"] > 0
+    hpz = rows["hpz", 3]
+    assert hpz.inside == hpz.comm["secondary_all_gather"] > 0 and hpz.secondary > 0
+    assert hpz.across + hpz.inside == rows["flat", 3].across  # the same bytes, backward's gathers moved inside
+    assert estimate(model=model, world_size=4).levels == ()  # one node: nothing crosses
+
+
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(params=-5), ValueError, "params must be a whole number >= 1"),
     (dict(params=0), ValueError, "params"),
@@ -263,6 +304,9 @@ def test_plan_is_frozen():
     (dict(params=1e9, offload_chunk_numel=0), ValueError, "offload_chunk_numel"),
     (dict(params=1e9, seq_len=128), ValueError, "seq_len, micro_batch, hidden and layers together"),
     (dict(params=1e9, activations=1, hidden=2), ValueError, "not both"),
+    (dict(params=1e9, world_size=4, secondary_shard=3), ValueError, "does not divide world_size 4"),
+    (dict(params=1e9, world_size=4, secondary_shard=1), ValueError, "secondary_shard must be a whole number >= 2"),
+    (dict(params=1e9, world_size=4, secondary_shard="2"), TypeError, "secondary_shard must be a number"),
     (dict(), ValueError, "exactly one"),
     (dict(params=1e9, model=torch.nn.Linear(2, 2)), ValueError, "exactly one"),
     (dict(model="gpt"), TypeError, "model must be a torch.nn.Module"),

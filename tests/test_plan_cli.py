@@ -151,6 +151,8 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     (SEVEN_B[:2] + ["--headroom", "1.5"], "fraction"),
     (SEVEN_B[:2] + ["--world-size", "8", "--nodes", "3"], "multiple of nodes"),
     (SEVEN_B[:2] + ["--seq-len", "128"], "together"),
+    (SEVEN_B[:2] + ["--world-size", "8", "--nodes", "2", "--gpus-per-node", "2"], "--gpus-per-node 2"),
+    (SEVEN_B[:2] + ["--gpus-per-node", "0"], "not a whole number >= 1"),
     (SEVEN_B[:2] + ["--host-memory", "0"], "host_memory must be positive"),
     (SEVEN_B[:2] + ["--host-memory", "lots"], "not a size"),
     (SEVEN_B[:2] + ["--max-offload", "disk"], "invalid choice"),
@@ -189,3 +191,27 @@ def test_picture_shows_the_stages_and_the_recommended_tier(tmp_path):
     pytest.importorskip("matplotlib")
     draw(plan, str(tmp_path / "offload.png"))
     assert (tmp_path / "offload.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_traffic_per_level_with_nodes_and_gpus_per_node(capsys):
+    """--nodes 2 --gpus-per-node 4: 8 ranks, and each stage's traffic inside a node and across nodes as flat ZeRO,
+    HSDP and hpZ (JSON: the same rows); one node shows none."""
+    argv = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "4", "--layers", "8"]
+    code, out, _ = _run(argv, capsys)
+    assert code == 0 and "8 ranks on 2 nodes" in out
+    block = out[out.index("traffic per level"):].splitlines()
+    assert "HSDP: shard group = a node; hpZ: secondary_shard=4" in block[0]
+    rows = [line for line in block[2:9]]
+    assert [r.split()[:3] for r in rows] == [["stage", "1", "flat"], ["stage", "1", "HSDP"], ["stage", "2", "flat"],
+                                            ["stage", "2", "HSDP"], ["stage", "3", "flat"], ["stage", "3", "HSDP"],
+                                            ["stage", "3", "hpZ"]], rows
+    code, out, _ = _run(argv + ["--json"], capsys)
+    levels = json.loads(out)["levels"]
+    assert [(r["layout"], r["stage"]) for r in levels] == [("flat", 1), ("hsdp", 1), ("flat", 2), ("hsdp", 2),
+                                                          ("flat", 3), ("hsdp", 3), ("hpz", 3)]
+    for r in levels:
+        assert r["inside"] + r["across"] == sum(r["comm"].values()) > 0
+        assert r["inside"] == 0 if r["layout"] == "flat" else r["inside"] > r["across"] if r["layout"] == "hsdp" \
+            else r["inside"] == r["comm"]["secondary_all_gather"] > 0
+    code, out, _ = _run(["--params", "1e9", "--world-size", "8"], capsys)
+    assert code == 0 and "traffic per level" not in out

@@ -182,11 +182,30 @@ class Comm:
     def spanning(self, ranks: list[int], backend: str | None = None, local: bool = True) -> "Comm":
         """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it, and with
         ``local=False`` every rank of the default group), with this group's timeout."""
+        return Comm(self._new_group(ranks, backend, local))
+
+    def _new_group(self, ranks: list[int], backend: str | None, local: bool):
+        """dist.new_group over ``ranks`` with this group's timeout (None on a rank outside them with ``local``)."""
         # new_group() without timeout= gets torch's default (30 min), not the user's: pass theirs.
         timeout = _group_timeout(self.group)
-        group = dist.new_group(ranks=sorted(ranks), backend=backend or self.backend, use_local_synchronization=local,
-                               **({"timeout": timeout} if timeout is not None else {}))
-        return Comm(group)
+        return dist.new_group(ranks=sorted(ranks), backend=backend or self.backend, use_local_synchronization=local,
+                              **({"timeout": timeout} if timeout is not None else {}))
+
+    def split(self, size: int) -> "Comm":
+        """A Comm over this rank's block of ``size`` consecutive ranks of this group ([0..size-1], [size..2*size-1],
+        ...): every rank of the group calls it, and it calls new_group for every block in the same order."""
+        if self.world_size % size:
+            raise ValueError(f"a group of {self.world_size} ranks does not split into blocks of {size}")
+        if self._local or size == self.world_size:
+            return self.duplicate()
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        mine = None
+        for start in range(0, self.world_size, size):
+            block = ranks[start:start + size]
+            made = self._new_group(block, None, local=self.group is not None)
+            if self.rank // size == start // size:
+                mine = Comm(made)
+        return mine
 
     def any_rank(self, flag: bool, site: str) -> bool:
         """Whether ``flag`` is set on some rank: a blocking all-reduce of one host number (a gloo group).

@@ -26,7 +26,9 @@ schedule (backward needs it first: releasing it after the forward would only
 gather it again at once, as FSDP2 keeps its root).
 
 The gathers run on their own process group (``Comm.duplicate``), so their
-order never interleaves with the gradient reduce-scatters of GradSync.
+order never interleaves with the gradient reduce-scatters of GradSync. With
+hpZ (``secondary``, comm/secondary.py) a training forward's release keeps a
+node-local copy of the unit, and backward gathers from those copies inside a node.
 
 The optimizer owns the rest of the wiring: its one gradient hook per parameter
 calls ``on_grad`` after GradSync's, and its one end-of-backward callback calls
@@ -52,6 +54,7 @@ from ..lifecycle import expect
 from ..ownership import claim, release
 from ..profiling import ALL_GATHER, label
 from .param_sync import ParamSync
+from .secondary import SecondaryCopies
 from ..sharding.partition import Partition
 
 
@@ -116,8 +119,9 @@ class ParamGatherer:
     def __init__(self, root: nn.Module, modules: tuple[tuple[nn.Module, ...], ...], parts: list[list[Partition]],
                  sync: ParamSync, max_live_units: int, reshard_after_forward: bool,
                  begin_backward: Callable[[], None], names: dict,
-                 first_forward: Callable[[], None] | None = None) -> None:
+                 first_forward: Callable[[], None] | None = None, secondary: SecondaryCopies | None = None) -> None:
         self.sync = sync
+        self.secondary = secondary  # hpZ: node-local copies of the units released after forward, for backward
         self.names = names
         self._holding = False  # inside full_parameters(): nothing is released
         self.comm = sync.comm
@@ -215,13 +219,13 @@ class ParamGatherer:
             return
         if self.behind is not None:
             self.behind.wait(u.index)  # its shards are the new ones (raises if some rank's update failed)
-        handles = []
-        for part in u.parts:  # an offloaded param shard: start every read before the first gather waits
+        handles, copies = [], self._copies(u)
+        for part in u.parts if copies is None else ():  # an offloaded param shard: start every read first
             part.fetch_params()
-        for part in u.parts:
+        for k, part in enumerate(u.parts):
             part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
             part.materialize()
-            handles += self.sync.gather(part)
+            handles += self.sync.gather(part) if copies is None else self.secondary.gather(part, copies[k])
         u.handles, u.state = handles, UnitState.GATHERING
         self.live_bytes += u.nbytes
         self._live_units += u.index > 0
@@ -234,6 +238,8 @@ class ParamGatherer:
             for h in u.handles:
                 h.wait()
         u.handles = None
+        if self.secondary is not None and self.state is TrainingState.BACKWARD:
+            self.secondary.drop(u.index)  # hpZ: the node-local copy served its one backward gather
         for part in u.parts:
             part.drop_fetched()  # an offloaded param shard's staged copy
             part.point_params()
@@ -245,10 +251,19 @@ class ParamGatherer:
         if self._holding or (u.state is UnitState.RELEASED and not force):
             return  # (released: its parameters are placeholders, or what user code assigned since, taken in later)
         expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
+        if self.secondary is not None and self.state is TrainingState.FORWARD and self._grad_forward \
+                and u.state is UnitState.GATHERED:
+            self.secondary.keep(u.index, u.parts)  # hpZ: this rank's slice within its node, for the backward
         for part in u.parts:
             placeholder = self._placeholder(part.params[0]) if part.params else None
             part.release(lambda p: placeholder)  # a partition's parameters share dtype and device
         self._mark_released(u)
+
+    def _copies(self, u: _Unit) -> list | None:
+        """hpZ: the node-local copy backward gathers ``u`` from (None: gather from the primary shards)."""
+        if self.secondary is None or self.state is not TrainingState.BACKWARD:
+            return None
+        return self.secondary.copies(u.index)
 
     def _mark_released(self, u: _Unit) -> None:
         if u.state is not UnitState.RELEASED:
@@ -286,8 +301,9 @@ class ParamGatherer:
                 return  # its update is still running behind the step: gathered when needed, not waited for here
             self._issue(self.units[self._order[self._cursor]])
             self._cursor += 1
-        if self._cursor < len(self._order) and (behind is None or behind.ready(self._order[self._cursor])):
-            for part in self.units[self._order[self._cursor]].parts:  # offloaded param shards: read ahead
+        ahead = self.units[self._order[self._cursor]] if self._cursor < len(self._order) else None
+        if ahead is not None and (behind is None or behind.ready(ahead.index)) and self._copies(ahead) is None:
+            for part in ahead.parts:  # offloaded param shards: read ahead
                 part.fetch_params()
 
     def _drain(self) -> None:
@@ -399,7 +415,12 @@ class ParamGatherer:
         """An exception escaped the forward: release everything this forward gathered."""
         for u in self.units:
             self._release(u)
+        self._drop_copies()
         self.state = TrainingState.IDLE
+
+    def _drop_copies(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop_all()
 
     # -- backward ---------------------------------------------------------
     def _pre_backward(self, index: int, grad) -> None:  # grad: the output's gradient (or the node's, a tuple)
@@ -432,6 +453,7 @@ class ParamGatherer:
             self._release(u)
             u.backward_started = False
             u.grads_seen.clear()
+        self._drop_copies()  # (each was dropped as its gather landed; none outlives the backward)
         self.state = TrainingState.IDLE
 
     # -- user code between steps ------------------------------------------------
@@ -484,6 +506,7 @@ class ParamGatherer:
             self._release(u)
             for part in u.parts:
                 part.drop_fetched()  # read ahead before the shards changed
+        self._drop_copies()
         self.peak_bytes = self.live_bytes
 
     @contextmanager

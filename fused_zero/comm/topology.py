@@ -9,7 +9,11 @@
   collective runs inside the "shard" group, and the reduced gradient shards are all-reduced over the
   "replicate" group (``replicate``); what every rank must share (the initial values, the module
   buffers, the build's agreement checks, the step's stats and verdicts) spans both levels;
-- any other mesh refused, naming the data-parallel sub-mesh to pass.
+- any other mesh refused, naming the data-parallel sub-mesh to pass;
+- ``secondary_shard=s`` (stage 3's hpZ, with a flat shard group): the shard group cut into blocks of ``s``
+  consecutive ranks standing for nodes (``secondary``: backward's gathers run inside a block). Refused with an
+  HSDP mesh (its shard group already is a node: every gather stays inside it) and when ``s`` does not divide
+  the shard group's size.
 
 Every check here is local (each rank holds its own mesh object); the optimizer then checks that the
 ranks of the group agree on ``describe()`` with its other options, so a rank given another mesh shape
@@ -27,7 +31,7 @@ HSDP_DIMS = ("replicate", "shard")
 class Topology:
     """The optimizer's communicators: ``shard`` (every collective of the ZeRO stages) and its own groups."""
 
-    def __init__(self, process_group=None, mesh=None) -> None:
+    def __init__(self, process_group=None, mesh=None, secondary_shard: int | None = None) -> None:
         self.mesh = mesh
         self.replicate: Comm | None = None  # HSDP: the group of this rank's replicas (same shard, other groups)
         if mesh is not None:
@@ -39,6 +43,28 @@ class Topology:
         self.shard = Comm(process_group)
         #: every rank that trains the model: the shard group's size times the replicas'
         self.world_size = self.shard.world_size * (self.replicate.world_size if self.replicate else 1)
+        self.secondary_shard = secondary_shard
+        self._check_secondary()
+
+    def _check_secondary(self) -> None:
+        """hpZ's group size fits this topology (a local check: every rank raises alike, before any collective)."""
+        s, n = self.secondary_shard, self.shard.world_size
+        if s is None:
+            return
+        if self.replicate is not None:
+            raise ValueError(f"secondary_shard={s} with a {HSDP_DIMS} mesh: hybrid sharding's shard group already "
+                             "is a node, so every all-gather stays inside it; pass either the 2-D mesh (HSDP) or "
+                             "a 1-D mesh / process group with secondary_shard (hpZ), not both")
+        if n % s:
+            raise ValueError(f"secondary_shard={s} does not divide the shard group's {n} ranks: pass the ranks per "
+                             f"node, a divisor of {n} that is >= 2, or None")
+
+    def secondary(self) -> Comm:
+        """hpZ: a new group over this rank's block of ``secondary_shard`` consecutive shard-group ranks (every rank
+        of the shard group calls it; new_group runs for every block, in the same order on every rank)."""
+        if self.secondary_shard is None:
+            raise RuntimeError("secondary() needs secondary_shard= (hpZ)")
+        return self.shard.split(self.secondary_shard)
 
     @staticmethod
     def _group_of(mesh, process_group):

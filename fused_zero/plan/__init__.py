@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fused_zero.config import STAGE_TRAITS, ZeroConfig
 
 from . import activations as _act
+from .levels import LevelTraffic, levels
 from .count import DTYPES, ModelCount, count_module, dtype_name, flat_count
 from .memory import (LADDER, Job, StageEstimate, all_tiers, find, flat_units, sharded, stage_traits, tier,
                      tier_options, unsharded, with_activations)
@@ -45,6 +46,7 @@ class Plan:
     notes: tuple[str, ...]
     host_memory: int | None = None  # per node
     max_offload: str = "nvme"
+    levels: tuple[LevelTraffic, ...] = ()  # traffic per step inside a node and across nodes (levels.py)
 
     @property
     def ranks_per_node(self) -> int:
@@ -93,7 +95,7 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
              max_live_units: int = _DEFAULTS.max_live_units, reshard_after_forward: bool = True,
              units=None, min_unit_numel: int = _DEFAULTS.min_unit_numel, host_memory=None,
              offload_chunk_numel: int = _DEFAULTS.offload_chunk_numel,
-             max_offload: str = "nvme") -> Plan:
+             max_offload: str = "nvme", secondary_shard: int | None = None) -> Plan:
     """Plan the memory per rank of training ``params`` elements, or ``model`` (an nn.Module, best on meta).
 
     Sizes are bytes (``gpu_memory`` per GPU, ``host_memory`` per node, ``activations``);
@@ -101,8 +103,9 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     (``param_dtype`` None: the model's own, bf16 for ``params``). Every offload tier is planned;
     when no stage fits on the device the recommendation takes the cheapest tier that does (and
     whose host bytes fit ``host_memory`` among the node's ranks, when given), going no further
-    than ``max_offload`` ("none", "cpu" or "nvme"). Raises ValueError or TypeError saying what
-    to change.
+    than ``max_offload`` ("none", "cpu" or "nvme"). ``secondary_shard``: stage 3 with hpZ (ZeroConfig's;
+    stages 1-2 are planned without it). ``Plan.levels`` splits each stage's traffic into inside a node and
+    across nodes for flat ZeRO, HSDP and hpZ. Raises ValueError or TypeError saying what to change.
     """
     if (params is None) == (model is None):
         raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")
@@ -115,7 +118,8 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
               None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
               _count("max_live_units", max_live_units), bool(reshard_after_forward),
               _count("offload_chunk_numel", offload_chunk_numel),
-              _count("min_unit_numel", min_unit_numel, minimum=0))
+              _count("min_unit_numel", min_unit_numel, minimum=0),
+              _secondary(secondary_shard, world_size))
     if max_offload not in OFFLOAD:
         raise ValueError(f"max_offload must be one of {', '.join(OFFLOAD)} (how far the recommendation may "
                          f"offload), got {max_offload!r}")
@@ -139,7 +143,17 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     stages = tuple(with_activations(s, act_bytes) for s in stages)
     rec = recommend(stages, world_size, gpu_memory, headroom, host_memory, world_size // nodes, max_offload)
     return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,
-                _notes(count, act, layers), host_memory, max_offload)
+                _notes(count, act, layers), host_memory, max_offload, levels(count, job, nodes, layers))
+
+
+def _secondary(value, world_size: int) -> int | None:
+    """hpZ's group size, as ZeroConfig and the topology check it (an int >= 2 dividing the world size)."""
+    if value is None:
+        return None
+    value = _count("secondary_shard", value, minimum=2)
+    if world_size % value:
+        raise ValueError(f"secondary_shard {value} does not divide world_size {world_size}: give the ranks per node")
+    return value
 
 
 def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):

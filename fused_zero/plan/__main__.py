@@ -4,6 +4,7 @@
         --seq-len 4096 --micro-batch 1 --hidden 4096 --layers 32 --plot docs/plan_7b_8gpu.png
     python -m fused_zero.plan --model mypkg.models:build --model-path src --world-size 4 --json
     python -m fused_zero.plan --params 7e9 --gpu-memory 24GiB --host-memory 128GiB --layers 32
+    python -m fused_zero.plan --params 7e9 --nodes 4 --gpus-per-node 8 --layers 32   # + traffic per level
 
 Bad input ends with ``error: ...`` on stderr and exit code 2, as argparse does.
 """
@@ -77,9 +78,11 @@ def fraction(text: str) -> float:
 #: The job's options: (flag, type, default, metavar, help).
 _JOB = (
     ("--model-path", str, None, "DIR", "a folder added to sys.path to import --model"),
-    ("--world-size", "positive", 1, "N", "data-parallel ranks in total (default 1)"),
+    ("--world-size", "positive", None, "N", "data-parallel ranks in total (default: nodes x gpus per node, or 1)"),
     ("--nodes", "positive", 1, "N", "nodes the ranks run on (default 1; --host-memory is shared by the "
-                                    "world size / nodes ranks of a node)"),
+                                    "world size / nodes ranks of a node); with more than one, the traffic per "
+                                    "level (inside a node, across nodes) of flat ZeRO, HSDP and hpZ"),
+    ("--gpus-per-node", "positive", None, "N", "ranks per node (default: world size / nodes)"),
     ("--param-dtype", tuple(DTYPES), None, None, "dtype of the parameters (default: the model's own; bf16 with "
                                                  "--params)"),
     ("--reduce-dtype", tuple(DTYPES), None, None, "gradient reduction dtype (default: the params')"),
@@ -144,8 +147,9 @@ def main(argv=None) -> int:
         if args.plot:  # before any output: no table followed by an error
             from .picture import figure_class
             figure_class()
+        world_size = _world_size(args.world_size, args.nodes, args.gpus_per_node)
         model = None if args.model is None else load_model(args.model, args.model_path)
-        plan = estimate(args.params, model=model, world_size=args.world_size, nodes=args.nodes,
+        plan = estimate(args.params, model=model, world_size=world_size, nodes=args.nodes,
                         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, bucket_numel=args.bucket_numel,
                         gpu_memory=args.gpu_memory, headroom=args.headroom, activations=args.activations,
                         seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, layers=args.layers,
@@ -170,6 +174,16 @@ def main(argv=None) -> int:
             p.error(f"--plot {args.plot}: {e}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _world_size(world_size: int | None, nodes: int, gpus_per_node: int | None) -> int:
+    """--world-size, or --nodes x --gpus-per-node (both given: they must agree)."""
+    if gpus_per_node is None:
+        return 1 if world_size is None else world_size
+    if world_size is not None and world_size != nodes * gpus_per_node:
+        raise ValueError(f"--world-size {world_size} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}: "
+                         "give one of them, or make them agree")
+    return nodes * gpus_per_node
 
 
 def _named(plan, source: str):

@@ -20,7 +20,10 @@ param dtype's bytes and R the reduce dtype's:
                 trainable parameter) buffers of the largest bucket (a gradient hook never
                 grows it: it defers a launch instead); stages 1-2 add the narrow param
                 shard P*S (the all-gather source)
-    gathered    stage 3 only: the root unit plus the max_live_units largest units, full size
+    gathered    stage 3 only: the root unit plus the max_live_units largest units, full size;
+                with hpZ (``secondary_shard`` s) also the node-local copies at their most, the end
+                of a training forward: P*F/s of every unit but the root and the last (detail's
+                "secondary", memory_bytes()'s "secondary" then)
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
 
@@ -139,6 +142,11 @@ class Job:
     reshard_after_forward: bool = True
     offload_chunk_numel: int = ZeroConfig.offload_chunk_numel
     min_unit_numel: int = ZeroConfig.min_unit_numel  # stage 3: default units smaller than this are merged
+    secondary_shard: int | None = None  # stage 3's hpZ: backward gathers inside blocks of this many ranks
+
+    def regathered(self) -> str:
+        """The comm_bytes() key of backward's gathers at stage 3: inside a node with hpZ, else the shard group's."""
+        return "all_gather" if self.secondary_shard is None else "secondary_all_gather"
 
     @property
     def chunk(self) -> int:
@@ -245,7 +253,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
                        "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
                        "nvme_states", "host_params", "nvme_params", "host_grads", "host_scratch",
-                       "host_staging", "device_staging"], 0)
+                       "host_staging", "device_staging", "secondary_all_gather", "secondary"], 0)
     pools: dict[str, list[int]] = {}  # reduce dtype -> [buckets reduced, largest bucket]
     unit_bytes: dict[int, int] = {}
     moved: dict[int, int] = {}  # unit -> bytes of its offloaded param shards (staged for each gather)
@@ -278,7 +286,12 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         # stage 3 gathers every unit in forward and, resharded, every unit but the root and the last (kept
         # gathered into backward, which needs it first) again in backward
         again = full if part.unit and part.unit != kept and job.reshard_after_forward else 0
-        d["all_gather"] += p * (full + again if traits.shards_params else reduced)
+        if traits.shards_params:  # hpZ: backward's gathers inside a node, from copies of 1/s of the unit
+            d["all_gather"] += p * full
+            d[job.regathered()] += p * again
+            d["secondary"] += p * again // job.secondary_shard if job.secondary_shard else 0
+        else:
+            d["all_gather"] += p * reduced
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
     if opt is not None:
@@ -294,18 +307,19 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     if job.world_size > 1:  # the step's scalars and has-grad flags of the trained parameters (stats.py)
         d["all_reduce"] = 4 * (STATS_HEAD + sum(1 for s in count.params if s.trainable))
     else:
-        d.update(reduce_scatter=0, all_gather=0)
+        d.update(reduce_scatter=0, all_gather=0, secondary_all_gather=0)
     d["partitions"] = sum(1 for part in parts if not part.frozen)  # the optimizer's (ShardedOptimizer.partitions)
     d["frozen_partitions"] = len(parts) - d["partitions"]  # stage 3's weights-only ones
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
         d["host_staging"] += d["device_staging"] if Tier.of(par) is Tier.NVME else 0
     if traits.shards_params:
-        params, buffers, gathered = d["param_shard"], d["bucket_pool"], _gathered(unit_bytes, count, job)
+        params, buffers = d["param_shard"], d["bucket_pool"]
+        gathered = _gathered(unit_bytes, count, job) + d["secondary"]
     else:
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
     optimizer = d["master"] + d["exp_avg"] + d["exp_avg_sq"]
-    comm = d["reduce_scatter"] + d["all_gather"] + d["all_reduce"]
+    comm = d["reduce_scatter"] + d["all_gather"] + d["all_reduce"] + d["secondary_all_gather"]
     host = d["host_states"] + d["host_params"] + d["host_grads"] + d["host_scratch"] + d["host_staging"]
     return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
                          offload=tier(opt, par), host=host,
@@ -363,7 +377,10 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         staging = _in_flight({u: -(-moved // layers) * len(run) for u, run in enumerate(runs)}, job) if moved else 0
         if gather_again:  # the last unit stays gathered into backward
             gather_again = p * per_layer * (layers - len(runs[-1]))
-    detail["all_gather"] += gather_again
+    detail[job.regathered()] += gather_again
+    if job.secondary_shard and gather_again:  # hpZ: the copies of the units backward gathers again
+        detail["secondary"] = gather_again // job.secondary_shard
+        gathered += detail["secondary"]
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
     reads = Tier.of(par) is Tier.NVME  # "nvme" reads the staged shards to the host first
     chunks = detail["host_staging"] - (detail["device_staging"] if reads else 0)  # shared by the units

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fused_zero.config import STAGE_TRAITS
 
 from . import Plan
+from .levels import LAYOUTS
 from .memory import StageEstimate, aka, find, traffic
 from .recommend import options, scale
 
@@ -62,6 +63,7 @@ def to_dict(plan: Plan) -> dict:
         "stages": {key(s): stage_dict(plan, s) for s in plan.stages},
         "recommendation": vars(plan.recommendation).copy(),
         "notes": list(plan.notes),
+        "levels": [row._asdict() for row in plan.levels],
     }
 
 
@@ -105,6 +107,7 @@ def table(plan: Plan) -> str:
     lines.append(f"{'comm/step, ' + comm_unit:<18}" + comm)
     lines.append(f"{'':<18}" + "".join(f"{_traffic(s):>13}" for s in base))
     lines += [""] + tiers_table(plan)
+    lines += levels_table(plan)
     lines += ["", f"recommendation: {plan.recommendation.reason}"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -135,4 +138,20 @@ def tiers_table(plan: Plan) -> list[str]:
     return lines
 
 
-__all__ = ["table", "to_dict", "key", "scale", "short_count", "fits", "tiers_table"]
+def levels_table(plan: Plan) -> list[str]:
+    """Traffic per step per level (plan/levels.py), one line per stage and layout; nothing with one node."""
+    if not plan.levels:
+        return []
+    size, unit = scale(max(max(r.inside, r.across) for r in plan.levels) or 1)
+    g = plan.ranks_per_node
+    lines = ["", f"traffic per level, {unit} per rank per step (one micro-batch; {plan.nodes} nodes x {g} ranks; "
+                 f"HSDP: shard group = a node; hpZ: secondary_shard={g})",
+             f"{'':<18}{'inside a node':>15}{'across nodes':>15}{'hpZ copies':>13}"]
+    for r in plan.levels:
+        copies = f"{r.secondary / size:.2f}" if r.layout == "hpz" else "-"
+        lines.append(f"{f'stage {r.stage} {LAYOUTS[r.layout]}':<18}{r.inside / size:>15.2f}{r.across / size:>15.2f}"
+                     f"{copies:>13}")
+    return lines
+
+
+__all__ = ["table", "to_dict", "key", "scale", "short_count", "fits", "tiers_table", "levels_table"]

@@ -1,0 +1,85 @@
+"""Traffic per level: the bytes one rank sends per step inside a node and across nodes, per stage and layout.
+
+A collective counts at the level of its group: "inside" when every rank of the group is on one node,
+"across" when the group spans nodes (its slowest links are between nodes), as ``comm_bytes()`` counts
+volume (a reduce-scatter its input, an all-gather its output, an all-reduce its tensor). With ``nodes``
+nodes of ``g`` ranks each, one training step of one micro-batch:
+
+    flat ZeRO  one shard group of every rank: reduce-scatter, all-gather, the stats all-reduce all cross
+               nodes (with one node, all inside)
+    HSDP       the shard group is a node (a ("replicate", "shard") mesh of nodes x g): every ZeRO collective
+               stays inside it; across nodes only the reduced gradient shards (R bytes per element of this
+               rank's shard of every reduced bucket) and the step's stats without the norm are all-reduced
+               over the replicas ("replicate_all_reduce")
+    hpZ        stage 3, ``secondary_shard=g``: the shard group is every rank (reduce-scatter, forward's
+               all-gather and the stats cross nodes); backward's all-gathers run inside a node
+               ("secondary_all_gather"), at the cost of the node-local copies (``secondary``)
+
+Each row's ``comm`` holds the figures under ``comm_bytes()``'s keys, which tests compare to what the
+optimizer measures. One micro-batch: each further accumulated micro-batch at stage 3 repeats the gathers.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from fused_zero.config import STAGE_TRAITS, STATS_HEAD
+
+from .count import ModelCount
+from .memory import BYTES, Job, _partitions, flat_units, sharded
+
+#: comm_bytes() keys whose group lies inside a node, per layout (the rest cross nodes)
+INSIDE = {"flat": (), "hsdp": ("reduce_scatter", "all_gather", "all_reduce"), "hpz": ("secondary_all_gather",)}
+LAYOUTS = {"flat": "flat ZeRO", "hsdp": "HSDP", "hpz": "hpZ"}
+
+
+class LevelTraffic(NamedTuple):
+    """One stage in one layout: bytes per rank per step inside a node and across nodes."""
+
+    layout: str  # "flat", "hsdp" or "hpz" (LAYOUTS names them)
+    stage: int
+    inside: int
+    across: int
+    comm: dict  # comm_bytes() key -> bytes
+    secondary: int = 0  # hpZ: device bytes of the node-local copies at their most (memory_bytes()'s "secondary")
+
+
+def _row(layout: str, stage: int, comm: dict, nodes: int, secondary: int = 0) -> LevelTraffic:
+    inside = sum(n for k, n in comm.items() if nodes == 1 or k in INSIDE[layout])
+    return LevelTraffic(layout, stage, inside, sum(comm.values()) - inside, comm, secondary)
+
+
+def _keys(detail: dict, *keys: str) -> dict:
+    return {k: detail[k] for k in keys}
+
+
+def _replicated(count: ModelCount, job: Job, stage: int) -> int:
+    """HSDP's all-reduce over the replicas: each reduced bucket's shard (grad_buckets.GradBucket.finish), and the
+    step's stats without the norm (stats.all_reduce_stats)."""
+    shards = sum(BYTES[job.reduce_dtype or part.dtype] * part.layout.buckets[k].shard_numel
+                 for part in _partitions(count, job, stage) if not part.frozen for k in part.launched())
+    return shards + 4 * (STATS_HEAD - 1 + sum(1 for s in count.params if s.trainable))
+
+
+def levels(count: ModelCount, job: Job, nodes: int, layers: int | None = None) -> tuple[LevelTraffic, ...]:
+    """Every sharding stage as flat ZeRO, HSDP and (stage 3) hpZ over ``nodes`` nodes; none with one node."""
+    if nodes == 1:
+        return ()
+    g = job.world_size // nodes
+    flat, node = replace(job, secondary_shard=None), replace(job, world_size=g, secondary_shard=None)
+    rows = []
+    for stage, traits in STAGE_TRAITS.items():
+        if not traits.shards_states:
+            continue
+        d = flat_units(sharded(count, flat, stage), count, flat, layers).detail
+        rows.append(_row("flat", stage, _keys(d, "reduce_scatter", "all_gather", "all_reduce"), nodes))
+        d = flat_units(sharded(count, node, stage), count, node, layers).detail
+        comm = dict(_keys(d, "reduce_scatter", "all_gather", "all_reduce"),
+                    replicate_all_reduce=_replicated(count, node, stage))
+        rows.append(_row("hsdp", stage, comm, nodes))
+        if traits.shards_params and g > 1:
+            hpz = replace(job, secondary_shard=g)
+            d = flat_units(sharded(count, hpz, stage), count, hpz, layers).detail
+            comm = _keys(d, "reduce_scatter", "all_gather", "all_reduce", "secondary_all_gather")
+            rows.append(_row("hpz", stage, comm, nodes, d["secondary"]))
+    return tuple(rows)
