@@ -9,5 +9,7 @@
 - ``grad_sync.py``: the two reducers, ``ReduceInBackward`` (stages 2-3) and ``ReduceAtStep`` (stage 1).
 - ``param_sync.py``: all-gather each bucket's shards back into the full flat buffer.
 - ``gatherer.py``: stage 3's ``ParamGatherer``, the module hooks that gather each unit just in
-  time, prefetch along the recorded order and release it after use.
+  time, prefetch along the recorded order and release it after use; ``model_state.py`` its hooks on
+  ``model.state_dict()``/``load_state_dict()``; ``secondary.py`` hpZ's node-local copies for backward.
+- ``topology.py``: which group each collective uses (``process_group=``, ``mesh=``, HSDP, hpZ's nodes).
 """

@@ -55,6 +55,7 @@ from ..ownership import claim, release
 from ..profiling import ALL_GATHER, label
 from .param_sync import ParamSync
 from .secondary import SecondaryCopies
+from .model_state import ModelStateHooks
 from ..sharding.partition import Partition
 
 
@@ -113,7 +114,7 @@ class _Unit:
         return self.state is UnitState.GATHERED
 
 
-class ParamGatherer:
+class ParamGatherer(ModelStateHooks):
     """The hooks that gather, prefetch and release the units of one model."""
 
     def __init__(self, root: nn.Module, modules: tuple[tuple[nn.Module, ...], ...], parts: list[list[Partition]],
@@ -463,41 +464,6 @@ class ParamGatherer:
             if u.state is UnitState.RELEASED:
                 for part in u.parts:
                     part.adopt_assigned(self.names, self._placeholder)
-
-    def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        released = [self.names.get(p, tuple(shape)) for u in self.units if u.state is not UnitState.GATHERED
-                    for part in u.parts for p, shape in zip(part.params, part.shapes)
-                    if p.numel() == 0 and shape.numel() > 0]
-        if released:
-            raise RuntimeError(
-                f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
-                "model.state_dict() here would return 0-element tensors. Read it inside "
-                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
-
-    def _before_load(self, module, state_dict, prefix, *args) -> None:
-        """model.load_state_dict between steps: give released parameters full-size memory to load into."""
-        self._load_prefix = prefix
-        if self.behind is not None:
-            self.behind.wait()  # the load writes the shards
-        for u in self.units:
-            if u.state is not UnitState.GATHERED:
-                self._wait(u)
-                for part in u.parts:
-                    for p, shape in zip(part.params, part.shapes):
-                        if p.numel() == 0 and shape.numel() > 0:
-                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-
-    def _after_load(self, module, incompatible_keys) -> None:
-        """Write each rank's shard of what was loaded into the masters; parameters go back to their shards."""
-        missing = set(incompatible_keys.missing_keys)
-        for u in self.units:
-            for part in u.parts:
-                if u.state is UnitState.GATHERED:  # inside full_parameters(): the loaded values are kept
-                    part.adopt_outside_changes(self.names)
-                    continue
-                skip = frozenset(i for i, p in enumerate(part.params)
-                                 if self._load_prefix + self.names.get(p, "") in missing)
-                part.adopt_assigned(self.names, self._placeholder, skip)
 
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:

@@ -1,0 +1,48 @@
+"""Stage 3 and the model's own state dict: ``model.state_dict()`` and ``model.load_state_dict()`` between steps.
+
+The gatherer's hooks on the root module (registered in ``ParamGatherer.__init__``): a state dict read while
+units are released is refused (it would hold 0-element tensors), and a load gives released parameters
+full-size memory to load into, then writes each rank's shard of what was loaded into the masters.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ModelStateHooks:
+    """The state-dict hooks of ``ParamGatherer`` (a mixin: it reads the gatherer's units, names and waits)."""
+
+    def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        released = [self.names.get(p, tuple(shape)) for u in self.units if not u.gathered
+                    for part in u.parts for p, shape in zip(part.params, part.shapes)
+                    if p.numel() == 0 and shape.numel() > 0]
+        if released:
+            raise RuntimeError(
+                f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
+                "model.state_dict() here would return 0-element tensors. Read it inside "
+                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
+
+    def _before_load(self, module, state_dict, prefix, *args) -> None:
+        """model.load_state_dict between steps: give released parameters full-size memory to load into."""
+        self._load_prefix = prefix
+        if self.behind is not None:
+            self.behind.wait()  # the load writes the shards
+        for u in self.units:
+            if not u.gathered:
+                self._wait(u)
+                for part in u.parts:
+                    for p, shape in zip(part.params, part.shapes):
+                        if p.numel() == 0 and shape.numel() > 0:
+                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        """Write each rank's shard of what was loaded into the masters; parameters go back to their shards."""
+        missing = set(incompatible_keys.missing_keys)
+        for u in self.units:
+            for part in u.parts:
+                if u.gathered:  # inside full_parameters(): the loaded values are kept
+                    part.adopt_outside_changes(self.names)
+                    continue
+                skip = frozenset(i for i, p in enumerate(part.params)
+                                 if self._load_prefix + self.names.get(p, "") in missing)
+                part.adopt_assigned(self.names, self._placeholder, skip)
