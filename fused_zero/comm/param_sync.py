@@ -12,8 +12,8 @@ when the handle is waited; ``exact()`` turns it off for gathers that must be exa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import contextmanager
 
+from ..lifecycle import setting
 from ..profiling import ALL_GATHER, label
 from .codec import Codec
 from .collectives import Comm, Handle
@@ -28,14 +28,9 @@ class ParamSync:
         self.codec = codec  # qwZ (comm/codec.py), or None: the shards as they are
         self._exact = False
 
-    @contextmanager
     def exact(self):
-        """Gathers inside send the shards as they are, whatever the codec."""
-        before, self._exact = self._exact, True
-        try:
-            yield
-        finally:
-            self._exact = before
+        """Gathers inside send the shards as they are, whatever the codec (a context manager)."""
+        return setting(self, "_exact", True)
 
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
