@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--untie", action="store_true", help="untie the lm head from the embedding")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--param-comm", default=None, choices=("int8",), help="stage 3: quantized gathers (qwZ)")
+    p.add_argument("--grad-comm", default=None, choices=("int8", "int4"), help="quantized reductions (qgZ)")
     p.add_argument("--compare-ddp", action="store_true",
                    help="also train DDP + torch AdamW on the same data and compare losses")
     p.add_argument("--compare-tol", type=float, default=None,
@@ -124,7 +126,8 @@ def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> 
     else:
         # optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)  # before  # noqa: E501
         optimizer = ShardedOptimizer(model if args.stage == 3 else model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,  # after: THE ONE CHANGED LINE  # noqa: E501
-                                     stage=args.stage, max_grad_norm=max_norm, bucket_numel=args.bucket_numel)
+                                     stage=args.stage, max_grad_norm=max_norm, bucket_numel=args.bucket_numel,
+                                     param_comm=args.param_comm, grad_comm=args.grad_comm)
         no_sync = optimizer.no_sync  # instead of DDP's model.no_sync(); clipping is fused into step()
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, args.steps))

@@ -91,6 +91,14 @@ class ZeroConfig:
         gradients; so does this) and when the optimizer is built; False leaves them per rank
         throughout, as DDP(broadcast_buffers=False) does.
         Without the model (``model.parameters()`` at stages 1-2) buffers are never touched.
+    param_comm: stage 3: None gathers the parameters as they are; "int8" (ZeRO++'s qwZ) sends each
+        rank's param shard block-wise quantized (int8 and an fp32 scale per ``quant_block`` values:
+        about half the bytes of bf16) and every rank computes with the dequantized values; the fp32
+        master stays exact. ``full_parameters()`` and checkpoints gather exactly.
+    grad_comm: None reduces gradients in ``reduce_dtype``; "int8" or "int4" (ZeRO++'s qgZ) replaces each
+        bucket's reduce-scatter by a quantized all-to-all whose pieces every rank sums in fp32 in rank
+        order (and, with HSDP, the replicas' all-reduce by a quantized all-gather summed the same way).
+    quant_block: values per fp32 scale of both codecs, a power of two from 32 to 8192.
     nvme_direct: ``offload_optimizer="nvme"``: stream the state files with
         O_DIRECT, bypassing the page cache (every step then reads and writes
         the whole state from the disk); False goes through the page cache,
@@ -114,6 +122,9 @@ class ZeroConfig:
     offload_chunk_numel: int = 1 << 20
     nvme_direct: bool = False
     broadcast_buffers: bool = True
+    param_comm: str | None = None
+    grad_comm: str | None = None
+    quant_block: int = 256
 
     @property
     def needs_module(self) -> bool:
@@ -160,6 +171,7 @@ class ZeroConfig:
                              "or drop nvme_direct")
         if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel < 1:
             raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
+        self._check_codecs()
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(
                 f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
@@ -183,3 +195,19 @@ class ZeroConfig:
             raise ValueError(f"secondary_shard={s} with reshard_after_forward=False: the units stay gathered from "
                              "forward to backward, so backward gathers nothing for a node-local copy to serve; "
                              "drop secondary_shard, or pass reshard_after_forward=True")
+
+    def _check_codecs(self) -> None:
+        """param_comm / grad_comm / quant_block (comm/codec.py)."""
+        if self.param_comm not in (None, "int8"):
+            raise ValueError(f'param_comm must be None or "int8" (qwZ), got {self.param_comm!r}')
+        if self.param_comm is not None and self.stage != 3:
+            raise ValueError(f"param_comm={self.param_comm!r} quantizes stage 3's parameter all-gathers (ZeRO++'s "
+                             f"qwZ); stages 1-2 gather once per step into every rank's only copy of the parameters "
+                             f"(got stage={self.stage}): pass stage=3 and the model, or drop param_comm "
+                             '(grad_comm="int8" serves every stage)')
+        if self.grad_comm not in (None, "int8", "int4"):
+            raise ValueError(f'grad_comm must be None, "int8" or "int4" (qgZ), got {self.grad_comm!r}')
+        block = self.quant_block
+        if isinstance(block, bool) or not isinstance(block, int) or not 32 <= block <= 8192 or block & (block - 1):
+            raise ValueError(f"quant_block must be a power of two from 32 to 8192 (values per fp32 scale), "
+                             f"got {block!r}")

@@ -57,8 +57,9 @@ def gather_frozen(parts, sync, keep: bool) -> dict:
         if released:
             part.fetch_params()
             part.materialize()
-            for h in sync.gather(part):
-                h.wait()
+            with sync.exact():  # for a checkpoint: not quantized (param_comm)
+                for h in sync.gather(part):
+                    h.wait()
             part.drop_fetched()
         if keep:
             out.update((p, view.detach().to("cpu", copy=True)) for p, view in part.views())

@@ -99,7 +99,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
                  max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET, secondary_shard=_UNSET,
                  offload_optimizer=_UNSET, offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET,
-                 nvme_direct=_UNSET, broadcast_buffers=_UNSET) -> None:
+                 nvme_direct=_UNSET, broadcast_buffers=_UNSET,
+                 param_comm=_UNSET, grad_comm=_UNSET, quant_block=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
                                        max_live_units=max_live_units, min_unit_numel=min_unit_numel,
@@ -107,6 +108,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                        offload_optimizer=offload_optimizer, offload_params=offload_params,
                                        nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
                                        nvme_direct=nvme_direct, broadcast_buffers=broadcast_buffers,
+                                       param_comm=param_comm, grad_comm=grad_comm, quant_block=quant_block,
                                        ).items() if v is not _UNSET}
         if config is None:
             config = ZeroConfig(**given)
@@ -215,6 +217,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
+        self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block)  # qgZ (comm/codec.py)
         self._hooks = HookSet(self)
         self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
         for p in self.grad_sync.hooked(self._params):

@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from .comm.codec import codec_for
 from .comm.topology import Topology
 from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
@@ -222,12 +223,11 @@ class Stage3(Stage2):
             unit_parts.append(parts)
         # The root (unit 0) holds the lowest positions: its buckets reduce last, after the
         # embedding's gradient, which backward produces at the very end.
-        sync = ParamSync(self.topology.own_group())
         # hpZ: backward gathers inside a block of secondary_shard ranks (a group made after the options agreed)
         secondary = None if self.config.secondary_shard is None else SecondaryCopies(self.topology.secondary())
-        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, sync, self.config.max_live_units,
-                                      self.config.reshard_after_forward, begin_backward, names, first_forward,
-                                      secondary)
+        self.gatherer = ParamGatherer(module, plan.modules, unit_parts, self._param_sync(),
+                                      self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
+                                      names, first_forward, secondary)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
             # the host update overlaps the next forward, unit by unit (behind.py)
@@ -236,6 +236,11 @@ class Stage3(Stage2):
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
     hooks_grads = True
+
+    def _param_sync(self) -> ParamSync:
+        """The gathers' own group, with qwZ's codec when ``param_comm`` asks for it."""
+        comm = self.topology.own_group()
+        return ParamSync(comm, codec_for(self.config.param_comm, self.config.quant_block, comm))
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.gatherer.on_grad(p)

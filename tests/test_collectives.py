@@ -100,6 +100,21 @@ def _check_traffic(comm: Comm, ws: int) -> dict:
     return counted
 
 
+def _check_all_to_all(comm: Comm, rank: int, ws: int) -> None:
+    """uint8 (the codecs' payloads) slice r to rank r, async, counted under its kind; bad shapes refused."""
+    comm.reset_traffic()
+    send = torch.tensor([10 * rank + r for r in range(ws) for _ in range(3)], dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, async_op=True, kind="reduce_scatter_int8").wait()
+    assert recv.tolist() == [10 * r + rank for r in range(ws) for _ in range(3)]
+    assert comm.traffic().get("reduce_scatter_int8", 0) == (3 * ws if ws > 1 else 0)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        comm.all_to_all(torch.empty(3 * ws + 1, dtype=torch.uint8), send)
+    with pytest.raises(ValueError, match="overlaps its input"):
+        comm.all_to_all(send, send)
+    comm.reset_traffic()
+
+
 def _check_bad_arguments(comm: Comm, ws: int) -> None:
     """Every one of these raises before communicating, so no rank waits for another."""
     with pytest.raises(ValueError, match=rf"input has {ws * 3 + 1} elements; it must be world_size \({ws}\)"):
@@ -206,6 +221,7 @@ def _all_checks(rank: int, ws: int) -> dict:
     comm = Comm()
     assert (comm.rank, comm.world_size, comm.backend, comm.group) == (rank, ws, "gloo", None)
     _check_tensor_collectives(comm, rank, ws)
+    _check_all_to_all(comm, rank, ws)
     counted = _check_traffic(comm, ws)
     _check_bad_arguments(comm, ws)
     messages = _check_same(comm, rank, ws)

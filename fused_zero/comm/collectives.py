@@ -20,7 +20,7 @@ all-gather as one broadcast per rank: both measured faster there than gloo's
 own collectives (see reduce_scatter and _all_gather_by_broadcast).
 
 Traffic is counted per rank as the ZeRO paper counts volume: a reduce_scatter
-counts its input's bytes, an all_gather its output's, an all_reduce its tensor's.
+counts its input's bytes (an all_to_all too), an all_gather its output's, an all_reduce its tensor's.
 Broadcast and object collectives are set-up only and are not counted.
 
 Why every tensor a collective is given is a pinned alias (a clean exit). A torch Work
@@ -255,8 +255,8 @@ class Comm:
         self._traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
-        if not self._local:
-            self._traffic[kind] += t.numel() * t.element_size()
+        if not self._local:  # a codec's exchanges under kinds of their own (comm/codec.py)
+            self._traffic[kind] = self._traffic.get(kind, 0) + t.numel() * t.element_size()
 
     # ---- argument checks ----------------------------------------------------
     def _check_tensor(self, what: str, t: object) -> torch.Tensor:
@@ -323,15 +323,37 @@ class Comm:
             handle.wait()
         return handle
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
-        """``output`` receives every rank's ``input`` in rank order (``input`` may be its own slice of it)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   kind: str = "all_gather") -> Handle:
+        """``output`` receives every rank's ``input`` in rank order (``input`` may be its own slice of it);
+        its bytes are counted under ``kind``."""
         self._check_pair("all_gather", "output", output, "input", input)
         if self._local:
             return _copy_local(output, input)
-        self._count("all_gather", output)
+        self._count(kind, output)
         if self.backend == "gloo":
             return self._all_gather_by_broadcast(output.view(-1), input.view(-1), async_op)
         handle = Handle(self._launch(_all_gather, output.view(-1), input.view(-1)))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                   kind: str = "all_to_all") -> Handle:
+        """Slice r of ``input`` goes to rank r, into slice ``rank`` of its ``output`` (equal slices; separate
+        buffers); ``input``'s bytes are counted under ``kind``. gloo takes uint8 (the codecs' payloads)."""
+        self._check_tensor("all_to_all input", input)
+        self._check_tensor("all_to_all output", output)
+        if output.shape != input.shape or output.dtype != input.dtype or input.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs output and input of one shape and dtype, split into world_size "
+                             f"({self.world_size}) equal slices; got {tuple(output.shape)} {output.dtype} and "
+                             f"{tuple(input.shape)} {input.dtype}")
+        if overlaps(output, input):
+            raise ValueError("all_to_all output overlaps its input: pass a separate buffer")
+        if self._local:
+            return _copy_local(output, input)
+        self._count(kind, input)
+        handle = Handle(self._launch(dist.all_to_all_single, output.view(-1), input.view(-1)))
         if not async_op:
             handle.wait()
         return handle

@@ -482,10 +482,13 @@ class ParamGatherer(ModelStateHooks):
         if self.behind is not None:
             self.behind.wait()
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
-        for u in order:
-            self._issue(u)
-        for u in order:
-            self._wait(u)
+        with self.sync.exact():  # the parameters as the shards hold them, whatever param_comm says
+            for u in order:
+                if self.sync.codec is not None:  # gathered quantized (an eval forward's root): again, exactly
+                    self._release(u)
+                self._issue(u)
+            for u in order:
+                self._wait(u)
         self._holding = True  # an eval forward or a state_dict() inside keeps everything gathered
         try:
             yield

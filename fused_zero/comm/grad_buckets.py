@@ -3,7 +3,8 @@
 A ``GradBucket`` is one bucket of one partition: the runs of parameters (and padding) it covers,
 the parameters whose ``.grad`` it frees once packed, and its pack plan. Its two verbs pair up as
 Megatron's bucket groups' do: ``start()`` packs the gradients into a pool buffer (cast to the
-reduce dtype and pre-divided by N: the codec point) and launches the reduce-scatter; ``finish()``
+reduce dtype and pre-divided by N: the codec point) and launches the reduce-scatter (``grad_comm``:
+a quantized all-to-all, comm/codec.py); ``finish()``
 lands the result in the partition's gradient shard (added to it when the round accumulates).
 
 The ``BucketPipe`` owns what the buckets share: the pool buffers (at most ``MAX_INFLIGHT`` per
@@ -29,6 +30,7 @@ from ..sharding.intervals import intersect
 from ..sharding.partition import Partition
 from ..tiers.tier import Tier
 from ..tiers.transfer import Ticket, host_buffer, transfers
+from .codec import codec_for
 from .collectives import Comm, Handle
 
 
@@ -133,8 +135,9 @@ class GradBucket:
             out = dst
             if accumulate:
                 acc, out = out, torch.empty_like(out)
-        with label(REDUCE_SCATTER):
-            handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True)
+        with label(REDUCE_SCATTER):  # qgZ: a quantized all-to-all, summed into out at the wait (comm/codec.py)
+            handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True) if pipe.codec is None \
+                else pipe.codec.reduce_scatter(pipe.comm, out, buf)
         pipe.pending.append(_Inflight(self, handle, base, out, acc, down))
         if free_grads:
             for p in self.frees:
@@ -148,7 +151,9 @@ class GradBucket:
         pipe = self.pipe
         if pipe.replicate is not None:
             f.handle.wait()  # once: an emulated reduce-scatter's copy would overwrite the all-reduce
-            pipe.replicating.append((f, pipe.replicate.all_reduce(f.out, async_op=True)))
+            codec = pipe.replicate_codec
+            pipe.replicating.append((f, pipe.replicate.all_reduce(f.out, async_op=True) if codec is None
+                                     else codec.all_reduce(pipe.replicate, f.out)))
             return
         self.land(f, f.handle)
 
@@ -177,6 +182,7 @@ class BucketPipe:
         self.partitions = partitions
         self.comm = comm
         self.replicate: Comm | None = None  # HSDP: each reduced shard is all-reduced over the replicas too
+        self.codec = self.replicate_codec = None  # qgZ (``quantize``): the reductions' codecs (comm/codec.py)
         self.divisor = comm.world_size  # gradients are pre-divided by every rank that trains (DDP's average)
         self.pending: deque[_Inflight] = deque()
         self.replicating: deque = deque()  # HSDP: (reduction, its all-reduce over the replicas) not yet landed
@@ -189,6 +195,11 @@ class BucketPipe:
     def span(self, replicate: Comm | None, world_size: int) -> None:
         """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""
         self.replicate, self.divisor = replicate, world_size
+
+    def quantize(self, name: str | None, block: int) -> None:
+        """qgZ (``grad_comm``): the reductions at both levels send ``name``-quantized values (None: as they are)."""
+        self.codec = codec_for(name, block, self.comm)
+        self.replicate_codec = codec_for(name, block, self.replicate)
 
     def count(self, bucket: GradBucket) -> None:
         """``bucket`` is ever reduced: its dtype's pool may hold one more buffer (up to MAX_INFLIGHT)."""

@@ -36,12 +36,11 @@ wire buffer (today a cast to the partition's reduce dtype and a 1/N scale) and
 from __future__ import annotations
 
 import enum
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
-from ..lifecycle import expect
+from ..lifecycle import expect, setting
 from ..sharding.partition import Partition
 from .collectives import Comm
 from .grad_buckets import BucketPipe, GradBucket
@@ -178,13 +177,8 @@ class GradSync:
     def _forget(self) -> None:
         """zero_grad: what the shards hold is no longer a gradient to add to."""
 
-    @contextmanager
     def no_sync(self):
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
+        return setting(self, "sync", False)
 
     def unreduced_grads(self) -> list[torch.nn.Parameter]:
         """Params holding a ``.grad`` that no round has reduced (reducing in backward)."""

@@ -4,14 +4,18 @@ Stages 1 and 2 gather right after the update (only the buckets that hold an
 updated parameter); stage 3 gathers a unit's partitions just before the unit
 runs. Each bucket is one all-gather of every rank's shard of it (the narrow
 param shard, or the fp32 master for fp32 parameters), launched asynchronously;
-the caller waits on the handles. Where a quantized parameter codec plugs in:
-the gather source here and the unpacking of the gathered bucket.
+the caller waits on the handles. With a codec (``param_comm="int8"``, stage 3:
+comm/codec.py) each bucket's shards travel quantized and are decoded into the bucket
+when the handle is waited; ``exact()`` turns it off for gathers that must be exact
+(``full_parameters()``, frozen weights for a checkpoint).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..lifecycle import setting
 from ..profiling import ALL_GATHER, label
+from .codec import Codec
 from .collectives import Comm, Handle
 from ..sharding.partition import Partition
 
@@ -19,8 +23,14 @@ from ..sharding.partition import Partition
 class ParamSync:
     """Gathers partitions' buckets over one communicator."""
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: Comm, codec: Codec | None = None) -> None:
         self.comm = comm
+        self.codec = codec  # qwZ (comm/codec.py), or None: the shards as they are
+        self._exact = False
+
+    def exact(self):
+        """Gathers inside send the shards as they are, whatever the codec (a context manager)."""
+        return setting(self, "_exact", True)
 
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
@@ -30,6 +40,9 @@ class ParamSync:
     def _launch(self, part: Partition, buckets: Iterable[int] | None) -> list[Handle]:
         layout = part.layout
         ks = range(len(layout.buckets)) if buckets is None else buckets
+        if self.codec is not None and not self._exact:
+            return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
+                                          part.gather_source(layout.buckets[k])) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
                                      async_op=True) for k in ks]
 

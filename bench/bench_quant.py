@@ -1,0 +1,53 @@
+"""Block-wise int8 / int4 quantize and dequantize (the communication codecs): fused_zero.ops.quantize_ /
+dequantize_ on CUDA, in GB/s and % of the device's copy bandwidth (skipped without CUDA: the Triton
+interpreter cannot be timed, and the torch twins are the oracle, not a fast path).
+
+    python -m pytest bench/bench_quant.py --benchmark-only      # add -s -v for the table
+
+Size: a 2**26-element bucket cut into 8 chunks (one per peer of an all-to-all), block size 256.
+Bytes moved count what each kernel must touch: quantize reads the input (4 bytes fp32, 2 bf16) and
+writes the payload; dequantize reads the payload and writes the output; the all-to-all's reduction
+("sum8") reads 8 payloads and writes one chunk. The issue's bar: 80% of copy bandwidth or more.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from _bandwidth import measure
+
+from fused_zero import ops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (kernels are timed on a GPU)")
+
+NUMEL = 2**26
+CHUNKS = 8
+BLOCK = 256
+CASES = [(bits, dtype, mode) for bits in (8, 4) for dtype in (torch.float32, torch.bfloat16)
+         for mode in ("quantize", "dequantize", "sum8")]
+
+
+@pytest.mark.parametrize("bits,dtype,mode", CASES, ids=[f"int{b}-{str(d)[6:]}-{m}" for b, d, m in CASES])
+def test_quant(benchmark, bits, dtype, mode):
+    x = torch.randn(NUMEL, device="cuda").to(dtype)
+    n = NUMEL // CHUNKS
+    payload = torch.empty(CHUNKS * ops.payload_bytes(n, bits, BLOCK), dtype=torch.uint8, device="cuda")
+    ops.quantize_(x, payload, bits=bits, block=BLOCK, chunks=CHUNKS)
+    width = x.element_size()
+    if mode == "quantize":
+        def fn():
+            ops.quantize_(x, payload, bits=bits, block=BLOCK, chunks=CHUNKS)
+        moved = NUMEL * width + payload.numel()
+    elif mode == "dequantize":
+        out = torch.empty_like(x)
+
+        def fn():
+            ops.dequantize_(payload, out, bits=bits, block=BLOCK, chunks=CHUNKS)
+        moved = payload.numel() + NUMEL * width
+    else:
+        out = torch.empty(n, dtype=dtype, device="cuda")
+
+        def fn():
+            ops.dequantize_(payload, out, bits=bits, block=BLOCK, chunks=CHUNKS, sum_chunks=True)
+        moved = payload.numel() + n * width
+    measure(benchmark, fn, bytes_moved=moved, rounds=20, bits=bits, dtype=str(dtype), mode=mode, numel=NUMEL,
+            block=BLOCK, chunks=CHUNKS)
