@@ -217,7 +217,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
-        self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block)  # qgZ (comm/codec.py)
+        self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
+                                     self.topology.replicate_again() if self.config.grad_comm else None)
         self._hooks = HookSet(self)
         self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
         for p in self.grad_sync.hooked(self._params):
@@ -546,10 +547,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
-        if self.topology.replicate is not None:  # HSDP: what crossed between the replicas, apart
-            for kind, n in self.topology.replicate.traffic().items():
-                self._last_traffic[f"replicate_{kind}"] = n
-            self.topology.replicate.reset_traffic()
+        for kind, n in self.topology.replicate_traffic().items():  # HSDP: what crossed between the replicas, apart
+            self._last_traffic[f"replicate_{kind}"] = n
         for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers (hpZ's inside a node apart)
             self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
 

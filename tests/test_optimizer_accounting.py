@@ -5,7 +5,8 @@ P the param (and grad) dtype bytes and R the reduce dtype bytes, on every rank:
     params = P·Ψ,  master = exp_avg = exp_avg_sq = 4·Ψ/N,
     grads  = P·Ψ_unpadded + R·Ψ/N (stage 1: full local .grad + reduced shard), R·Ψ/N (stage 2),
     buffers < 4·bucket bytes + P·Ψ/N,
-and per step reduce_scatter = R·Ψ, all_gather = P·Ψ, all_reduce < 1 KiB + 4 B per parameter
+and per step reduce_scatter = R·Ψ, all_gather = P·Ψ, all_reduce < 2 x (1 KiB + 4 B per parameter) (an
+all-reduce counts twice its tensor, as the ZeRO paper counts 2Ψ)
 (all 0 at world size 1), also when the step accumulates micro-batches under no_sync() or clips.
 The model (PlainNet) has every parameter trainable and used every step.
 """
@@ -84,7 +85,7 @@ def _check(results, ws, cfg):
                     continue
                 assert comm["reduce_scatter"] == R * psi, f"rank {rank} {what}: {comm} vs R·Ψ = {R * psi}"
                 assert comm["all_gather"] == P * psi, f"rank {rank} {what}: {comm} vs P·Ψ = {P * psi}"
-                assert 0 <= comm["all_reduce"] < 1024 + 4 * r["n_params"], f"rank {rank} {what}: {comm}"
+                assert 0 <= comm["all_reduce"] < 2 * (1024 + 4 * r["n_params"]), f"rank {rank} {what}: {comm}"
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"ws{n}")

@@ -12,9 +12,13 @@ per ``quant_block`` elements, ``ops.quantize_`` / ``ops.dequantize_``) replaces 
   its slice and sums them in fp32 in rank order (fixed: deterministic) into its gradient shard. Each
   contribution is quantized once (error at most half a step of its block), with no state kept: error
   feedback would need a residual of the full gradient on every rank, the memory stages 2-3 shard away.
-- ``all_reduce`` (qgZ under HSDP: the reduced shard over the replicas): each replica's shard is quantized
-  and all-gathered, and every replica sums the decoded copies, its own included, in replica order, so
-  the replicas stay identical.
+- ``all_reduce`` (qgZ under HSDP: the reduced shard over the R replicas) in two exchanges, as a ring
+  all-reduce moves its data (``TwoPhase``): each replica quantizes its shard in R slices and one all-to-all
+  sends slice j to replica j, which sums the R decoded versions in fp32 in replica order; then each replica
+  quantizes its summed slice and an all-gather (on a second group of the same replicas, so its launches,
+  made as the first exchanges land, never interleave with the next buckets' first exchanges) brings every
+  summed slice to every replica, which decodes them all, its own included: the replicas stay identical,
+  and the bytes are twice a quantized shard whatever R (a single quantized all-gather would grow with R).
 
 Traffic is counted under the exchange it replaces, suffixed by the codec ("all_gather_int8",
 "reduce_scatter_int4", "all_reduce_int8"; "replicate_" in front for the replicas' level in
@@ -65,22 +69,18 @@ class Codec(NamedTuple):
 
     def all_gather(self, comm: Comm, output: torch.Tensor, input: torch.Tensor) -> Handle:
         """``output`` <- every rank's ``input``, quantized (this rank's own included); async."""
-        return self._gathered(comm, input, output, f"all_gather_{self.name}", sum_chunks=False)
-
-    def all_reduce(self, comm: Comm, tensor: torch.Tensor) -> Handle:
-        """``tensor`` <- the sum over ranks of their ``tensor``, each sent quantized; async."""
-        return self._gathered(comm, tensor, tensor, f"all_reduce_{self.name}", sum_chunks=True)
-
-    def _gathered(self, comm: Comm, input: torch.Tensor, output: torch.Tensor, kind: str,
-                  sum_chunks: bool) -> Handle:
-        """Every rank's ``input`` quantized and all-gathered, decoded into ``output`` (each, or their sum)."""
         n, ranks = input.numel(), comm.world_size
         size = self.payload_bytes(n)
         payload = torch.empty(ranks * size, dtype=torch.uint8, device=input.device)
         own = payload[comm.rank * size:(comm.rank + 1) * size]
         self._encode(input.view(-1), own)
-        handle = comm.all_gather(payload, own, async_op=True, kind=kind)
-        return _after(handle, lambda: self._decode(payload, output.view(-1), ranks, sum_chunks))
+        handle = comm.all_gather(payload, own, async_op=True, kind=f"all_gather_{self.name}")
+        return _after(handle, lambda: self._decode(payload, output.view(-1), ranks, sum_chunks=False))
+
+    def all_reduce_in_two(self, first: Comm, second: Comm, tensor: torch.Tensor) -> "TwoPhase":
+        """``tensor`` <- the sum over the ranks of ``first`` (and ``second``: the same ranks) of their
+        ``tensor``, in two quantized exchanges (``TwoPhase``); async."""
+        return TwoPhase(self, first, second, tensor)
 
     def reduce_scatter(self, comm: Comm, output: torch.Tensor, input: torch.Tensor) -> Handle:
         """``output`` <- the sum over ranks of slice ``rank`` of their ``input``, sent quantized; async."""
@@ -90,6 +90,61 @@ class Codec(NamedTuple):
         recv = torch.empty_like(send)
         handle = comm.all_to_all(recv, send, async_op=True, kind=f"reduce_scatter_{self.name}")
         return _after(handle, lambda: self._decode(recv, output.view(-1), ranks, sum_chunks=True))
+
+
+class TwoPhase:
+    """An all-reduce sent quantized in two exchanges: an all-to-all of slices summed where they land, then an
+    all-gather of the sums. ``done()`` launches the second exchange once the first has landed (its caller
+    polls the oldest first, so every rank launches them in one order); ``wait()`` ends both and decodes."""
+
+    def __init__(self, codec: Codec, first: Comm, second: Comm, tensor: torch.Tensor) -> None:
+        ranks, n = first.world_size, tensor.numel()
+        self.codec, self.second, self.tensor = codec, second, tensor
+        self.slice = -(-n // ranks)  # elements per replica's slice (the last padded with zeros)
+        x = tensor.view(-1)
+        if self.slice * ranks != n:
+            x = torch.zeros(self.slice * ranks, dtype=tensor.dtype, device=tensor.device)
+            x[:n].copy_(tensor.view(-1))
+        self.size = codec.payload_bytes(self.slice)
+        send = torch.empty(ranks * self.size, dtype=torch.uint8, device=tensor.device)
+        codec._encode(x, send, chunks=ranks)
+        self.recv = torch.empty_like(send)
+        self.first = first.all_to_all(self.recv, send, async_op=True, kind=f"all_reduce_{codec.name}")
+        self.gathered: torch.Tensor | None = None
+        self.then: Handle | None = None  # the second exchange, once launched
+        self.finished = False
+
+    def _second(self) -> Handle:
+        if self.then is None:
+            self.first.wait()
+            mine = torch.empty(self.slice, dtype=torch.float32, device=self.tensor.device)
+            ranks, rank = self.second.world_size, self.second.rank
+            self.codec._decode(self.recv, mine, ranks, sum_chunks=True)  # the replicas' slices, in replica order
+            self.gathered = torch.empty(ranks * self.size, dtype=torch.uint8, device=self.tensor.device)
+            own = self.gathered[rank * self.size:(rank + 1) * self.size]
+            self.codec._encode(mine, own)
+            self.then = self.second.all_gather(self.gathered, own, async_op=True,
+                                               kind=f"all_reduce_{self.codec.name}")
+        return self.then
+
+    def done(self) -> bool:
+        """True when ``wait()`` would not block (launching the second exchange once the first has landed)."""
+        if self.then is None and not self.first.done():
+            return False
+        return self._second().done()
+
+    def wait(self) -> None:
+        if self.finished:
+            return
+        self._second().wait()
+        ranks, n = self.second.world_size, self.tensor.numel()
+        out = self.tensor.view(-1)
+        if self.slice * ranks != n:
+            out = torch.empty(self.slice * ranks, dtype=self.tensor.dtype, device=self.tensor.device)
+        self.codec._decode(self.gathered, out, ranks, sum_chunks=False)  # every summed slice, this one's too
+        if out.data_ptr() != self.tensor.data_ptr():
+            self.tensor.view(-1).copy_(out[:n])
+        self.finished = True
 
 
 def codec_for(name: str | None, block: int, comm: Comm | None) -> Codec | None:

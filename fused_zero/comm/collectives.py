@@ -254,9 +254,11 @@ class Comm:
     def reset_traffic(self) -> None:
         self._traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
 
-    def _count(self, kind: str, t: torch.Tensor) -> None:
-        if not self._local:  # a codec's exchanges under kinds of their own (comm/codec.py)
-            self._traffic[kind] = self._traffic.get(kind, 0) + t.numel() * t.element_size()
+    def _count(self, kind: str, t: torch.Tensor, times: int = 1) -> None:
+        """Volume as the ZeRO paper counts it: a reduce-scatter its input, an all-gather its output, an all-reduce
+        twice its tensor (a reduce-scatter and an all-gather: 2Ψ); a codec's exchanges under kinds of their own."""
+        if not self._local:
+            self._traffic[kind] = self._traffic.get(kind, 0) + times * t.numel() * t.element_size()
 
     # ---- argument checks ----------------------------------------------------
     def _check_tensor(self, what: str, t: object) -> torch.Tensor:
@@ -386,7 +388,7 @@ class Comm:
         self._check_tensor("all_reduce tensor", tensor)
         if self._local:
             return _DONE
-        self._count("all_reduce", tensor)
+        self._count("all_reduce", tensor, times=2)
         handle = Handle(self._launch(dist.all_reduce, tensor, op=_OPS[op]))
         if not async_op:
             handle.wait()

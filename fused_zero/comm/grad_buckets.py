@@ -153,7 +153,7 @@ class GradBucket:
             f.handle.wait()  # once: an emulated reduce-scatter's copy would overwrite the all-reduce
             codec = pipe.replicate_codec
             pipe.replicating.append((f, pipe.replicate.all_reduce(f.out, async_op=True) if codec is None
-                                     else codec.all_reduce(pipe.replicate, f.out)))
+                                     else codec.all_reduce_in_two(pipe.replicate, pipe.replicate_again, f.out)))
             return
         self.land(f, f.handle)
 
@@ -183,6 +183,7 @@ class BucketPipe:
         self.comm = comm
         self.replicate: Comm | None = None  # HSDP: each reduced shard is all-reduced over the replicas too
         self.codec = self.replicate_codec = None  # qgZ (``quantize``): the reductions' codecs (comm/codec.py)
+        self.replicate_again: Comm | None = None
         self.divisor = comm.world_size  # gradients are pre-divided by every rank that trains (DDP's average)
         self.pending: deque[_Inflight] = deque()
         self.replicating: deque = deque()  # HSDP: (reduction, its all-reduce over the replicas) not yet landed
@@ -196,10 +197,13 @@ class BucketPipe:
         """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""
         self.replicate, self.divisor = replicate, world_size
 
-    def quantize(self, name: str | None, block: int) -> None:
-        """qgZ (``grad_comm``): the reductions at both levels send ``name``-quantized values (None: as they are)."""
+    def quantize(self, name: str | None, block: int, replicate_again: Comm | None = None) -> None:
+        """qgZ (``grad_comm``): the reductions at both levels send ``name``-quantized values (None: as they are);
+        HSDP: ``replicate_again`` is a second group of the replicas, for the second of the two exchanges that
+        stand for each all-reduce over them (``codec.TwoPhase``)."""
         self.codec = codec_for(name, block, self.comm)
         self.replicate_codec = codec_for(name, block, self.replicate)
+        self.replicate_again = replicate_again
 
     def count(self, bucket: GradBucket) -> None:
         """``bucket`` is ever reduced: its dtype's pool may hold one more buffer (up to MAX_INFLIGHT)."""

@@ -34,6 +34,7 @@ class Topology:
     def __init__(self, process_group=None, mesh=None, secondary_shard: int | None = None) -> None:
         self.mesh = mesh
         self.replicate: Comm | None = None  # HSDP: the group of this rank's replicas (same shard, other groups)
+        self._replicate_again: Comm | None = None  # HSDP with qgZ: a second group of them (replicate_again)
         if mesh is not None:
             process_group = self._group_of(mesh, process_group)
             if mesh.ndim == 2:
@@ -94,6 +95,23 @@ class Topology:
         if self.mesh is None:
             return ()
         return (self.mesh.device_type, tuple(self.mesh.shape), tuple(self.mesh.mesh_dim_names or ()))
+
+    def replicate_again(self) -> Comm | None:
+        """HSDP: a second group over this rank's replicas (made at the first call, which every rank makes), for
+        the second exchange of qgZ's all-reduce over them (comm/codec.py's ``TwoPhase``); None without HSDP."""
+        if self.replicate is not None and self._replicate_again is None:
+            self._replicate_again = self.replicate.duplicate()
+        return self._replicate_again
+
+    def replicate_traffic(self) -> dict[str, int]:
+        """HSDP: the bytes sent over the replicas' groups since the last call (then reset); {} without HSDP."""
+        total: dict[str, int] = {}
+        for comm in (self.replicate, self._replicate_again):
+            if comm is not None:
+                for kind, n in comm.traffic().items():
+                    total[kind] = total.get(kind, 0) + n
+                comm.reset_traffic()
+        return total
 
     def own_group(self, backend: str | None = None) -> Comm:
         """A new group over the shard group's ranks, for work of its own (every rank must call it)."""

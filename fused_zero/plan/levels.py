@@ -2,7 +2,7 @@
 
 A collective counts at the level of its group: "inside" when every rank of the group is on one node,
 "across" when the group spans nodes (its slowest links are between nodes), as ``comm_bytes()`` counts
-volume (a reduce-scatter its input, an all-gather its output, an all-reduce its tensor). With ``nodes``
+volume (a reduce-scatter its input, an all-gather its output, an all-reduce twice its tensor). With ``nodes``
 nodes of ``g`` ranks each, one training step of one micro-batch:
 
     flat ZeRO  one shard group of every rank: reduce-scatter, all-gather, the stats all-reduce all cross
@@ -58,7 +58,7 @@ def _replicated(count: ModelCount, job: Job, stage: int) -> int:
     step's stats without the norm (stats.all_reduce_stats)."""
     shards = sum(BYTES[job.reduce_dtype or part.dtype] * part.layout.buckets[k].shard_numel
                  for part in _partitions(count, job, stage) if not part.frozen for k in part.launched())
-    return shards + 4 * (STATS_HEAD - 1 + sum(1 for s in count.params if s.trainable))
+    return 2 * (shards + 4 * (STATS_HEAD - 1 + sum(1 for s in count.params if s.trainable)))  # an all-reduce: 2Ψ
 
 
 def levels(count: ModelCount, job: Job, nodes: int, layers: int | None = None) -> tuple[LevelTraffic, ...]:

@@ -305,7 +305,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     if not traits.shards_params:  # frozen parameters stay the user's whole tensors
         d["param_full"] += sum(BYTES[s.dtype] * s.numel for s in count.params if not s.trainable)
     if job.world_size > 1:  # the step's scalars and has-grad flags of the trained parameters (stats.py)
-        d["all_reduce"] = 4 * (STATS_HEAD + sum(1 for s in count.params if s.trainable))
+        d["all_reduce"] = 2 * 4 * (STATS_HEAD + sum(1 for s in count.params if s.trainable))  # 2Ψ: an all-reduce
     else:
         d.update(reduce_scatter=0, all_gather=0, secondary_all_gather=0)
     d["partitions"] = sum(1 for part in parts if not part.frozen)  # the optimizer's (ShardedOptimizer.partitions)
