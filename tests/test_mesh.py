@@ -12,7 +12,7 @@ reduce-scatter stays inside the shard group, and only the reduced gradient shard
 traffic per level predicts (``Plan.levels``: inside a node, across nodes). A checkpoint of the HSDP optimizer
 (written by one replica: one file per shard) loads on 4 flat ranks and on the 2 x 2 mesh again, and both
 go on equal to DDP; it also loads in one process with no process group (parameters bitwise as saved, and at
-stages 1-2 the state_dict() the ranks gave at the save).
+stages 1-2 the state_dict() the ranks gave at the save) and consolidates into a model and AdamW state_dict.
 
 4 gloo ranks as a 2 x 2 ("tp", "dp") mesh, the ZeRO paper's 3-D layout in small: a Megatron-style MLP
 whose first Linear is column-parallel and second row-parallel over "tp" (hand-written, its all-reduce's
@@ -258,3 +258,7 @@ def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
             for key, value in s.items():
                 assert torch.equal(state["state"][i][key], value), (i, key)
     opt.close()
+    model_sd, optim_sd = ckpt.consolidate(str(tmp_path), tag)  # and consolidates into torch's formats
+    for name, value in saved.items():
+        assert torch.equal(model_sd[name], value), name
+    assert optim_sd["state"].keys() == state["state"].keys()
