@@ -26,7 +26,7 @@ from typing import NamedTuple
 from fused_zero.config import STAGE_TRAITS, STATS_HEAD
 
 from .count import ModelCount
-from .memory import BYTES, Job, _partitions, flat_units, sharded
+from .memory import BYTES, Job, _partitions, comm_of, flat_units, kind_of, sharded
 
 #: comm_bytes() keys whose group lies inside a node, per layout (the rest cross nodes)
 INSIDE = {"flat": (), "hsdp": ("reduce_scatter", "all_gather", "all_reduce"), "hpz": ("secondary_all_gather",)}
@@ -45,20 +45,28 @@ class LevelTraffic(NamedTuple):
 
 
 def _row(layout: str, stage: int, comm: dict, nodes: int, secondary: int = 0) -> LevelTraffic:
-    inside = sum(n for k, n in comm.items() if nodes == 1 or k in INSIDE[layout])
+    inside = sum(n for k, n in comm.items() if nodes == 1 or kind_of(k) in INSIDE[layout])
     return LevelTraffic(layout, stage, inside, sum(comm.values()) - inside, comm, secondary)
 
 
-def _keys(detail: dict, *keys: str) -> dict:
-    return {k: detail[k] for k in keys}
+def _comm(detail: dict, hpz: bool = False) -> dict:
+    """The shard group's traffic of a planned stage (codecs' keys included); hpZ's backward gathers with ``hpz``."""
+    return {k: n for k, n in comm_of(detail).items() if hpz or k != "secondary_all_gather"}
 
 
-def _replicated(count: ModelCount, job: Job, stage: int) -> int:
+def _replicated(count: ModelCount, job: Job, stage: int, replicas: int) -> dict:
     """HSDP's all-reduce over the replicas: each reduced bucket's shard (grad_buckets.GradBucket.finish), and the
-    step's stats without the norm (stats.all_reduce_stats)."""
-    shards = sum(BYTES[job.reduce_dtype or part.dtype] * part.layout.buckets[k].shard_numel
-                 for part in _partitions(count, job, stage) if not part.frozen for k in part.launched())
-    return 2 * (shards + 4 * (STATS_HEAD - 1 + sum(1 for s in count.params if s.trainable)))  # an all-reduce: 2Ψ
+    step's stats without the norm (stats.all_reduce_stats). With qgZ the shards go in two exchanges (codec.TwoPhase):
+    an all-to-all of ``replicas`` slices of ceil(shard / replicas) elements, then an all-gather of the summed slices,
+    each ``replicas`` payloads of a slice, under "replicate_all_reduce_int8" (or _int4)."""
+    shards = [(BYTES[job.reduce_dtype or part.dtype], part.layout.buckets[k].shard_numel)
+              for part in _partitions(count, job, stage) if not part.frozen for k in part.launched()]
+    stats = 2 * 4 * (STATS_HEAD - 1 + sum(1 for s in count.params if s.trainable))  # an all-reduce: 2Ψ
+    if job.grad_comm is None:
+        return {"replicate_all_reduce": 2 * sum(r * n for r, n in shards) + stats}
+    slices = [-(-n // replicas) for _, n in shards]
+    return {"replicate_all_reduce": stats,
+            f"replicate_all_reduce_{job.grad_comm}": 2 * job.coded(job.grad_comm, slices, replicas)}
 
 
 def levels(count: ModelCount, job: Job, nodes: int, layers: int | None = None) -> tuple[LevelTraffic, ...]:
@@ -72,14 +80,11 @@ def levels(count: ModelCount, job: Job, nodes: int, layers: int | None = None) -
         if not traits.shards_states:
             continue
         d = flat_units(sharded(count, flat, stage), count, flat, layers).detail
-        rows.append(_row("flat", stage, _keys(d, "reduce_scatter", "all_gather", "all_reduce"), nodes))
+        rows.append(_row("flat", stage, _comm(d), nodes))
         d = flat_units(sharded(count, node, stage), count, node, layers).detail
-        comm = dict(_keys(d, "reduce_scatter", "all_gather", "all_reduce"),
-                    replicate_all_reduce=_replicated(count, node, stage))
-        rows.append(_row("hsdp", stage, comm, nodes))
+        rows.append(_row("hsdp", stage, dict(_comm(d), **_replicated(count, node, stage, nodes)), nodes))
         if traits.shards_params and g > 1:
             hpz = replace(job, secondary_shard=g)
             d = flat_units(sharded(count, hpz, stage), count, hpz, layers).detail
-            comm = _keys(d, "reduce_scatter", "all_gather", "all_reduce", "secondary_all_gather")
-            rows.append(_row("hpz", stage, comm, nodes, d["secondary"]))
+            rows.append(_row("hpz", stage, _comm(d, hpz=True), nodes, d["secondary"]))
     return tuple(rows)
