@@ -107,8 +107,9 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     than ``max_offload`` ("none", "cpu" or "nvme"). ``secondary_shard``: stage 3 with hpZ (ZeroConfig's;
     stages 1-2 are planned without it). ``param_comm`` ("int8": qwZ, stage 3's gathers; stages 1-2 are planned
     without it), ``grad_comm`` ("int8", "int4": qgZ) and ``quant_block``: the codecs (ZeroConfig's), whose payloads
-    the traffic counts under comm_bytes()'s keys ("all_gather_int8", ...). ``Plan.levels`` splits each stage's traffic into inside a node and
-    across nodes for flat ZeRO, HSDP and hpZ. Raises ValueError or TypeError saying what to change.
+    the traffic counts under comm_bytes()'s keys ("all_gather_int8", ...). ``Plan.levels`` splits each stage's
+    traffic into inside a node and across nodes for flat ZeRO, HSDP and hpZ. Raises ValueError or TypeError
+    saying what to change.
     """
     if (params is None) == (model is None):
         raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")

@@ -15,6 +15,11 @@ nodes of ``g`` ranks each, one training step of one micro-batch:
                all-gather and the stats cross nodes); backward's all-gathers run inside a node
                ("secondary_all_gather"), at the cost of the node-local copies (``secondary``)
 
+With the codecs (``param_comm``, ``grad_comm``: comm/codec.py) a collective they replace counts its payloads
+under its key suffixed by the codec ("reduce_scatter_int8", "all_gather_int8" for stage 3's gathers but hpZ's
+backward ones, which stay exact; "replicate_all_reduce_int8": HSDP's two exchanges over the replicas), at the
+level of its group as before; ``coded_inside`` / ``coded_across`` say how much of each level they are.
+
 Each row's ``comm`` holds the figures under ``comm_bytes()``'s keys, which tests compare to what the
 optimizer measures. One micro-batch: each further accumulated micro-batch at stage 3 repeats the gathers.
 """
@@ -42,11 +47,19 @@ class LevelTraffic(NamedTuple):
     across: int
     comm: dict  # comm_bytes() key -> bytes
     secondary: int = 0  # hpZ: device bytes of the node-local copies at their most (memory_bytes()'s "secondary")
+    coded_inside: int = 0  # of ``inside``, the codecs' payloads (keys such as "reduce_scatter_int8")
+    coded_across: int = 0  # of ``across``, the codecs' payloads
 
 
 def _row(layout: str, stage: int, comm: dict, nodes: int, secondary: int = 0) -> LevelTraffic:
-    inside = sum(n for k, n in comm.items() if nodes == 1 or kind_of(k) in INSIDE[layout])
-    return LevelTraffic(layout, stage, inside, sum(comm.values()) - inside, comm, secondary)
+    def level(coded: bool) -> tuple[int, int]:
+        mine = [(k, n) for k, n in comm.items() if (kind_of(k) != k) == coded]
+        inside = sum(n for k, n in mine if nodes == 1 or kind_of(k) in INSIDE[layout])
+        return inside, sum(n for _, n in mine) - inside
+
+    (plain_in, plain_out), (coded_in, coded_out) = level(False), level(True)
+    return LevelTraffic(layout, stage, plain_in + coded_in, plain_out + coded_out, comm, secondary, coded_in,
+                        coded_out)
 
 
 def _comm(detail: dict, hpz: bool = False) -> dict:
