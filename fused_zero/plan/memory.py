@@ -27,6 +27,13 @@ param dtype's bytes and R the reduce dtype's:
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
 
+Traffic per step (detail's "reduce_scatter", "all_gather", "all_reduce", "secondary_all_gather") is what
+``comm_bytes()`` reports. With the codecs (``Job.param_comm`` / ``grad_comm``, comm/codec.py; none alone) a
+collective they replace counts under its key suffixed by the codec, as payloads (``config.payload_bytes``: the
+values padded to 4 bytes and an fp32 scale per ``quant_block``): "reduce_scatter_int8" / "_int4", N payloads of
+each reduced bucket's shard; "all_gather_int8", stage 3's gathers (forward's, and backward's but hpZ's), N
+payloads of each bucket's shard (frozen partitions' too; full_parameters() and checkpoints gather exactly).
+
 The offload tiers (``offload_optimizer``, ``offload_params``, ZeroConfig's) move bytes off the
 device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
 
