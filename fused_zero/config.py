@@ -21,6 +21,19 @@ MAX_INFLIGHT = 2
 #: and the checksum's (c1, c1**2, c2, c2**2).
 STATS_HEAD = 2 + 4
 
+#: The communication codecs (``ZeroConfig.param_comm`` / ``grad_comm``, comm/codec.py): bits per value.
+CODECS = {"int8": 8, "int4": 4}
+
+
+def quant_words(n: int, bits: int) -> int:
+    """4-byte words of the quantized values of one chunk of ``n`` elements (int8 one byte each, int4 two a byte)."""
+    return -(-(n if bits == 8 else -(-n // 2)) // 4)
+
+
+def payload_bytes(n: int, bits: int, block: int) -> int:
+    """Bytes of one chunk of ``n`` elements encoded (ops/quant.py): the values, padded to 4 bytes, and an fp32 scale
+    per block of ``block`` elements. Pure integer math: the runtime and the planner (``plan/``) both count by it."""
+    return 4 * (quant_words(n, bits) + -(-n // block))
 
 
 class StageTraits(NamedTuple):

@@ -7,8 +7,10 @@ gradient shard itself is within the codec's error of the exact one; every rank c
 same parameters (stage 3: the dequantized gathered weights, captured in the forward, are bitwise equal
 on every rank; HSDP: both replicas hold bitwise equal parameters); ``comm_bytes()`` reports each codec's
 bytes under its own key, at most 0.55x a bf16 all-gather (qwZ), 0.3x / 0.17x an fp32 reduce-scatter
-(qgZ int8 / int4); with the codecs off nothing changes (the other suites check it bitwise). Refused on
-every rank, naming the fix: qwZ at stages 1-2, unknown codecs, a bad block size, ranks that disagree.
+(qgZ int8 / int4), and exactly what the planner (``estimate(param_comm=, grad_comm=, quant_block=)``, and its
+HSDP row of ``Plan.levels``) says a step sends; with the codecs off nothing changes (the other suites check it
+bitwise). Refused on every rank, naming the fix: qwZ at stages 1-2, unknown codecs, a bad block size, ranks that
+disagree.
 """
 import pytest
 import torch
@@ -17,6 +19,8 @@ from torch import nn
 
 from _dist import RanksFailed, run_ranks
 from fused_zero import ShardedOptimizer, ZeroConfig
+from fused_zero.plan import estimate
+from fused_zero.plan.memory import comm_of
 
 STEPS = 12
 LR = 1e-2
@@ -78,6 +82,19 @@ def _train(rank, world_size, stage, param_comm=None, grad_comm=None, dtype=torch
     return losses, traffic, seen[-1].float(), final, shards
 
 
+def _planned(dtype=torch.float32, nodes=1, **codecs):
+    """The plan of _train's run: on 2 ranks, or on 4 as ``nodes`` replicas (HSDP)."""
+    with torch.device("meta"):
+        model = MLP(dtype)
+    return estimate(model=model, world_size=2 if nodes == 1 else 4, nodes=nodes, bucket_numel=1000, quant_block=64,
+                    **codecs)
+
+
+def _as_planned(traffic: dict, planned: dict) -> None:
+    """A step's comm_bytes() is the planner's, key by key (codecs' included; keys with no bytes aside)."""
+    assert {k: n for k, n in traffic.items() if n} == {k: n for k, n in planned.items() if n}, (traffic, planned)
+
+
 def _mean_losses(results):
     return torch.tensor([r[0] for r in results]).mean(0)
 
@@ -94,12 +111,14 @@ def test_qgz_trains_close_to_full_precision(stage, codec):
     got = run_ranks(_train, 2, stage, grad_comm=codec)
     _close(got, base, codec)
     qmax = {"int8": 127, "int4": 7}[codec]
+    planned = comm_of(_planned(grad_comm=codec).stage(stage).detail)
     for (_, traffic, _, final, shards), (_, full, _, _, exact) in zip(got, base):
         # the first step's reduced gradient: within one half-step per rank of the largest block
         for s, e in zip(shards, exact):
             assert (s - e).abs().max() <= 2 * 0.5 * e.abs().max() * 2 / qmax  # 2 ranks, |g_r| <= ~2|sum|
             assert not torch.equal(s, e)  # quantized: the bound is not vacuous
         assert traffic["reduce_scatter"] == 0 and full["reduce_scatter"] > 0
+        _as_planned(traffic, planned)  # the payloads, scales and padding included
         ratio = traffic[f"reduce_scatter_{codec}"] / full["reduce_scatter"]
         assert ratio <= {"int8": 0.3, "int4": 0.17}[codec], ratio
     assert all(torch.equal(a, b) for a, b in zip(got[0][3], got[1][3]))  # the same parameters on both ranks
@@ -114,10 +133,12 @@ def test_qwz_every_rank_computes_with_the_same_dequantized_weights(dtype, bar):
     assert torch.equal(w0, w1)  # the gathered weights the forward used: bitwise the same on both ranks
     assert all(torch.equal(a, b) for a, b in zip(f0, f1))
     exact = f0[2]  # the b weight from the shards (full_parameters() gathers exactly)
+    planned = comm_of(_planned(dtype, param_comm="int8").stage(3).detail)
     assert not torch.equal(w0, exact) and (w0 - exact).abs().max() <= exact.abs().max() / 127
     for traffic, full in ((t0, base[0][1]), (t1, base[1][1])):
         assert traffic["all_gather"] == 0
         assert traffic["all_gather_int8"] <= bar * full["all_gather"], (traffic, full)
+        _as_planned(traffic, planned)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)])
@@ -128,6 +149,7 @@ def test_qgz_under_hsdp_keeps_the_replicas_identical(mesh_shape):
     got = run_ranks(_train, 4, 2, grad_comm="int8", mesh_shape=mesh_shape, timeout=180)
     _close(got, base, "int8")
     finals = [r[3] for r in got]
+    row = next(r for r in _planned(nodes=mesh_shape[0], grad_comm="int8").levels if (r.layout, r.stage) == ("hsdp", 2))
     for other in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
     for (_, traffic, *_), (_, full, *_) in zip(got, base):
@@ -138,6 +160,8 @@ def test_qgz_under_hsdp_keeps_the_replicas_identical(mesh_shape):
         assert 0 < stats < 128
         grads = full["replicate_all_reduce"] - stats
         assert 0 < traffic["replicate_all_reduce_int8"] <= 0.3 * grads, (traffic, full)
+        _as_planned(traffic, row.comm)  # the planner's HSDP row: what stays inside a node, what crosses
+        assert row.across == traffic["replicate_all_reduce"] + traffic["replicate_all_reduce_int8"]
 
 
 def _refused(rank, world_size, **options):

@@ -286,6 +286,41 @@ def test_levels_split_each_layouts_traffic_inside_and_across_nodes():
     assert estimate(model=model, world_size=4).levels == ()  # one node: nothing crosses
 
 
+def test_codecs_closed_forms():
+    """Ψ = 4 buckets of 2**24 bf16 elements on 8 ranks (shards of 2**21, no padding), quant_block 256: qgZ sends
+    8 payloads of a shard per bucket (int8: a byte a value + one fp32 scale per 256; int4: half a byte), qwZ
+    the same for each stage-3 gather (forward, and backward again: one flat unit), HSDP over 2 nodes of 8 two
+    exchanges of 2 payloads of half a shard; hpZ's backward gathers stay exact, inside the node."""
+    psi, shard, scales = 4 << 24, 1 << 21, 4 * (1 << 21) // 256
+    base = estimate(psi, world_size=8)
+    for codec, values in (("int8", shard), ("int4", shard // 2)):
+        plan = estimate(psi, world_size=8, grad_comm=codec)
+        for n in (1, 2, 3):
+            d = plan.stage(n).detail
+            assert d["reduce_scatter"] == 0 and d[f"reduce_scatter_{codec}"] == 8 * 4 * (values + scales)
+            assert plan.stage(n).comm_bytes == base.stage(n).comm_bytes - base.stage(n).detail["reduce_scatter"] \
+                + d[f"reduce_scatter_{codec}"]
+    qwz = estimate(psi, world_size=8, param_comm="int8")
+    d = qwz.stage(3).detail
+    assert d["all_gather"] == 0 and d["all_gather_int8"] == 2 * 8 * 4 * (shard + scales)
+    assert qwz.stage(3).comm_bytes == d["reduce_scatter"] + d["all_gather_int8"] + d["all_reduce"]
+    for n in (1, 2):  # stages 1-2 are planned without it (the optimizer refuses it there), and the note says so
+        assert qwz.stage(n) == base.stage(n)
+    assert any("stages 1-2 gather once per step" in note for note in qwz.notes)
+    assert "reduce_scatter_int8" not in estimate(psi, grad_comm="int8").stage(2).detail  # alone: nothing coded
+    rows = {(r.layout, r.stage): r for r in estimate(psi, world_size=16, nodes=2, grad_comm="int8",
+                                                   param_comm="int8", layers=4).levels}
+    hsdp = rows["hsdp", 2]
+    assert hsdp.comm["replicate_all_reduce_int8"] == 4 * 2 * 2 * (shard // 2 + scales // 2)
+    assert hsdp.coded_across == hsdp.comm["replicate_all_reduce_int8"] == \
+        hsdp.across - hsdp.comm["replicate_all_reduce"]
+    assert hsdp.coded_inside == hsdp.comm["reduce_scatter_int8"] == 8 * 4 * (shard + scales)
+    hpz = rows["hpz", 3]  # forward's gathers coded across nodes, backward's (3 of 4 layers) exact inside
+    assert hpz.coded_inside == 0 and hpz.inside == hpz.comm["secondary_all_gather"] == 2 * psi * 3 // 4
+    assert hpz.coded_across == hpz.comm["reduce_scatter_int8"] + hpz.comm["all_gather_int8"]
+    assert hpz.comm["all_gather_int8"] == 16 * 4 * ((shard // 2) + scales // 2)
+
+
 @pytest.mark.parametrize("kwargs,error,words", [
     (dict(params=-5), ValueError, "params must be a whole number >= 1"),
     (dict(params=0), ValueError, "params"),
@@ -307,6 +342,9 @@ def test_levels_split_each_layouts_traffic_inside_and_across_nodes():
     (dict(params=1e9, world_size=4, secondary_shard=3), ValueError, "does not divide world_size 4"),
     (dict(params=1e9, world_size=4, secondary_shard=1), ValueError, "secondary_shard must be a whole number >= 2"),
     (dict(params=1e9, world_size=4, secondary_shard="2"), TypeError, "secondary_shard must be a number"),
+    (dict(params=1e9, param_comm="int4"), ValueError, 'param_comm must be None or "int8"'),
+    (dict(params=1e9, grad_comm="fp8"), ValueError, 'grad_comm must be None, "int8" or "int4"'),
+    (dict(params=1e9, grad_comm="int8", quant_block=100), ValueError, "quant_block must be a power of two"),
     (dict(), ValueError, "exactly one"),
     (dict(params=1e9, model=torch.nn.Linear(2, 2)), ValueError, "exactly one"),
     (dict(model="gpt"), TypeError, "model must be a torch.nn.Module"),

@@ -215,3 +215,31 @@ def test_traffic_per_level_with_nodes_and_gpus_per_node(capsys):
             else r["inside"] == r["comm"]["secondary_all_gather"] > 0
     code, out, _ = _run(["--params", "1e9", "--world-size", "8"], capsys)
     assert code == 0 and "traffic per level" not in out
+
+
+def test_codec_flags_plan_the_payloads_per_level(capsys):
+    """--grad-comm / --param-comm / --quant-block reach estimate(): the table names the codecs and shows each
+    row's coded part inside and across nodes, the JSON the codecs' keys; a block ZeroConfig refuses is refused."""
+    from fused_zero.plan import estimate
+    argv = ["--params", "1e9", "--nodes", "2", "--gpus-per-node", "4", "--layers", "8"]
+    code, out, _ = _run(argv + ["--grad-comm", "int4", "--param-comm", "int8", "--quant-block", "64"], capsys)
+    assert code == 0
+    block = out[out.index("traffic per level"):].splitlines()
+    assert block[1].startswith("codecs: grad_comm=int4, param_comm=int8 (stage 3), quant_block=64")
+    assert block[2].split()[-4:] == ["coded", "inside", "coded", "across"]
+    plan = estimate(1e9, world_size=8, nodes=2, layers=8, grad_comm="int4", param_comm="int8", quant_block=64)
+    for line, r in zip(block[3:10], plan.levels):
+        cells = [float(c) for c in line.split()[-5:] if c != "-"]
+        want = [r.inside, r.across] + ([r.secondary] if r.layout == "hpz" else []) + [r.coded_inside, r.coded_across]
+        assert cells == [round(n / (1 << 30), 2) for n in want], (line, r)
+        assert r.coded_inside + r.coded_across > 0
+    code, out, _ = _run(argv + ["--grad-comm", "int4", "--json"], capsys)
+    levels = json.loads(out)["levels"]
+    assert all(r["comm"]["reduce_scatter_int4"] > 0 == r["comm"]["reduce_scatter"] for r in levels)
+    assert all("all_gather_int8" not in r["comm"] for r in levels)
+    code, out, _ = _run(argv, capsys)
+    assert "codecs:" not in out and "coded" not in out
+    code, out, err = _run(["--params", "1e9", "--grad-comm", "int8", "--quant-block", "100"], capsys)
+    assert code == 2 and "quant_block must be a power of two from 32 to 8192" in err
+    code, out, err = _run(["--params", "1e9", "--param-comm", "int4"], capsys)
+    assert code == 2 and "invalid choice: 'int4'" in err

@@ -33,10 +33,8 @@ from typing import NamedTuple
 import torch
 
 from .. import ops
+from ..config import CODECS
 from .collectives import Comm, Handle
-
-#: ``ZeroConfig.param_comm`` / ``grad_comm`` names: bits per value.
-CODECS = {"int8": 8, "int4": 4}
 
 
 def _after(handle: Handle, fn: Callable[[], object]) -> Handle:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import payload_bytes, quant_words
 from . import _backend
 from ._checks import FLOATS, check_bool, check_flat, check_same_device
 
@@ -30,18 +31,8 @@ def check_codec(bits: object, block: object) -> None:
         raise ValueError(f"the quantization block must be a power of two from {lo} to {hi}, got {block!r}")
 
 
-def _q_words(n: int, bits: int) -> int:
-    """4-byte words of one chunk's quantized values."""
-    return -(-(n if bits == 8 else -(-n // 2)) // 4)
-
-
-def payload_bytes(n: int, bits: int, block: int) -> int:
-    """Bytes of one chunk of ``n`` elements encoded: the values, padded to 4 bytes, and a fp32 scale a block."""
-    return 4 * (_q_words(n, bits) + -(-n // block))
-
-
 def _geometry(n: int, bits: int, block: int) -> dict:
-    return dict(n=n, chunk_words=payload_bytes(n, bits, block) // 4, q_words=_q_words(n, bits), bits=bits,
+    return dict(n=n, chunk_words=payload_bytes(n, bits, block) // 4, q_words=quant_words(n, bits), bits=bits,
                 block=block)
 
 

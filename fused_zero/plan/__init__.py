@@ -95,7 +95,8 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
              max_live_units: int = _DEFAULTS.max_live_units, reshard_after_forward: bool = True,
              units=None, min_unit_numel: int = _DEFAULTS.min_unit_numel, host_memory=None,
              offload_chunk_numel: int = _DEFAULTS.offload_chunk_numel,
-             max_offload: str = "nvme", secondary_shard: int | None = None) -> Plan:
+             max_offload: str = "nvme", secondary_shard: int | None = None, param_comm: str | None = None,
+             grad_comm: str | None = None, quant_block: int = _DEFAULTS.quant_block) -> Plan:
     """Plan the memory per rank of training ``params`` elements, or ``model`` (an nn.Module, best on meta).
 
     Sizes are bytes (``gpu_memory`` per GPU, ``host_memory`` per node, ``activations``);
@@ -104,8 +105,11 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     when no stage fits on the device the recommendation takes the cheapest tier that does (and
     whose host bytes fit ``host_memory`` among the node's ranks, when given), going no further
     than ``max_offload`` ("none", "cpu" or "nvme"). ``secondary_shard``: stage 3 with hpZ (ZeroConfig's;
-    stages 1-2 are planned without it). ``Plan.levels`` splits each stage's traffic into inside a node and
-    across nodes for flat ZeRO, HSDP and hpZ. Raises ValueError or TypeError saying what to change.
+    stages 1-2 are planned without it). ``param_comm`` ("int8": qwZ, stage 3's gathers; stages 1-2 are planned
+    without it), ``grad_comm`` ("int8", "int4": qgZ) and ``quant_block``: the codecs (ZeroConfig's), whose payloads
+    the traffic counts under comm_bytes()'s keys ("all_gather_int8", ...). ``Plan.levels`` splits each stage's
+    traffic into inside a node and across nodes for flat ZeRO, HSDP and hpZ. Raises ValueError or TypeError
+    saying what to change.
     """
     if (params is None) == (model is None):
         raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")
@@ -119,7 +123,7 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
               _count("max_live_units", max_live_units), bool(reshard_after_forward),
               _count("offload_chunk_numel", offload_chunk_numel),
               _count("min_unit_numel", min_unit_numel, minimum=0),
-              _secondary(secondary_shard, world_size))
+              _secondary(secondary_shard, world_size), *_codecs(param_comm, grad_comm, quant_block))
     if max_offload not in OFFLOAD:
         raise ValueError(f"max_offload must be one of {', '.join(OFFLOAD)} (how far the recommendation may "
                          f"offload), got {max_offload!r}")
@@ -143,7 +147,7 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     stages = tuple(with_activations(s, act_bytes) for s in stages)
     rec = recommend(stages, world_size, gpu_memory, headroom, host_memory, world_size // nodes, max_offload)
     return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,
-                _notes(count, act, layers), host_memory, max_offload, levels(count, job, nodes, layers))
+                _notes(count, act, layers, job), host_memory, max_offload, levels(count, job, nodes, layers))
 
 
 def _secondary(value, world_size: int) -> int | None:
@@ -154,6 +158,12 @@ def _secondary(value, world_size: int) -> int | None:
     if world_size % value:
         raise ValueError(f"secondary_shard {value} does not divide world_size {world_size}: give the ranks per node")
     return value
+
+
+def _codecs(param_comm, grad_comm, quant_block) -> tuple:
+    """(param_comm, grad_comm, quant_block), checked by ZeroConfig itself (at stage 3, which takes every codec)."""
+    ZeroConfig(stage=3, param_comm=param_comm, grad_comm=grad_comm, quant_block=quant_block)
+    return param_comm, grad_comm, quant_block
 
 
 def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):
@@ -172,8 +182,12 @@ def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):
                             dtype_bytes=4 if dtype == "fp32" else 2)
 
 
-def _notes(count: ModelCount, act, layers) -> tuple[str, ...]:
+def _notes(count: ModelCount, act, layers, job: Job) -> tuple[str, ...]:
     notes = []
+    if job.param_comm is not None:
+        notes.append(f"param_comm={job.param_comm} (qwZ) quantizes stage 3's gathers: stages 1-2 gather once per step "
+                     "into every rank's only copy of the parameters and are planned without it (the optimizer "
+                     "refuses it there)")
     if not count.exact:
         notes.append("--params: one flat trainable buffer (per-parameter 64-element alignment, param groups and "
                      "frozen parameters unknown; pass --model for exact sizes)")

@@ -5,6 +5,7 @@
     python -m fused_zero.plan --model mypkg.models:build --model-path src --world-size 4 --json
     python -m fused_zero.plan --params 7e9 --gpu-memory 24GiB --host-memory 128GiB --layers 32
     python -m fused_zero.plan --params 7e9 --nodes 4 --gpus-per-node 8 --layers 32   # + traffic per level
+    python -m fused_zero.plan --params 7e9 --nodes 4 --gpus-per-node 8 --layers 32 --grad-comm int8 --param-comm int8
 
 Bad input ends with ``error: ...`` on stderr and exit code 2, as argparse does.
 """
@@ -90,6 +91,12 @@ _JOB = (
     ("--max-live-units", "positive", 2, "N", "stage 3 units gathered at once besides the root (default 2)"),
     ("--min-unit-numel", "nonnegative", 1 << 20, "N", "stage 3: default units smaller than this many elements "
                                                       "are merged (default 2**20; 0: one unit per module)"),
+    ("--param-comm", ("int8",), None, None, "stage 3: qwZ, the parameter gathers sent as int8 + an fp32 scale per "
+                                            "block (stages 1-2 are planned without it)"),
+    ("--grad-comm", ("int8", "int4"), None, None, "qgZ: the gradient reduce-scatters (and HSDP's all-reduce over the "
+                                                  "replicas) sent as int8 or int4 + fp32 scales"),
+    ("--quant-block", "positive", 256, "N", "values per fp32 scale of the codecs (default 256; a power of two from "
+                                            "32 to 8192)"),
     ("--gpu-memory", "nbytes", None, "SIZE", "memory per GPU, e.g. 80GiB; needed for a recommendation"),
     ("--headroom", "fraction", 0.1, "F", "fraction of the GPU (and of the host memory) kept free (default 0.1)"),
 )
@@ -155,8 +162,9 @@ def main(argv=None) -> int:
                         seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, layers=args.layers,
                         heads=args.heads, activation_checkpointing=args.activation_checkpointing,
                         max_live_units=args.max_live_units, min_unit_numel=args.min_unit_numel,
-                        host_memory=args.host_memory,
-                        max_offload=args.max_offload, offload_chunk_numel=args.offload_chunk_numel)
+                        host_memory=args.host_memory, param_comm=args.param_comm, grad_comm=args.grad_comm,
+                        quant_block=args.quant_block, max_offload=args.max_offload,
+                        offload_chunk_numel=args.offload_chunk_numel)
         if args.model is not None:
             plan = _named(plan, args.model)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -27,6 +27,13 @@ param dtype's bytes and R the reduce dtype's:
 
 These are the figures ``ShardedOptimizer.memory_bytes()`` reports after a backward.
 
+Traffic per step (detail's "reduce_scatter", "all_gather", "all_reduce", "secondary_all_gather") is what
+``comm_bytes()`` reports. With the codecs (``Job.param_comm`` / ``grad_comm``, comm/codec.py; none alone) a
+collective they replace counts under its key suffixed by the codec, as payloads (``config.payload_bytes``: the
+values padded to 4 bytes and an fp32 scale per ``quant_block``): "reduce_scatter_int8" / "_int4", N payloads of
+each reduced bucket's shard; "all_gather_int8", stage 3's gathers (forward's, and backward's but hpZ's), N
+payloads of each bucket's shard (frozen partitions' too; full_parameters() and checkpoints gather exactly).
+
 The offload tiers (``offload_optimizer``, ``offload_params``, ZeroConfig's) move bytes off the
 device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
 
@@ -54,7 +61,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fused_zero.config import ALIGN, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, StageTraits, ZeroConfig
+from fused_zero.config import (ALIGN, CODECS, MAX_INFLIGHT, STAGE_TRAITS, STATS_HEAD, StageTraits, ZeroConfig,
+                               payload_bytes)
 from fused_zero.sharding.layout import FlatLayout, build_layout
 from fused_zero.sharding.units import merge_small
 from fused_zero.tiers.tier import Tier
@@ -143,10 +151,33 @@ class Job:
     offload_chunk_numel: int = ZeroConfig.offload_chunk_numel
     min_unit_numel: int = ZeroConfig.min_unit_numel  # stage 3: default units smaller than this are merged
     secondary_shard: int | None = None  # stage 3's hpZ: backward gathers inside blocks of this many ranks
+    param_comm: str | None = None  # stage 3's qwZ: "int8" (comm/codec.py); stages 1-2 gather exactly
+    grad_comm: str | None = None  # qgZ: "int8" or "int4"
+    quant_block: int = ZeroConfig.quant_block
 
     def regathered(self) -> str:
-        """The comm_bytes() key of backward's gathers at stage 3: inside a node with hpZ, else the shard group's."""
-        return "all_gather" if self.secondary_shard is None else "secondary_all_gather"
+        """The comm_bytes() key of backward's gathers at stage 3: inside a node with hpZ (exact), else the shard
+        group's, as forward's (with qwZ, "all_gather_int8")."""
+        return self.key("all_gather") if self.secondary_shard is None else "secondary_all_gather"
+
+    def key(self, kind: str) -> str:
+        """The comm_bytes() key of the shard group's ``kind`` ("reduce_scatter"; stage 3's "all_gather"): suffixed
+        by the codec that replaces it ("reduce_scatter_int8"); as it is without one or alone (codec.codec_for)."""
+        codec = self.param_comm if kind == "all_gather" else self.grad_comm
+        return kind if codec is None or self.world_size == 1 else f"{kind}_{codec}"
+
+    def coded(self, codec: str, shards, ranks: int) -> int:
+        """Bytes of one coded exchange per shard size in ``shards`` over ``ranks`` ranks: ``ranks`` payloads of a
+        shard each (comm/codec.py: an all-to-all counts its input, an all-gather its output)."""
+        return ranks * sum(payload_bytes(n, CODECS[codec], self.quant_block) for n in shards)
+
+    def sent(self, kind: str, buckets, elem_bytes: int) -> int:
+        """Bytes of one ``kind`` of each of ``buckets`` under ``key(kind)``: their elements at ``elem_bytes`` each,
+        or with a codec ``world_size`` payloads of a bucket's shard."""
+        key = self.key(kind)
+        if key == kind:
+            return elem_bytes * sum(b.numel for b in buckets)
+        return self.coded(key.rpartition("_")[2], [b.shard_numel for b in buckets], self.world_size)
 
     @property
     def chunk(self) -> int:
@@ -254,6 +285,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                        "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
                        "nvme_states", "host_params", "nvme_params", "host_grads", "host_scratch",
                        "host_staging", "device_staging", "secondary_all_gather", "secondary"], 0)
+    for key in (job.key("reduce_scatter"),) + ((job.key("all_gather"),) if traits.shards_params else ()):
+        d.setdefault(key, 0)  # a codec's (qgZ; qwZ at stage 3)
     pools: dict[str, list[int]] = {}  # reduce dtype -> [buckets reduced, largest bucket]
     unit_bytes: dict[int, int] = {}
     moved: dict[int, int] = {}  # unit -> bytes of its offloaded param shards (staged for each gather)
@@ -281,17 +314,18 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
             pool[0] += len(launched)
             pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
             pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
-        reduced = sum(part.layout.buckets[k].numel for k in launched)
-        d["reduce_scatter"] += r * reduced
+        reduced = [part.layout.buckets[k] for k in sorted(launched)]
+        d[job.key("reduce_scatter")] += job.sent("reduce_scatter", reduced, r)  # qgZ: an all-to-all of payloads
         # stage 3 gathers every unit in forward and, resharded, every unit but the root and the last (kept
         # gathered into backward, which needs it first) again in backward
-        again = full if part.unit and part.unit != kept and job.reshard_after_forward else 0
-        if traits.shards_params:  # hpZ: backward's gathers inside a node, from copies of 1/s of the unit
-            d["all_gather"] += p * full
-            d[job.regathered()] += p * again
-            d["secondary"] += p * again // job.secondary_shard if job.secondary_shard else 0
+        again = part.unit and part.unit != kept and job.reshard_after_forward
+        if traits.shards_params:  # hpZ: backward's gathers inside a node (exact), from copies of 1/s of the unit
+            gather = job.sent("all_gather", part.layout.buckets, p)  # qwZ: payloads of every bucket's shard
+            d[job.key("all_gather")] += gather
+            d[job.regathered()] += (gather if job.secondary_shard is None else p * full) if again else 0
+            d["secondary"] += p * full // job.secondary_shard if job.secondary_shard and again else 0
         else:
-            d["all_gather"] += p * reduced
+            d["all_gather"] += p * sum(b.numel for b in reduced)
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
     if opt is not None:
@@ -319,11 +353,26 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     else:
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
     optimizer = d["master"] + d["exp_avg"] + d["exp_avg_sq"]
-    comm = d["reduce_scatter"] + d["all_gather"] + d["all_reduce"] + d["secondary_all_gather"]
+    comm = sum(comm_of(d).values())
     host = d["host_states"] + d["host_params"] + d["host_grads"] + d["host_scratch"] + d["host_staging"]
     return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
                          offload=tier(opt, par), host=host,
                          nvme=d["nvme_states"] + d["nvme_params"], staging=d["device_staging"])
+
+
+#: comm_bytes()'s keys of the shard group's collectives; a codec's are these suffixed by its name ("all_gather_int8")
+COMM = ("reduce_scatter", "all_gather", "all_reduce", "secondary_all_gather")
+
+
+def kind_of(key: str) -> str:
+    """The collective a comm_bytes() key counts: the key without its codec's suffix ("reduce_scatter_int8")."""
+    head, _, codec = key.rpartition("_")
+    return head if codec in CODECS else key
+
+
+def comm_of(detail: dict) -> dict:
+    """The figures of a planned ``detail`` under comm_bytes()'s keys: the collectives' and the codecs'."""
+    return {k: n for k, n in detail.items() if kind_of(k) in COMM}
 
 
 def _states(d: dict, opt: str | None, shard: int) -> None:
@@ -377,6 +426,8 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
         staging = _in_flight({u: -(-moved // layers) * len(run) for u, run in enumerate(runs)}, job) if moved else 0
         if gather_again:  # the last unit stays gathered into backward
             gather_again = p * per_layer * (layers - len(runs[-1]))
+    if job.regathered() not in COMM and gather_again:  # qwZ: payloads, in proportion to forward's of the flat buffer
+        gather_again = detail[job.regathered()] * gather_again // detail["param_full"]
     detail[job.regathered()] += gather_again
     if job.secondary_shard and gather_again:  # hpZ: the copies of the units backward gathers again
         detail["secondary"] = gather_again // job.secondary_shard

@@ -144,13 +144,21 @@ def levels_table(plan: Plan) -> list[str]:
         return []
     size, unit = scale(max(max(r.inside, r.across) for r in plan.levels) or 1)
     g = plan.ranks_per_node
+    job = plan.job
+    codecs = ([f"grad_comm={job.grad_comm}"] if job.grad_comm else []) + \
+        ([f"param_comm={job.param_comm} (stage 3)"] if job.param_comm else [])
     lines = ["", f"traffic per level, {unit} per rank per step (one micro-batch; {plan.nodes} nodes x {g} ranks; "
-                 f"HSDP: shard group = a node; hpZ: secondary_shard={g})",
-             f"{'':<18}{'inside a node':>15}{'across nodes':>15}{'hpZ copies':>13}"]
+                 f"HSDP: shard group = a node; hpZ: secondary_shard={g})"]
+    if codecs:  # the codecs' payloads apart: how much of each level they carry
+        lines.append(f"codecs: {', '.join(codecs)}, quant_block={job.quant_block}; "
+                     "coded: of those, the codecs' payloads")
+    lines.append(f"{'':<18}{'inside a node':>15}{'across nodes':>15}{'hpZ copies':>13}"
+                 + (f"{'coded inside':>15}{'coded across':>15}" if codecs else ""))
     for r in plan.levels:
         copies = f"{r.secondary / size:.2f}" if r.layout == "hpz" else "-"
+        coded = f"{r.coded_inside / size:>15.2f}{r.coded_across / size:>15.2f}" if codecs else ""
         lines.append(f"{f'stage {r.stage} {LAYOUTS[r.layout]}':<18}{r.inside / size:>15.2f}{r.across / size:>15.2f}"
-                     f"{copies:>13}")
+                     f"{copies:>13}{coded}")
     return lines
 
 
