@@ -1,0 +1,142 @@
+"""Loss with quantized communication (ZeRO++'s qwZ and qgZ) against full precision, on the example GPT.
+
+    torchrun --standalone --nproc_per_node=2 examples/codec_loss.py --steps 200 \
+        --json bench/results/codec_loss.json --plot docs/codec_loss.png
+
+Trains the same GPT (by default the benchmarks' 33.7M one: d 512, 8 layers, vocab 8192, untied head,
+seq 128) from the same initial values on the same batches once per variant, ZeRO stage 3:
+full precision, ``param_comm="int8"`` (the all-gathers), ``grad_comm="int8"`` and ``grad_comm="int4"``
+(the gradient reduction). Each variant's final loss is the mean of its last ``--tail`` steps; the
+script prints each one's difference from full precision and exits 1 when one is past ``--tol``
+(default 1%). ``--json`` keeps every step's loss and each variant's ``comm_bytes()``; ``--plot``
+draws the four curves in one picture (needs matplotlib: ``pip install -e '.[plot]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT, GPTConfig, lr_lambda, markov_entropy, synthetic_batch  # noqa: E402
+from train_gpt import DTYPES, setup_distributed  # noqa: E402
+
+from fused_zero import ShardedOptimizer  # noqa: E402
+
+#: name -> the ShardedOptimizer options that differ from full precision
+VARIANTS = {"full precision": {}, 'param_comm="int8"': {"param_comm": "int8"},
+            'grad_comm="int8"': {"grad_comm": "int8"}, 'grad_comm="int4"': {"grad_comm": "int4"}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the parameters' dtype (bf16: the optimizer keeps an fp32 master)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak lr (warm-up of steps/10, then cosine)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--tail", type=int, default=10, help="steps averaged for the final loss")
+    p.add_argument("--tol", type=float, default=0.01, help="largest relative final-loss difference accepted")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
+    p.add_argument("--json", default=None, help="write every step's loss and the comm bytes here")
+    p.add_argument("--plot", default=None, help="draw the loss curves into this PNG")
+    args = p.parse_args(argv)
+    if args.steps < 1 or not 0 < args.tail <= args.steps:
+        p.error("--steps must be >= 1 and --tail in [1, steps]")
+    return args
+
+
+def train(args, cfg: GPTConfig, options: dict, rank: int, world: int, device) -> dict:
+    """``args.steps`` steps of ZeRO stage 3 with ``options``; every step's loss (mean over ranks)."""
+    model = GPT(cfg, seed=0).to(device=device, dtype=DTYPES[args.dtype])
+    opt = ShardedOptimizer(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, stage=3, max_grad_norm=1.0,
+                           **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, args.steps // 10), args.steps))
+    losses, t0 = [], time.perf_counter()
+    for step in range(args.steps):
+        x, y = synthetic_batch(cfg, args.batch_size, step=step, rank=rank, device=device)
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        mean = loss.detach() / world
+        if world > 1:
+            dist.all_reduce(mean)
+        losses.append(mean.item())
+        if rank == 0 and (step + 1) % 20 == 0:
+            print(f"  step {step + 1:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    comm = opt.comm_bytes()
+    opt.close()
+    return {"loss": losses, "comm_bytes": comm}
+
+
+def plot(path: str, runs: dict, cfg: GPTConfig, args, world: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in runs.items():
+        ax.plot(range(1, len(run["loss"]) + 1), run["loss"], label=name, linewidth=1)
+    ax.axhline(markov_entropy(cfg.vocab, 0), color="gray", linestyle=":", linewidth=1, label="data's entropy rate")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    n = GPT(cfg).num_params()
+    ax.set_title(f"GPT {n / 1e6:.1f}M ({args.dtype}), ZeRO stage 3, {world} ranks x {args.batch_size} x "
+                 f"{cfg.seq_len} tokens a step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world, device = setup_distributed()
+    cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
+                    seq_len=args.seq_len, tie_weights=False)
+    runs = {}
+    for name in args.variants:
+        if rank == 0:
+            print(f"{name}:", flush=True)
+        runs[name] = train(args, cfg, VARIANTS[name], rank, world, device)
+    status = 0
+    if rank == 0:
+        def final(run):
+            return sum(run["loss"][-args.tail:]) / args.tail
+
+        base_name = args.variants[0]
+        base = final(runs[base_name])
+        print(f"\nfinal loss (mean of the last {args.tail} of {args.steps} steps), against {base_name}:")
+        for name, run in runs.items():
+            rel = (final(run) - base) / base
+            ok = abs(rel) <= args.tol
+            status |= not ok
+            print(f"  {name:20s} {final(run):.4f}  {rel:+.3%}  {'OK' if ok else 'PAST --tol'}"
+                  f"  comm {sum(run['comm_bytes'].values()) / 2**20:.1f} MiB/step")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": vars(args), "world_size": world, "params": GPT(cfg).num_params(),
+                           "final": {k: final(r) for k, r in runs.items()}, "runs": runs}, f, indent=1)
+        if args.plot:
+            plot(args.plot, runs, cfg, args, world)
+        assert all(math.isfinite(final(r)) for r in runs.values())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
