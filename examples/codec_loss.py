@@ -9,7 +9,8 @@ full precision, ``param_comm="int8"`` (the all-gathers), ``grad_comm="int8"`` an
 (the gradient reduction). Each variant's final loss is the mean of its last ``--tail`` steps; the
 script prints each one's difference from full precision and exits 1 when one is past ``--tol``
 (default 1%). ``--json`` keeps every step's loss and each variant's ``comm_bytes()``; ``--plot``
-draws the four curves in one picture (needs matplotlib: ``pip install -e '.[plot]'``).
+draws the four curves in one picture (needs matplotlib: ``pip install -e '.[plot]'``), and
+``--plot-from A.json B.json --plot out.png`` draws earlier runs side by side without training.
 """
 from __future__ import annotations
 
@@ -46,22 +47,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--quant-block", type=int, default=None, help="values per fp32 scale (default: ZeroConfig's)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged for the final loss")
     p.add_argument("--tol", type=float, default=0.01, help="largest relative final-loss difference accepted")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
     p.add_argument("--json", default=None, help="write every step's loss and the comm bytes here")
     p.add_argument("--plot", default=None, help="draw the loss curves into this PNG")
+    p.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                   help="train nothing: draw --plot from these --json files, one panel each")
     args = p.parse_args(argv)
     if args.steps < 1 or not 0 < args.tail <= args.steps:
         p.error("--steps must be >= 1 and --tail in [1, steps]")
+    if args.plot_from and not args.plot:
+        p.error("--plot-from needs --plot (the picture to write)")
     return args
 
 
 def train(args, cfg: GPTConfig, options: dict, rank: int, world: int, device) -> dict:
     """``args.steps`` steps of ZeRO stage 3 with ``options``; every step's loss (mean over ranks)."""
     model = GPT(cfg, seed=0).to(device=device, dtype=DTYPES[args.dtype])
+    block = {} if args.quant_block is None else {"quant_block": args.quant_block}
     opt = ShardedOptimizer(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, stage=3, max_grad_norm=1.0,
-                           **options)
+                           **options, **block)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, args.steps // 10), args.steps))
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
@@ -82,28 +89,46 @@ def train(args, cfg: GPTConfig, options: dict, rank: int, world: int, device) ->
     return {"loss": losses, "comm_bytes": comm}
 
 
-def plot(path: str, runs: dict, cfg: GPTConfig, args, world: int) -> None:
+def final(losses: list, tail: int) -> float:
+    return sum(losses[-tail:]) / tail
+
+
+def plot(path: str, results: list[dict]) -> None:
+    """One panel per result (``--json``'s contents), the variants' loss curves in each, their final losses'
+    difference from the first variant in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, run in runs.items():
-        ax.plot(range(1, len(run["loss"]) + 1), run["loss"], label=name, linewidth=1)
-    ax.axhline(markov_entropy(cfg.vocab, 0), color="gray", linestyle=":", linewidth=1, label="data's entropy rate")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
-    n = GPT(cfg).num_params()
-    ax.set_title(f"GPT {n / 1e6:.1f}M ({args.dtype}), ZeRO stage 3, {world} ranks x {args.batch_size} x "
-                 f"{cfg.seq_len} tokens a step")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4), squeeze=False, sharey=True)
+    for ax, res in zip(axes[0], results):
+        c, tail = res["config"], res["config"]["tail"]
+        runs = res["runs"]
+        base = final(next(iter(runs.values()))["loss"], tail)
+        for name, run in runs.items():
+            rel = final(run["loss"], tail) / base - 1
+            ax.plot(range(1, len(run["loss"]) + 1), run["loss"], linewidth=1, label=f"{name} ({rel:+.1%})")
+        ax.axhline(markov_entropy(c["vocab"], 0), color="gray", linestyle=":", linewidth=1,
+                   label="the data's entropy rate")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.set_title(f"GPT {res['params'] / 1e6:.1f}M, {c.get('dtype', 'fp32')} params, ZeRO stage 3, "
+                     f"{res['world_size']} ranks x {c['batch_size']} x {c['seq_len']} tokens", fontsize=9)
+        ax.legend(fontsize=8, title=f"final loss (last {tail} steps) vs the first", title_fontsize=8)
+    axes[0][0].set_ylabel("training loss")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        results = []
+        for name in args.plot_from:
+            with open(name) as f:
+                results.append(json.load(f))
+        plot(args.plot, results)
+        return 0
     rank, world, device = setup_distributed()
     cfg = GPTConfig(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
                     seq_len=args.seq_len, tie_weights=False)
@@ -114,25 +139,23 @@ def main(argv=None) -> int:
         runs[name] = train(args, cfg, VARIANTS[name], rank, world, device)
     status = 0
     if rank == 0:
-        def final(run):
-            return sum(run["loss"][-args.tail:]) / args.tail
-
         base_name = args.variants[0]
-        base = final(runs[base_name])
+        base = final(runs[base_name]["loss"], args.tail)
         print(f"\nfinal loss (mean of the last {args.tail} of {args.steps} steps), against {base_name}:")
         for name, run in runs.items():
-            rel = (final(run) - base) / base
+            rel = (final(run["loss"], args.tail) - base) / base
             ok = abs(rel) <= args.tol
             status |= not ok
-            print(f"  {name:20s} {final(run):.4f}  {rel:+.3%}  {'OK' if ok else 'PAST --tol'}"
+            print(f"  {name:20s} {final(run['loss'], args.tail):.4f}  {rel:+.3%}  {'OK' if ok else 'PAST --tol'}"
                   f"  comm {sum(run['comm_bytes'].values()) / 2**20:.1f} MiB/step")
+        result = {"config": vars(args), "world_size": world, "params": GPT(cfg).num_params(),
+                  "final": {k: final(r["loss"], args.tail) for k, r in runs.items()}, "runs": runs}
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"config": vars(args), "world_size": world, "params": GPT(cfg).num_params(),
-                           "final": {k: final(r) for k, r in runs.items()}, "runs": runs}, f, indent=1)
+                json.dump(result, f, indent=1)
         if args.plot:
-            plot(args.plot, runs, cfg, args, world)
-        assert all(math.isfinite(final(r)) for r in runs.values())
+            plot(args.plot, [result])
+        status |= not all(math.isfinite(v) for v in result["final"].values())
     if dist.is_initialized():
         dist.destroy_process_group()
     return int(status)
