@@ -78,7 +78,9 @@ def _train(rank, world_size, stage, param_comm=None, grad_comm=None, dtype=torch
     with opt.full_parameters():  # exact, even where that forward left a unit gathered
         final = [p.detach().float().clone() for p in model.parameters()]
     traffic = opt.comm_bytes()
-    opt.close()
+    opt.close()  # gives the model its parameters: exactly the shards' values, never the quantized ones
+    if not all(torch.equal(p.detach().float(), f) for p, f in zip(model.parameters(), final)):
+        raise AssertionError("close() left parameters that differ from the shards (gathered quantized?)")
     return losses, traffic, seen[-1].float(), final, shards
 
 

@@ -113,6 +113,10 @@ class _Unit:
     def gathered(self) -> bool:
         return self.state is UnitState.GATHERED
 
+    @property
+    def released(self) -> bool:
+        return self.state is UnitState.RELEASED
+
 
 class ParamGatherer(ModelStateHooks):
     """The hooks that gather, prefetch and release the units of one model."""
@@ -189,7 +193,7 @@ class ParamGatherer(ModelStateHooks):
         if self.behind is not None:
             self.behind.wait()
         for u in self.units:
-            self._issue(u)
+            self._issue_exact(u)
             self._wait(u)
             for part in u.parts:
                 for p, view in part.views():
@@ -231,6 +235,14 @@ class ParamGatherer(ModelStateHooks):
         self.live_bytes += u.nbytes
         self._live_units += u.index > 0
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _issue_exact(self, u: _Unit) -> None:
+        """``_issue``, the parameters as the shards hold them whatever ``param_comm`` says (a unit gathered
+        quantized, such as an eval forward's root, is gathered again)."""
+        with self.sync.exact():
+            if self.sync.codec is not None:
+                self._release(u)
+            self._issue(u)
 
     def _wait(self, u: _Unit) -> None:
         if u.state is not UnitState.GATHERING:
@@ -457,14 +469,6 @@ class ParamGatherer(ModelStateHooks):
         self._drop_copies()  # (each was dropped as its gather landed; none outlives the backward)
         self.state = TrainingState.IDLE
 
-    # -- user code between steps ------------------------------------------------
-    def adopt_assigned(self) -> None:
-        """Take in full values user code assigned to released parameters (``p.data = t``)."""
-        for u in self.units:
-            if u.state is UnitState.RELEASED:
-                for part in u.parts:
-                    part.adopt_assigned(self.names, self._placeholder)
-
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:
         """The shards changed (a step, a load): drop every gathered copy."""
@@ -482,13 +486,10 @@ class ParamGatherer(ModelStateHooks):
         if self.behind is not None:
             self.behind.wait()
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
-        with self.sync.exact():  # the parameters as the shards hold them, whatever param_comm says
-            for u in order:
-                if self.sync.codec is not None:  # gathered quantized (an eval forward's root): again, exactly
-                    self._release(u)
-                self._issue(u)
-            for u in order:
-                self._wait(u)
+        for u in order:
+            self._issue_exact(u)
+        for u in order:
+            self._wait(u)
         self._holding = True  # an eval forward or a state_dict() inside keeps everything gathered
         try:
             yield

@@ -1,8 +1,10 @@
-"""Stage 3 and the model's own state dict: ``model.state_dict()`` and ``model.load_state_dict()`` between steps.
+"""Stage 3 and what user code does to the model between steps: ``p.data = t``, ``model.state_dict()`` and
+``model.load_state_dict()``.
 
-The gatherer's hooks on the root module (registered in ``ParamGatherer.__init__``): a state dict read while
-units are released is refused (it would hold 0-element tensors), and a load gives released parameters
-full-size memory to load into, then writes each rank's shard of what was loaded into the masters.
+``adopt_assigned`` takes in full values assigned to released parameters. The gatherer's hooks on the root
+module (registered in ``ParamGatherer.__init__``): a state dict read while units are released is refused
+(it would hold 0-element tensors), and a load gives released parameters full-size memory to load into,
+then writes each rank's shard of what was loaded into the masters.
 """
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ import torch
 
 
 class ModelStateHooks:
-    """The state-dict hooks of ``ParamGatherer`` (a mixin: it reads the gatherer's units, names and waits)."""
+    """What ``ParamGatherer`` does about user code between steps (a mixin: it reads the gatherer's units,
+    names, placeholders and waits)."""
+
+    def adopt_assigned(self) -> None:
+        """Take in full values user code assigned to released parameters (``p.data = t``)."""
+        for u in self.units:
+            if u.released:
+                for part in u.parts:
+                    part.adopt_assigned(self.names, self._placeholder)
 
     def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         released = [self.names.get(p, tuple(shape)) for u in self.units if not u.gathered
