@@ -110,7 +110,7 @@ class ZeroConfig:
         master stays exact. ``full_parameters()`` and checkpoints gather exactly.
     grad_comm: None reduces gradients in ``reduce_dtype``; "int8" or "int4" (ZeRO++'s qgZ) replaces each
         bucket's reduce-scatter by a quantized all-to-all whose pieces every rank sums in fp32 in rank
-        order (and, with HSDP, the replicas' all-reduce by a quantized all-gather summed the same way).
+        order (and, with HSDP, the replicas' all-reduce by two quantized exchanges: comm/codec.py's TwoPhase).
     quant_block: values per fp32 scale of both codecs, a power of two from 32 to 8192.
     nvme_direct: ``offload_optimizer="nvme"``: stream the state files with
         O_DIRECT, bypassing the page cache (every step then reads and writes

@@ -20,7 +20,8 @@ all-gather as one broadcast per rank: both measured faster there than gloo's
 own collectives (see reduce_scatter and _all_gather_by_broadcast).
 
 Traffic is counted per rank as the ZeRO paper counts volume: a reduce_scatter
-counts its input's bytes (an all_to_all too), an all_gather its output's, an all_reduce its tensor's.
+counts its input's bytes (an all_to_all too), an all_gather its output's, an all_reduce twice its tensor's
+(a reduce-scatter and an all-gather: 2Ψ).
 Broadcast and object collectives are set-up only and are not counted.
 
 Why every tensor a collective is given is a pinned alias (a clean exit). A torch Work
