@@ -65,14 +65,15 @@ class Codec(NamedTuple):
     def _decode(self, payload: torch.Tensor, out: torch.Tensor, chunks: int, sum_chunks: bool) -> None:
         ops.dequantize_(payload, out, bits=self.bits, block=self.block, chunks=chunks, sum_chunks=sum_chunks)
 
-    def all_gather(self, comm: Comm, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        """``output`` <- every rank's ``input``, quantized (this rank's own included); async."""
+    def all_gather(self, comm: Comm, output: torch.Tensor, input: torch.Tensor, kind: str = "all_gather") -> Handle:
+        """``output`` <- every rank's ``input``, quantized (this rank's own included); async. Counted under
+        ``kind`` plus the codec's name."""
         n, ranks = input.numel(), comm.world_size
         size = self.payload_bytes(n)
         payload = torch.empty(ranks * size, dtype=torch.uint8, device=input.device)
         own = payload[comm.rank * size:(comm.rank + 1) * size]
         self._encode(input.view(-1), own)
-        handle = comm.all_gather(payload, own, async_op=True, kind=f"all_gather_{self.name}")
+        handle = comm.all_gather(payload, own, async_op=True, kind=f"{kind}_{self.name}")
         return _after(handle, lambda: self._decode(payload, output.view(-1), ranks, sum_chunks=False))
 
     def all_reduce_in_two(self, first: Comm, second: Comm, tensor: torch.Tensor) -> "TwoPhase":
@@ -103,46 +104,36 @@ class TwoPhase:
         if self.slice * ranks != n:
             x = torch.zeros(self.slice * ranks, dtype=tensor.dtype, device=tensor.device)
             x[:n].copy_(tensor.view(-1))
-        self.size = codec.payload_bytes(self.slice)
-        send = torch.empty(ranks * self.size, dtype=torch.uint8, device=tensor.device)
+        send = torch.empty(ranks * codec.payload_bytes(self.slice), dtype=torch.uint8, device=tensor.device)
         codec._encode(x, send, chunks=ranks)
         self.recv = torch.empty_like(send)
         self.first = first.all_to_all(self.recv, send, async_op=True, kind=f"all_reduce_{codec.name}")
-        self.gathered: torch.Tensor | None = None
-        self.then: Handle | None = None  # the second exchange, once launched
-        self.finished = False
+        self.out: torch.Tensor | None = None  # where the second exchange decodes
+        self.gathering: Handle | None = None  # the second exchange, once launched
 
     def _second(self) -> Handle:
-        if self.then is None:
+        """The all-gather of the summed slices (launched at the first call, once the all-to-all has landed)."""
+        if self.gathering is None:
             self.first.wait()
             mine = torch.empty(self.slice, dtype=torch.float32, device=self.tensor.device)
-            ranks, rank = self.second.world_size, self.second.rank
+            ranks = self.second.world_size
             self.codec._decode(self.recv, mine, ranks, sum_chunks=True)  # the replicas' slices, in replica order
-            self.gathered = torch.empty(ranks * self.size, dtype=torch.uint8, device=self.tensor.device)
-            own = self.gathered[rank * self.size:(rank + 1) * self.size]
-            self.codec._encode(mine, own)
-            self.then = self.second.all_gather(self.gathered, own, async_op=True,
-                                               kind=f"all_reduce_{self.codec.name}")
-        return self.then
+            # every summed slice, this one's too, decoded into the tensor (or a padded copy of it) at the wait
+            self.out = self.tensor.view(-1) if self.slice * ranks == self.tensor.numel() else \
+                torch.empty(self.slice * ranks, dtype=self.tensor.dtype, device=self.tensor.device)
+            self.gathering = self.codec.all_gather(self.second, self.out, mine, kind="all_reduce")
+        return self.gathering
 
     def done(self) -> bool:
         """True when ``wait()`` would not block (launching the second exchange once the first has landed)."""
-        if self.then is None and not self.first.done():
+        if self.gathering is None and not self.first.done():
             return False
         return self._second().done()
 
     def wait(self) -> None:
-        if self.finished:
-            return
         self._second().wait()
-        ranks, n = self.second.world_size, self.tensor.numel()
-        out = self.tensor.view(-1)
-        if self.slice * ranks != n:
-            out = torch.empty(self.slice * ranks, dtype=self.tensor.dtype, device=self.tensor.device)
-        self.codec._decode(self.gathered, out, ranks, sum_chunks=False)  # every summed slice, this one's too
-        if out.data_ptr() != self.tensor.data_ptr():
-            self.tensor.view(-1).copy_(out[:n])
-        self.finished = True
+        if self.out.data_ptr() != self.tensor.data_ptr():
+            self.tensor.view(-1).copy_(self.out[:self.tensor.numel()])
 
 
 def codec_for(name: str | None, block: int, comm: Comm | None) -> Codec | None:
