@@ -220,7 +220,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
                                      self.topology.replicate_again() if self.config.grad_comm else None)
         self._hooks = HookSet(self)
-        self._stage_on_grad = self._stage.on_grad if self._stage.hooks_grads else None
+        # what every gradient hook calls, found once (bound methods: no attribute chain per parameter)
+        self._reduce_grad = self.grad_sync.on_grad
+        self._stage_on_grad = self._stage.grad_hook() if self._stage.hooks_grads else None
         for p in self.grad_sync.hooked(self._params):
             self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
         self._buffers = [] if self.module is None or self.topology.world_size == 1 else list(self.module.buffers())
@@ -324,9 +326,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             if not self._habits_checked:
                 self._check_habits()
             self._begin_backward()
-        self.grad_sync.on_grad(p, entry)  # reduce first: the gatherer may then release p's unit
-        if self._stage_on_grad is not None:
-            self._stage_on_grad(p)
+        self._reduce_grad(p, entry)  # reduce first: the gatherer may then release p's unit
+        stage_on_grad = self._stage_on_grad
+        if stage_on_grad is not None:
+            stage_on_grad(p)
 
     def _begin_backward(self) -> None:
         if not self._in_backward:

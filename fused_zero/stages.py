@@ -128,6 +128,10 @@ class Stage1:
     def on_grad(self, p: nn.Parameter) -> None:
         pass
 
+    def grad_hook(self):
+        """What the optimizer's gradient hook calls with each parameter (when ``hooks_grads``)."""
+        return self.on_grad
+
     def end_backward(self) -> None:
         pass
 
@@ -244,6 +248,9 @@ class Stage3(Stage2):
 
     def on_grad(self, p: nn.Parameter) -> None:
         self.gatherer.on_grad(p)
+
+    def grad_hook(self):
+        return self.gatherer.on_grad  # (called per parameter: the gatherer's own method, one frame less)
 
     def end_backward(self) -> None:
         self.gatherer.end_backward()

@@ -149,7 +149,9 @@ def test_train_gpt_prints_planned_next_to_measured(stage):
     start = next(i for i, line in enumerate(lines) if "planned   measured" in line)
     rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 6]}
     assert list(rows) == ["params", "grads", "optimizer", "buffers", "total"]
-    assert all(planned == measured and float(planned) > 0 for planned, measured in rows.values()), rows
+    assert all(planned == measured for planned, measured in rows.values()), rows
+    # one rank: the gradients pack straight into the shard, so stage 3 holds no buffer (stage 1 its narrow shard)
+    assert all(float(planned) > 0 for name, (planned, _) in rows.items() if name != "buffers" or stage < 3), rows
 
 
 # -- the offload tiers --------------------------------------------------------------------------------------------

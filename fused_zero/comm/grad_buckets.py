@@ -93,6 +93,7 @@ class GradBucket:
         self.trainable = any(p.requires_grad for p in self.params)
         self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
         self._plan = None  # the pack plan, reused while the grads stay put
+        self.remaining = 0  # stages 2-3: trainable parameters whose gradient this round still waits for
 
     def start(self, present, accumulate: bool, free_grads: bool, block: bool) -> bool:
         """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands);
@@ -102,10 +103,15 @@ class GradBucket:
         if not self.trainable:
             return True
         part, b, pipe = self.part, self.bucket, self.pipe
-        base = pipe.acquire(part.reduce_dtype, b.numel, block)
-        if base is None:
-            return False
-        buf = base[: b.numel]
+        dst = part.shard(part.grad_shard, b)
+        direct = pipe.direct(part)
+        if direct:  # one rank: the gradients pack straight into the shard (nothing to reduce, no pool buffer)
+            base = buf = dst
+        else:
+            base = pipe.acquire(part.reduce_dtype, b.numel, block)
+            if base is None:
+                return False
+            buf = base[: b.numel]
         tensors = []
         flags = present.flags[self.pi]
         for s in self.segments:
@@ -121,8 +127,11 @@ class GradBucket:
                                        numels=[s.numel for s in self.segments])
         # Pre-divide by the world size as DDP does (SUM then no AVG: portable).
         with label(PACK):  # the gradients were checked when backward produced them (grad_sync._check_grad)
-            ops.pack_checked_(self._plan, tensors, buf, scale=1.0 / n if n > 1 else None)
-        dst = part.shard(part.grad_shard, b)
+            ops.pack_checked_(self._plan, tensors, buf, scale=1.0 / n if n > 1 else None,
+                              accumulate=direct and accumulate)
+        if direct:
+            self._free(free_grads)
+            return True
         acc = down = None
         if part.grad_tier is Tier.HOST and (pipe.copy_down or dst.device != buf.device):  # reduce in place, copy down
             # (HSDP: into a tensor of its own, so the pool buffer is free while the replicas all-reduce it)
@@ -139,10 +148,13 @@ class GradBucket:
             handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True) if pipe.codec is None \
                 else pipe.codec.reduce_scatter(pipe.comm, out, buf)
         pipe.pending.append(_Inflight(self, handle, base, out, acc, down))
+        self._free(free_grads)
+        return True
+
+    def _free(self, free_grads: bool) -> None:
         if free_grads:
             for p in self.frees:
                 p.grad = None
-        return True
 
     def finish(self, f: _Inflight) -> None:
         """Land this bucket's reduction ``f`` (the oldest in flight) in the gradient shard. HSDP: first launch
@@ -192,6 +204,13 @@ class BucketPipe:
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands
         self._pool_cap: dict[torch.dtype, int] = {}
+
+    def direct(self, part: Partition) -> bool:
+        """Whether ``part``'s buckets pack straight into its gradient shard: one rank, no codec and no replicas
+        (nothing to reduce), the states not offloaded (the shard beside the gradients). ``plan/memory.py``
+        then counts no pool buffer."""
+        return (self.comm.world_size == 1 and self.replicate is None and self.codec is None
+                and part.grad_tier is Tier.DEVICE)
 
     def span(self, replicate: Comm | None, world_size: int) -> None:
         """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""

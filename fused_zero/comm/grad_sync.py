@@ -89,6 +89,9 @@ class GradEntry(NamedTuple):
     pi: int  # the partition's position
     index: int  # the parameter's position in it
     buckets: tuple  # the GradBuckets holding its elements, in the launch order (empty: zero elements)
+    shape: tuple  # the parameter's shape at the build: a .grad of another shape, dtype, layout or device
+    dtype: torch.dtype  # (the partition's) goes to _check_grad for its refusal (grad_ok)
+    device: torch.device
 
 
 class GradSync:
@@ -115,7 +118,8 @@ class GradSync:
                 self.buckets_of.setdefault(p, []).append(bucket)
         for p, buckets in self.buckets_of.items():
             buckets[-1].frees.append(p)  # its .grad can go once its last bucket in the order is packed
-        self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())))
+        self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())), tuple(p.shape), part.dtype,
+                                     part.device)
                         for pi, part in enumerate(partitions) for j, p in enumerate(part.params)}
         # zero-element parameters: in no bucket; they only count as having a gradient (torch steps them)
         self._empty = [e for e in self.entries.values() if not e.buckets]
@@ -130,12 +134,8 @@ class GradSync:
         return [p for p in params if p.requires_grad]
 
     def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
-        """``p``'s gradient was accumulated (the optimizer's hook; ``entry`` is ``self.entries[p]``)."""
-        if not self.sync:
-            self._accumulated = True  # a backward under no_sync(): its .grad waits for a synced one
-        self._on_grad(p, entry)
-
-    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        """``p``'s gradient was accumulated (the optimizer's hook; ``entry`` is ``self.entries[p]``). Under
+        ``no_sync()`` (``sync`` False) it sets ``_accumulated``: that backward's .grad waits for a synced one."""
         raise NotImplementedError
 
     def close_round(self) -> None:
@@ -209,8 +209,9 @@ class ReduceAtStep(GradSync):
                 chosen.setdefault(id(p), p)
         return list(chosen.values())
 
-    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
-        pass  # .grad is kept; checked where it is packed, at step (prepare_step)
+    def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        if not self.sync:  # .grad is kept; checked where it is packed, at step (prepare_step)
+            self._accumulated = True
 
     def close_round(self) -> None:
         """The end of a backward: remember each kept .grad's version counter (see grads_edited)."""
@@ -219,9 +220,10 @@ class ReduceAtStep(GradSync):
 
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
-            for p, buckets in self.buckets_of.items():  # the kept .grad is packed flat: it must be like its parameter
-                if p.grad is not None:
-                    _check_grad(p, buckets[0].part)
+            for p, entry in self.entries.items():  # the kept .grad is packed flat: it must be like its parameter
+                g = p.grad
+                if g is not None and entry.buckets and not grad_ok(g, entry):
+                    _check_grad(p, entry.part)
             self.present.clear()
             for bucket in self.buckets:
                 bucket.start(self.present, accumulate=False, free_grads=False, block=True)
@@ -258,12 +260,19 @@ class ReduceInBackward(GradSync):
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
         self._seen = Presence([len(part.params) for part in partitions])  # got a gradient this round
-        self._remaining: dict[GradBucket, int] = {}
+        # per bucket (launch order), its trainable parameters: what each round counts down (GradBucket.remaining)
+        self._trainable = [sum(1 for p in bucket.params if p.requires_grad) for bucket in self.buckets]
         self._next = 0
 
-    def _on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
-        _check_grad(p, entry.part)  # before it is packed, by this hook or a later one
+    def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        # every parameter's hook: the checks a .grad passes before it is packed (by this hook or a later
+        # one), then one count down per bucket; a bucket starts once its count is 0 and those before it started
+        g = p.grad
+        if g is not None and not (g.dtype is entry.dtype and g.layout is _STRIDED and g.shape == entry.shape
+                                  and g.device == entry.device):  # (grad_ok, inline: it runs per parameter)
+            _check_grad(p, entry.part)
         if not self.sync:
+            self._accumulated = True
             return
         if self.state is not RoundState.OPEN and self.state is not RoundState.ADDING:
             self._open_round()
@@ -275,18 +284,18 @@ class ReduceInBackward(GradSync):
             self.present.flags[entry.pi][entry.index] = True
             p.grad = None
             return
-        remaining = self._remaining
         for bucket in entry.buckets:
-            remaining[bucket] -= 1
-        if self.overlap:
-            self._start_ready(flush=False)
+            bucket.remaining -= 1
+        if self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
+            self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
 
     def _open_round(self) -> None:
         expect(self.state, RoundState.EMPTY, RoundState.REDUCED, what="the gradient shards, as a backward starts,")
         self.state = RoundState.ADDING if self.state is RoundState.REDUCED else RoundState.OPEN
         self._next = 0
         self._seen.clear()
-        self._remaining = {bucket: sum(1 for p in bucket.params if p.requires_grad) for bucket in self.buckets}
+        for bucket, n in zip(self.buckets, self._trainable):
+            bucket.remaining = n
 
     def close_round(self) -> None:
         """The end of a backward: start every bucket this round has left."""
@@ -299,7 +308,7 @@ class ReduceInBackward(GradSync):
     def _start_ready(self, flush: bool) -> None:
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
-            if not flush and self._remaining[bucket] > 0:
+            if not flush and bucket.remaining > 0:
                 return
             if not bucket.start(self.present, accumulate=self.state is RoundState.ADDING, free_grads=True,
                                 block=flush):
@@ -326,6 +335,17 @@ class ReduceInBackward(GradSync):
                 "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
                 "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
         self.wait()
+
+
+def grad_ok(g: torch.Tensor, entry: GradEntry) -> bool:
+    """Whether ``g`` (a parameter's ``.grad``) is what its parameter had when built: the hot path's check,
+    on attributes found once (a parameter converted or moved since then gets a .grad of its new dtype or
+    device, so it fails here too and ``_check_grad`` says why)."""
+    return (g.dtype is entry.dtype and g.layout is _STRIDED and g.shape == entry.shape
+            and g.device == entry.device)
+
+
+_STRIDED = torch.strided
 
 
 def _check_grad(p: torch.nn.Parameter, part: Partition) -> None:

@@ -210,8 +210,8 @@ def pack_(tensors, bucket, offsets=None, *, accumulate: bool = False, scale=None
     return impl(plan, tensors, bucket, accumulate=accumulate, scale=scale)
 
 
-def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None):
-    """``pack_`` (no accumulate) for a caller that guarantees on every call what ``pack_`` would check.
+def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None, accumulate: bool = False):
+    """``pack_`` for a caller that guarantees on every call what ``pack_`` would check.
 
     For the optimizer's gradient buckets: every tensor is contiguous (any shape) with the plan's
     numel, dtype and device (``.grad`` was checked against its parameter when backward produced
@@ -222,7 +222,7 @@ def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None):
         key = (bucket.data_ptr(),) + tuple(None if t is None else t.data_ptr() for t in tensors)
         if key != plan.state.get("checked_key"):
             plan.state.update(checked_key=key, launches=None)
-    return _backend.implementation("pack", bucket.device)(plan, tensors, bucket, accumulate=False, scale=scale)
+    return _backend.implementation("pack", bucket.device)(plan, tensors, bucket, accumulate=accumulate, scale=scale)
 
 
 def unpack_(bucket, tensors, offsets=None, *, plan=None) -> None:

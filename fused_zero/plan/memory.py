@@ -18,7 +18,8 @@ param dtype's bytes and R the reduce dtype's:
                 pool buffer or reduction, gathered with their unit
     buffers     GradSync's pool: per reduce dtype, min(MAX_INFLIGHT = 2, buckets holding a
                 trainable parameter) buffers of the largest bucket (a gradient hook never
-                grows it: it defers a launch instead); stages 1-2 add the narrow param
+                grows it: it defers a launch instead; none on one rank without offload, where
+                the gradients pack straight into the shard); stages 1-2 add the narrow param
                 shard P*S (the all-gather source)
     gathered    stage 3 only: the root unit plus the max_live_units largest units, full size;
                 with hpZ (``secondary_shard`` s) also the node-local copies at their most, the end
@@ -310,7 +311,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         if not part.frozen:
             d["grad_shard" if opt is None else "host_grads"] += r * shard
             _states(d, opt, shard)
-            pool = pools.setdefault(reduce, [0, 0, 0])
+            # one rank without offload: the gradients pack straight into the shard (BucketPipe.direct), no pool
+            pool = pools.setdefault(reduce, [0, 0, 0]) if job.world_size > 1 or opt is not None else [0, 0, 0]
             pool[0] += len(launched)
             pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
             pool[2] = max([pool[2]] + [b.shard_numel for b in part.layout.buckets])
