@@ -418,3 +418,44 @@ def test_a_merged_unit_is_gathered_once_a_forward_and_once_a_backward(merged):
         # from then on each is released after the module that ran last in it, and unit 1 (now last) is kept
         assert r["reversed", "log"][0] == ([0, 1, 2, 1], [1])
         assert r["reversed", "log"][1:] == [([0, 2, 1], [2])] * 2
+
+
+class _Residual(nn.Module):
+    """Residual blocks of Linear + LayerNorm (bench/bench_host.py's model, small): they merge into one unit."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_merged_unit_kept_into_backward_hooks_only_its_last_output(reshard):
+    """A merged unit that stays gathered into backward (the schedule's last, or reshard_after_forward=False)
+    needs no gather before its backward: one output hook (its last module's) starts backward's schedule, not one
+    per module (bench_host: 200 of them a step). The steps still equal torch AdamW's."""
+    from fused_zero import ShardedOptimizer
+    model, n = _Residual(6), 6
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, **HYPER, stage=3, reshard_after_forward=reshard)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    g = opt._stage.gatherer
+    assert [len(u.modules) for u in g.units] == [1, n]  # the root and one unit of every block
+    hooked, hook = [], g._hook_outputs
+    g._hook_outputs = lambda u, output: (hooked.append(u.index), hook(u, output))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        hooked.clear()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+        assert sorted(hooked) == [0, 1], hooked  # the root's output and the unit's last block's
+    with opt.full_parameters():
+        refs = dict(ref.named_parameters())
+        assert max(rel(p, refs[name]) for name, p in model.named_parameters()) < 1e-6

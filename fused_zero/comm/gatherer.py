@@ -372,13 +372,19 @@ class ParamGatherer(ModelStateHooks):
         if self.state is TrainingState.BACKWARD:  # recomputation (activation checkpointing): keep
             return
         grad = torch.is_grad_enabled()
-        if grad:
+        if grad and (module is u.last or not self._gathered_into_backward(u)):
             self._hook_outputs(u, output)
         if u.index == 0:
             self._end_forward()
         elif self.state is TrainingState.IDLE or (module is u.last and (
                 not grad or (self.reshard_after_forward and not self._kept(u)))):
             self._release(u)  # a merged unit: after its last module (one skipped: the end of the forward releases)
+
+    def _gathered_into_backward(self, u: _Unit) -> bool:
+        """Whether ``u`` stays gathered from its forward into backward (kept, or nothing is resharded): its
+        backward needs no gather, so of a merged unit's modules only ``last``'s outputs are hooked, to start
+        backward's schedule and prefetch (any unit's hook does that; one output not reached costs nothing)."""
+        return not self.reshard_after_forward or self._kept(u)
 
     def _kept(self, u: _Unit) -> bool:
         """Whether a training forward keeps ``u`` gathered for backward: the schedule's last unit."""

@@ -165,6 +165,8 @@ class Partition:
         """
         changed, values = [], {}
         versions = self._released_versions
+        if versions is not None and self._untouched(versions):
+            return False
         for i, p in enumerate(self.params):
             if p.numel() == 0:  # the placeholder, or a zero-element parameter
                 self.check_kind(p, self.shapes[i], names)
@@ -186,6 +188,14 @@ class Partition:
         if changed:
             self._reload_master(changed, values.__getitem__)
         return bool(changed)
+
+    def _untouched(self, versions: list[int]) -> bool:
+        """Every parameter still holds what ``release`` gave it, of the partition's dtype and device, and none
+        was written in place: ``adopt_assigned``'s common case, checked in bulk (a full tensor assigned has
+        memory of its own, so a nonzero address; an empty one the placeholder's none)."""
+        params, dtype, device = self.params, self.dtype, self.device
+        return (not any([p.data_ptr() for p in params]) and [p._version for p in params] == versions
+                and all([p.dtype is dtype for p in params]) and all([p.device == device for p in params]))
 
     def _check_compatible(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
         if tuple(p.shape) != tuple(shape):
