@@ -1,0 +1,49 @@
+#!/bin/bash
+# Every GPU check of the open issues in one call on a lent GPU (the device tool's `run`), about 9 minutes
+# on an H100 with its start: tests that need CUDA, the kernels' benchmarks, the step against torch, the
+# offload step, and a profiler summary of one step. Outputs go to $OUT (the device tool brings back at
+# most 8 files): env.txt, cuda_tests.log, bench.json + bench.log, offload.log, profile.txt.
+#
+#     run(command="bash bench/gpu_checks.sh", timeout_s=600)
+#
+# Each part has its own time box, so one that hangs or runs long leaves the others their time; a part
+# that ran past its box says so in its log ("TIMED OUT"). Commit what comes back under
+# bench/results/<device>_<date>_*, name the device, and put the figures in the README.
+set -u
+OUT=${OUT:-/tmp/fused_zero_gpu}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+box() {  # box SECONDS LOG COMMAND...: run COMMAND with its output in LOG, marked if it ran past SECONDS
+    local seconds=$1 log=$2; shift 2
+    echo "\$ $*" >>"$log"
+    timeout "$seconds" "$@" >>"$log" 2>&1
+    local rc=$?
+    [ $rc -eq 124 ] && echo "TIMED OUT after ${seconds}s" >>"$log"
+    echo "exit $rc" >>"$log"
+}
+T0=$(date +%s)
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1  # (offline: no build isolation)
+    python -c "import pytest_benchmark" 2>/dev/null || pip install -q pytest pytest-benchmark 2>&1 | tail -1
+} >"$OUT/env.txt" 2>&1
+
+# 1. The tests with CUDA paths (kernels against their twins, the sync-free step under
+#    set_sync_debug_mode("error"), offload's CUDA paths, the transfers), then the GPU acceptance benches.
+box 170 "$OUT/cuda_tests.log" python -m pytest -q -x -p no:cacheprovider tests/test_offload_cuda.py \
+    tests/test_transfer.py tests/test_host_reads.py tests/test_quant.py tests/test_pack.py tests/test_cast.py \
+    tests/test_norm.py tests/test_adamw.py tests/test_habits_contract.py
+# 2. Kernels (GB/s and % of measured copy bandwidth) and the whole step against torch's fused AdamW.
+box 170 "$OUT/bench.log" python -m pytest -q -p no:cacheprovider bench/bench_pack.py bench/bench_quant.py \
+    bench/bench_adamw.py bench/bench_step.py -k "cuda or pack or quant or adamw" --benchmark-only \
+    --benchmark-json="$OUT/bench.json" -s
+# 3. Offload on one GPU: the 1B GPT in bf16, "cpu" against no offload (FUSED_ZERO_BENCH_LARGEST=1 adds the
+#    capacity search: run it alone, it needs a call of its own).
+box 120 "$OUT/offload.log" python -m pytest -q -p no:cacheprovider bench/bench_offload_gpu.py --benchmark-only -s
+# 4. Where one step spends its time: the GPT at stages 2 and 3, and the host-bound residual blocks.
+for args in "--stage 2" "--stage 3" "--stage 2 --blocks 200 --dtype fp32"; do
+    box 40 "$OUT/profile.txt" python bench/profile_step.py $args --top 12
+done
+echo "total $(( $(date +%s) - T0 )) s" >>"$OUT/env.txt"
