@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="SEED",
                    help="initial-value seeds; each variant trains once per seed and is judged on the mean "
                         "of its differences from full precision at the same seed")
+    p.add_argument("--until", type=int, default=None, metavar="N",
+                   help="train only the first N steps of the --steps schedule (a quick look at early training)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged for the final loss")
     p.add_argument("--tol", type=float, default=0.01, help="largest relative final-loss difference accepted")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
@@ -67,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or not 0 < args.tail <= args.steps:
         p.error("--steps must be >= 1 and --tail in [1, steps]")
+    if args.until is not None and not args.tail <= args.until <= args.steps:
+        p.error("--until must be in [--tail, --steps]")
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         p.error("--seeds must be distinct and >= 0")
     if args.plot_from and not args.plot:
@@ -83,7 +87,7 @@ def train(args, cfg: GPTConfig, options: dict, rank: int, world: int, device, se
                            **options, **block)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, args.steps // 10), args.steps))
     losses, t0 = [], time.perf_counter()
-    for step in range(args.steps):
+    for step in range(args.steps if args.until is None else args.until):
         x, y = synthetic_batch(cfg, args.batch_size, step=step, rank=rank, device=device)
         opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
@@ -113,7 +117,7 @@ def summarize(args, cfg: GPTConfig, world: int, by_seed: dict, comm: dict) -> di
     runs, paired, finals = {}, {}, {}
     for name, curves in by_seed.items():
         seeds = [s for s in args.seeds if s in curves]
-        mean_curve = [sum(curves[s][i] for s in seeds) / len(seeds) for i in range(args.steps)]
+        mean_curve = [sum(curves[s][i] for s in seeds) / len(seeds) for i in range(len(curves[seeds[0]]))]
         runs[name] = {"loss": mean_curve, "by_seed": {str(s): curves[s] for s in seeds},
                       "comm_bytes": comm[name]}
         finals[name] = final(mean_curve, args.tail)
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
                     json.dump(result, f, indent=1)
     if rank == 0:
         base_name = args.variants[0]
-        print(f"\nfinal loss (mean of the last {args.tail} of {args.steps} steps), each seed against {base_name} "
+        print(f"\nfinal loss (mean of the last {args.tail} of {args.until or args.steps} steps), each seed against {base_name} "
               f"at the same seed; seeds {args.seeds}:")
         for name, p in result["paired"].items():
             ok = abs(p["mean"]) <= args.tol

@@ -49,3 +49,10 @@ def test_seeds_must_be_distinct_and_non_negative(seeds, capsys):
     with pytest.raises(SystemExit):
         _args("--seeds", *seeds)
     assert "--seeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("until", ["1", "5"])
+def test_until_must_hold_the_tail_and_stay_in_the_schedule(until, capsys):
+    with pytest.raises(SystemExit):
+        _args("--tail", "2", "--until", until) if until == "1" else _args("--until", until)
+    assert "--until" in capsys.readouterr().err
