@@ -7,10 +7,11 @@ per ``quant_block`` elements, ``ops.quantize_`` / ``ops.dequantize_``) replaces 
   shard into its slice of a payload, the payloads are all-gathered, and every rank, the shard's owner
   included, decodes all of them into the full flat bucket: every rank computes with the same (dequantized)
   parameters; the fp32 master is never touched, and each gather quantizes the shard afresh (no drift).
-  Weights are rounded stochastically, with a seed fixed for a step (``ParamSync.seed``): rounded to
+  Weights are rounded stochastically, with a new seed for every gather (``ParamSync.seed``): rounded to
   nearest, an update smaller than half a step never reached the weights the forward uses until the master
-  had accumulated it (the 33.7M GPT ended 3% above full precision); stochastically it does on average,
-  and the forward's and the backward's gathers in one step still decode the same weights.
+  had accumulated it (the 33.7M GPT ended 3% above full precision); stochastically it does on average.
+  Rounding a backward's gather as its forward's (one seed per step) measured little better than rounding
+  to nearest; rounding them independently trained as full precision did.
 - ``reduce_scatter`` (qgZ, ``GradBucket.start``): the packed bucket (pre-divided by every rank) is quantized
   slice by slice, slice r for rank r, and sent with one all-to-all; each rank decodes the N versions of
   its slice and sums them in fp32 in rank order (fixed: deterministic) into its gradient shard. Each
