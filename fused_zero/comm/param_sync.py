@@ -38,7 +38,7 @@ class ParamSync:
         gather rounds independently of its forward's: measured, rounding both alike trained as badly as
         rounding to nearest did)."""
         self._gathers += 1
-        return hash((self._gathers, id(part), k, self.comm.rank)) & 0x7FFFFFFF
+        return hash((self._gathers, k, self.comm.rank)) & 0x7FFFFFFF
 
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
@@ -50,7 +50,7 @@ class ParamSync:
         ks = range(len(layout.buckets)) if buckets is None else buckets
         if self.codec is not None and not self._exact:
             return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
-                                          part.gather_source(layout.buckets[k]), self.seed(part, k)) for k in ks]
+                                          part.gather_source(layout.buckets[k]), seed=self.seed(part, k)) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
                                      async_op=True) for k in ks]
 
