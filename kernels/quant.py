@@ -9,6 +9,8 @@ a multiple of 4 bytes, then one fp32 scale per block. Arithmetic per block, in f
     absmax = max |x| over the block's finite elements
     scale  = absmax / QMAX,  inv = QMAX / absmax      (div_rn: correctly rounded, as torch's ``/``)
     q      = clamp(rne(x * inv), -QMAX, QMAX)         (QMAX = 127, or 7 for int4)
+             or, rounding stochastically (a ``seed``), clamp(floor(x * inv + u), -QMAX, QMAX) with u in [0, 1)
+             a hash of the seed and the element's index (``_uniform``): unbiased, and reproducible
     x'     = q * scale
 
 ``rne`` is the explicit round-half-to-even of fp32 values below 2**22 (add and subtract 1.5 * 2**23),
@@ -52,17 +54,34 @@ def _scales(absmax, bad, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quant(x, fin, inv, QMAX: tl.constexpr):
-    """The integers of ``x`` (int32), given each row's ``inv``."""
+def _uniform(seed, index):
+    """fp32 in [0, 1) on a 2**-24 grid: a 32-bit hash (lowbias32) of ``index`` (the element's place in the
+    buffer) mixed with ``seed``, in uint64 arithmetic masked to 32 bits (ops.quant.uniform_twin)."""
+    h = (index.to(tl.uint64) ^ (seed.to(tl.uint64) * 0x9E3779B1)) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
+def _quant(x, fin, inv, seed, index, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The integers of ``x`` (int32), given each row's ``inv``: rounded to nearest even, or with STOCHASTIC
+    to ``floor(y + u)`` with ``u = _uniform(seed, index)``."""
     y = tl.where(fin, x * inv[:, None], 0.0)
-    r = (y + _RNE_MAGIC) - _RNE_MAGIC
+    if STOCHASTIC:
+        r = tl.floor(y + _uniform(seed, index))
+    else:
+        r = (y + _RNE_MAGIC) - _RNE_MAGIC
     r = tl.minimum(tl.maximum(r, -QMAX), QMAX)
     return r.to(tl.int32)
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, chunk_words, q_words,
-                     BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, chunk_words, q_words, seed,
+                     BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr):
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     chunk = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -75,7 +94,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, chunk_words, q_words,
         absmax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
         bad = tl.max(tl.where(fin, 0, 1), axis=1) > 0
         scale, inv = _scales(absmax, bad, QMAX)
-        q = _quant(x, fin, inv, QMAX)
+        q = _quant(x, fin, inv, seed, chunk * n + idx, QMAX, STOCHASTIC)
         tl.store(q_base + idx, q.to(tl.int8), mask=idx < n)
     else:
         pair = rows[:, None] * (BLOCK_Q // 2) + tl.arange(0, BLOCK_Q // 2)[None, :]
@@ -87,7 +106,8 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, chunk_words, q_words,
                             tl.max(tl.where(fin_hi, tl.abs(hi), 0.0), axis=1))
         bad = tl.max(tl.where(fin_lo & fin_hi, 0, 1), axis=1) > 0
         scale, inv = _scales(absmax, bad, QMAX)
-        byte = (_quant(lo, fin_lo, inv, QMAX) + 8) | ((_quant(hi, fin_hi, inv, QMAX) + 8) << 4)
+        byte = ((_quant(lo, fin_lo, inv, seed, chunk * n + 2 * pair, QMAX, STOCHASTIC) + 8)
+                | ((_quant(hi, fin_hi, inv, seed, chunk * n + 2 * pair + 1, QMAX, STOCHASTIC) + 8) << 4))
         tl.store(q_base + pair, byte.to(tl.uint8), mask=2 * pair < n)
     tl.store(s_ptr + chunk * chunk_words + q_words + rows, scale, mask=rows < nb)
 
@@ -130,17 +150,18 @@ def _rows(block: int) -> int:
     return max(1, TILE // block)
 
 
-def quantize(x, q, scales, *, n: int, chunks: int, chunk_words: int, q_words: int, bits: int, block: int):
+def quantize(x, q, scales, *, n: int, chunks: int, chunk_words: int, q_words: int, bits: int, block: int,
+             seed: int | None = None):
     """Launch: encode ``chunks`` runs of ``n`` elements of ``x`` into the payload (``q``: its int8 or uint8
-    view, ``scales``: its fp32 view). Arguments are validated by ops."""
+    view, ``scales``: its fp32 view); ``seed``: stochastic rounding. Arguments are validated by ops."""
     nb = triton.cdiv(n, block)
     if n == 0 or chunks == 0:
         return
     rows = _rows(block)
     with launch_context(x.device):
         _quantize_kernel[(triton.cdiv(nb, rows), chunks)](
-            x, q, scales, n, nb, chunk_words, q_words, BITS=bits, BLOCK_Q=block, ROWS=rows,
-            num_warps=NUM_WARPS, enable_fp_fusion=False)
+            x, q, scales, n, nb, chunk_words, q_words, 0 if seed is None else seed, BITS=bits, BLOCK_Q=block,
+            ROWS=rows, STOCHASTIC=seed is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def dequantize(q, scales, out, *, n: int, chunks: int, chunk_words: int, q_words: int, bits: int, block: int,

@@ -166,6 +166,49 @@ def test_qgz_under_hsdp_keeps_the_replicas_identical(mesh_shape):
         assert row.across == traffic["replicate_all_reduce"] + traffic["replicate_all_reduce_int8"]
 
 
+def _weights_in_backward(rank, world_size):
+    """qwZ, one unit per module: module b's weight as each forward used it, and as its backward read it (the
+    weight autograd saved, a view of the re-gathered bucket), and the exact weight the last step gathered."""
+    model = MLP()
+    fwd, bwd = [], []
+    model.b.register_forward_pre_hook(lambda m, args: fwd.append(m.weight.detach().clone()))
+
+    def unpack(t):  # F.linear saves the weight (or its transpose, for addmm)
+        if t.shape in ((47, 61), (61, 47)):
+            bwd.append((t if t.shape == (47, 61) else t.t()).detach().clone())
+        return t
+
+    opt = ShardedOptimizer(model, lr=LR, stage=3, bucket_numel=1000, param_comm="int8", quant_block=64,
+                           min_unit_numel=0)
+    x, y = _data(rank)
+    for step in range(3):
+        if step == 2:
+            with opt.full_parameters():  # the shards the last forward quantizes
+                exact = model.b.weight.detach().clone()
+        opt.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    opt.close()
+    return fwd, bwd, exact
+
+
+def test_qwz_rounds_every_gather_stochastically():
+    """b's unit is released after its forward and gathered again for its backward: each gather rounds the
+    same shards stochastically and independently, within one int8 step of the exact weights (to nearest
+    would be half a step, and the same both times)."""
+    results = run_ranks(_weights_in_backward, 2)
+    for fwd, bwd, exact in results:
+        assert len(fwd) == len(bwd) == 3
+        for f, b in zip(fwd, bwd):
+            assert not torch.equal(f, b)
+        step = exact.abs().max() / 127
+        for w in (fwd[-1], bwd[-1]):
+            assert 0.5 * step < (w - exact).abs().max() <= step * 1.0001
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))  # every rank: the same weights
+
+
 def _refused(rank, world_size, **options):
     try:
         ShardedOptimizer(MLP(), lr=LR, **options)

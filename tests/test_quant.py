@@ -21,13 +21,13 @@ if torch.cuda.is_available():
 _SENTINEL = 0xA5  # the payload's padding bytes are never written: both backends start from this
 
 
-def _run(backend, monkeypatch, x, bits, block, chunks, out_dtype):
+def _run(backend, monkeypatch, x, bits, block, chunks, out_dtype, seed=None):
     """(payload, every chunk decoded, the chunks' sum) with ``backend``."""
     monkeypatch.setenv("FUSED_ZERO_BACKEND", backend)
     n = x.numel() // chunks
     payload = torch.full((chunks * ops.payload_bytes(n, bits, block),), _SENTINEL, dtype=torch.uint8,
                          device=x.device)
-    ops.quantize_(x, payload, bits=bits, block=block, chunks=chunks)
+    ops.quantize_(x, payload, bits=bits, block=block, chunks=chunks, seed=seed)
     each = ops.dequantize_(payload, torch.empty(x.numel(), dtype=out_dtype, device=x.device), bits=bits,
                            block=block, chunks=chunks)
     total = ops.dequantize_(payload, torch.empty(n, dtype=out_dtype, device=x.device), bits=bits, block=block,
@@ -67,6 +67,46 @@ def test_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, out
     assert torch.equal(kernel[0], twin[0]), "payload bytes differ"
     _same(kernel[1], twin[1])
     _same(kernel[2], twin[2])
+
+
+@pytest.mark.skipif(not _KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("device", _KERNEL)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("in_dtype", [F32, BF16])
+@pytest.mark.parametrize("numel,chunks,block,seed", [(7, 1, 32, 0), (1002, 2, 64, 12345),
+                                                     (2 * 1061, 2, 256, 2**31 - 1)])
+def test_stochastic_rounding_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, numel, chunks,
+                                                            block, seed):
+    x = _inputs(numel, in_dtype, device)
+    kernel = _run("triton", monkeypatch, x, bits, block, chunks, F32, seed=seed)
+    twin = _run("torch", monkeypatch, x, bits, block, chunks, F32, seed=seed)
+    assert torch.equal(kernel[0], twin[0]), "payload bytes differ"
+    _same(kernel[1], twin[1])
+    nearest = _run("torch", monkeypatch, x, bits, block, chunks, F32)
+    assert numel < 100 or not torch.equal(twin[0], nearest[0])  # it rounds otherwise than to nearest
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased_and_reproducible(bits):
+    """Values 0.3 of a step above a grid point: to nearest they all round down (a bias of 0.3 step);
+    stochastically 30% round up, so the mean over seeds is the value; a seed gives the same payload again."""
+    block, n = 64, 64 * 8
+    step = 1.0 / QMAX[bits]
+    x = torch.full((n,), 0.3 * step)
+    x[::block] = 1.0  # each block's absmax: the step is exactly 1 / QMAX
+    size = ops.payload_bytes(n, bits, block)
+
+    def decoded(seed):
+        payload = ops.quantize_(x, torch.empty(size, dtype=torch.uint8), bits=bits, block=block, seed=seed)
+        return ops.dequantize_(payload, torch.empty(n), bits=bits, block=block), payload
+
+    rest = x != 1.0
+    assert torch.equal(decoded(None)[0][rest], torch.zeros(int(rest.sum())))  # to nearest: all rounded down
+    runs = torch.stack([decoded(seed)[0] for seed in range(200)])
+    assert ((runs[:, rest] - x[rest]).abs() <= step * 1.0001).all()  # within one step
+    mean = runs[:, rest].mean()
+    assert abs(mean / (0.3 * step) - 1) < 0.05, mean / step  # 448 x 200 draws: unbiased to a few percent
+    assert torch.equal(decoded(7)[1], decoded(7)[1]) and not torch.equal(decoded(7)[1], decoded(8)[1])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -137,3 +177,6 @@ def test_bad_arguments_refused_naming_the_fix():
         ops.quantize_(x, good.view(torch.int8), block=32)
     with pytest.raises(ValueError, match="4-byte aligned"):
         ops.dequantize_(torch.empty(good.numel() + 1, dtype=torch.uint8)[1:], torch.empty(64), block=32)
+    for seed in (-1, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed must be None \(round to nearest\) or an int in \[0, 2\*\*31\)"):
+            ops.quantize_(x, good, block=32, seed=seed)

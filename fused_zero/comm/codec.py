@@ -7,6 +7,11 @@ per ``quant_block`` elements, ``ops.quantize_`` / ``ops.dequantize_``) replaces 
   shard into its slice of a payload, the payloads are all-gathered, and every rank, the shard's owner
   included, decodes all of them into the full flat bucket: every rank computes with the same (dequantized)
   parameters; the fp32 master is never touched, and each gather quantizes the shard afresh (no drift).
+  Weights are rounded stochastically, with a new seed for every gather (``ParamSync.seed``): rounded to
+  nearest, an update smaller than half a step never reached the weights the forward uses until the master
+  had accumulated it (the 33.7M GPT ended 3% above full precision); stochastically it does on average.
+  Rounding a backward's gather as its forward's (one seed per step) measured little better than rounding
+  to nearest; rounding them independently trained as full precision did.
 - ``reduce_scatter`` (qgZ, ``GradBucket.start``): the packed bucket (pre-divided by every rank) is quantized
   slice by slice, slice r for rank r, and sent with one all-to-all; each rank decodes the N versions of
   its slice and sums them in fp32 in rank order (fixed: deterministic) into its gradient shard. Each
@@ -59,20 +64,21 @@ class Codec(NamedTuple):
     def payload_bytes(self, n: int) -> int:
         return ops.payload_bytes(n, self.bits, self.block)
 
-    def _encode(self, x: torch.Tensor, payload: torch.Tensor, chunks: int = 1) -> None:
-        ops.quantize_(x, payload, bits=self.bits, block=self.block, chunks=chunks)
+    def _encode(self, x: torch.Tensor, payload: torch.Tensor, chunks: int = 1, seed: int | None = None) -> None:
+        ops.quantize_(x, payload, bits=self.bits, block=self.block, chunks=chunks, seed=seed)
 
     def _decode(self, payload: torch.Tensor, out: torch.Tensor, chunks: int, sum_chunks: bool) -> None:
         ops.dequantize_(payload, out, bits=self.bits, block=self.block, chunks=chunks, sum_chunks=sum_chunks)
 
-    def all_gather(self, comm: Comm, output: torch.Tensor, input: torch.Tensor, kind: str = "all_gather") -> Handle:
-        """``output`` <- every rank's ``input``, quantized (this rank's own included); async. Counted under
-        ``kind`` plus the codec's name."""
+    def all_gather(self, comm: Comm, output: torch.Tensor, input: torch.Tensor, kind: str = "all_gather",
+                   seed: int | None = None) -> Handle:
+        """``output`` <- every rank's ``input``, quantized (this rank's own included; ``seed``: rounded
+        stochastically, see ``ops.quantize_``); async. Counted under ``kind`` plus the codec's name."""
         n, ranks = input.numel(), comm.world_size
         size = self.payload_bytes(n)
         payload = torch.empty(ranks * size, dtype=torch.uint8, device=input.device)
         own = payload[comm.rank * size:(comm.rank + 1) * size]
-        self._encode(input.view(-1), own)
+        self._encode(input.view(-1), own, seed=seed)
         handle = comm.all_gather(payload, own, async_op=True, kind=f"{kind}_{self.name}")
         return _after(handle, lambda: self._decode(payload, output.view(-1), ranks, sum_chunks=False))
 

@@ -27,10 +27,18 @@ class ParamSync:
         self.comm = comm
         self.codec = codec  # qwZ (comm/codec.py), or None: the shards as they are
         self._exact = False
+        self._gathers = 0  # qwZ: gathers launched so far, part of every gather's rounding seed
 
     def exact(self):
         """Gathers inside send the shards as they are, whatever the codec (a context manager)."""
         return setting(self, "_exact", True)
+
+    def seed(self, part: Partition, k: int) -> int:
+        """qwZ's stochastic rounding seed of bucket ``k`` of ``part``: a new one for every gather (a backward's
+        gather rounds independently of its forward's: measured, rounding both alike trained as badly as
+        rounding to nearest did)."""
+        self._gathers += 1
+        return hash((self._gathers, k, self.comm.rank)) & 0x7FFFFFFF
 
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
@@ -42,7 +50,7 @@ class ParamSync:
         ks = range(len(layout.buckets)) if buckets is None else buckets
         if self.codec is not None and not self._exact:
             return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
-                                          part.gather_source(layout.buckets[k])) for k in ks]
+                                          part.gather_source(layout.buckets[k]), seed=self.seed(part, k)) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
                                      async_op=True) for k in ks]
 

@@ -51,17 +51,23 @@ def _views(payload: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     return payload.view(torch.int8) if bits == 8 else payload, payload.view(torch.float32)
 
 
-def quantize_(x, payload, *, bits: int = 8, block: int = 256, chunks: int = 1):
-    """Encode ``x`` (fp32/bf16/fp16, ``chunks * n`` elements) into ``payload`` (uint8); returns ``payload``."""
+def quantize_(x, payload, *, bits: int = 8, block: int = 256, chunks: int = 1, seed: int | None = None):
+    """Encode ``x`` (fp32/bf16/fp16, ``chunks * n`` elements) into ``payload`` (uint8); returns ``payload``.
+
+    ``seed`` None rounds to nearest even; an int in [0, 2**31) rounds stochastically (``floor(y + u)``, ``u``
+    uniform in [0, 1) from a hash of ``seed`` and the element's index): unbiased, and the same payload for
+    the same ``x`` and ``seed``."""
     check_flat("x", x, FLOATS)
     check_codec(bits, block)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 31):
+        raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**31), got {seed!r}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or x.numel() % chunks:
         raise ValueError(f"chunks must be a positive int dividing x's {x.numel()} elements, got {chunks!r}")
     n = x.numel() // chunks
     _check_payload(payload, n, chunks, bits, block)
     check_same_device("x", x, payload=payload)
     q, scales = _views(payload, bits)
-    _backend.implementation("quantize", x.device)(x, q, scales, chunks=chunks, **_geometry(n, bits, block))
+    _backend.implementation("quantize", x.device)(x, q, scales, chunks=chunks, seed=seed, **_geometry(n, bits, block))
     return payload
 
 
@@ -93,7 +99,22 @@ def _blocks(t: torch.Tensor, chunks: int, n: int, block: int) -> torch.Tensor:
     return padded.view(chunks, nb, block)
 
 
-def quantize_twin(x, q, scales, *, n, chunks, chunk_words, q_words, bits, block):
+_M32 = 0xFFFFFFFF
+
+
+def uniform_twin(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.quant._uniform``: fp32 in [0, 1) on a 2**-24 grid, from a 32-bit hash (lowbias32)
+    of ``index`` (int64, the element's place in the buffer) mixed with ``seed``."""
+    h = (index ^ (seed * 0x9E3779B1)) & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _M32  # int64 products wrap; their low 32 bits are the uint32 product's
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & _M32
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * 2.0 ** -24
+
+
+def quantize_twin(x, q, scales, *, n, chunks, chunk_words, q_words, bits, block, seed=None):
     """Twin of ``kernels.quant.quantize``."""
     qmax = float(QMAX[bits])
     xb = _blocks(x.float(), chunks, n, block)
@@ -106,7 +127,13 @@ def quantize_twin(x, q, scales, *, n, chunks, chunk_words, q_words, bits, block)
     scale = torch.where(bad, torch.tensor(float("nan"), device=x.device), scale)
     inv = torch.where(bad, 0.0, inv)
     y = torch.where(fin, xb * inv[..., None], 0.0)
-    r = torch.round(y).clamp_(-qmax, qmax).to(torch.int32).view(chunks, -1)[:, :n]
+    if seed is None:
+        r = torch.round(y)
+    else:  # the element's index in x: chunk * n + its place in the chunk (block padding past n is dropped)
+        place = torch.arange(y.shape[1] * block, device=x.device).view(1, -1, block)
+        index = torch.arange(chunks, device=x.device).view(-1, 1, 1) * n + place
+        r = torch.floor(y + uniform_twin(seed, index))
+    r = r.clamp_(-qmax, qmax).to(torch.int32).view(chunks, -1)[:, :n]
     if bits == 4:
         r = torch.nn.functional.pad(r + 8, (0, n % 2), value=8)
         r = r[:, 0::2] | (r[:, 1::2] << 4)
