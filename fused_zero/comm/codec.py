@@ -9,9 +9,10 @@ per ``quant_block`` elements, ``ops.quantize_`` / ``ops.dequantize_``) replaces 
   parameters; the fp32 master is never touched, and each gather quantizes the shard afresh (no drift).
   Weights are rounded stochastically, with a new seed for every gather (``ParamSync.seed``): rounded to
   nearest, an update smaller than half a step never reached the weights the forward uses until the master
-  had accumulated it (the 33.7M GPT ended 3% above full precision); stochastically it does on average.
-  Rounding a backward's gather as its forward's (one seed per step) measured little better than rounding
-  to nearest; rounding them independently trained as full precision did.
+  had accumulated it, so in warm-up the forward's weights lagged the master (the 33.7M GPT 1.5-8.7% above
+  full precision at steps 20-60 on two seeds, +2.1% at step 200); stochastically they equal the master on
+  average (within 1% at steps 20-60; bench/results/cpu2core_2026-11-25_codec_early_rounding.txt). A run
+  repeats exactly (the seeds count the gathers); one resumed from a checkpoint rounds with other draws.
 - ``reduce_scatter`` (qgZ, ``GradBucket.start``): the packed bucket (pre-divided by every rank) is quantized
   slice by slice, slice r for rank r, and sent with one all-to-all; each rank decodes the N versions of
   its slice and sums them in fp32 in rank order (fixed: deterministic) into its gradient shard. Each

@@ -35,8 +35,8 @@ class ParamSync:
 
     def seed(self, part: Partition, k: int) -> int:
         """qwZ's stochastic rounding seed of bucket ``k`` of ``part``: a new one for every gather (a backward's
-        gather rounds independently of its forward's: measured, rounding both alike trained as badly as
-        rounding to nearest did)."""
+        gather rounds independently of its forward's), from the gathers so far, the bucket and the rank (the
+        same on every run: ints hash alike in every process)."""
         self._gathers += 1
         return hash((self._gathers, k, self.comm.rank)) & 0x7FFFFFFF
 
