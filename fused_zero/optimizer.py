@@ -222,7 +222,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._hooks = HookSet(self)
         # what every gradient hook calls, found once (bound methods: no attribute chain per parameter)
         self._reduce_grad = self.grad_sync.on_grad
-        self._stage_on_grad = self._stage.grad_hook() if self._stage.hooks_grads else None
+        self._stage_on_grad = self._stage.grad_hook()
         for p in self.grad_sync.hooked(self._params):
             self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
         self._buffers = [] if self.module is None or self.topology.world_size == 1 else list(self.module.buffers())

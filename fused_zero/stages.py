@@ -8,8 +8,8 @@
   parameters are gathered just in time (comm/gatherer.py) and released after use;
   the update gathers nothing.
 
-The optimizer calls ``build`` (lay out partitions), ``on_grad`` and
-``end_backward`` (from its hooks), ``after_update`` (gather or release),
+The optimizer calls ``build`` (lay out partitions), ``grad_hook`` (once: what its gradient hooks call),
+``end_backward`` (from its end-of-backward callback), ``after_update`` (gather or release),
 ``full_parameters`` and ``close``; it reads ``reducer`` (the gradient
 reducer's class, comm/grad_sync.py), ``shards_params`` (memory accounting) and ``can_add_groups``.
 Nothing outside this file and config.py branches on the stage number.
@@ -122,15 +122,10 @@ class Stage1:
         self.tiers.check(self.topology.agree)
 
     # -- the training loop --------------------------------------------------
-    #: whether ``on_grad`` does anything (the optimizer's hook skips the call otherwise)
-    hooks_grads = False
-
-    def on_grad(self, p: nn.Parameter) -> None:
-        pass
-
     def grad_hook(self):
-        """What the optimizer's gradient hook calls with each parameter (when ``hooks_grads``)."""
-        return self.on_grad
+        """What the optimizer's gradient hook calls with each parameter after the reducer's, or None (nothing:
+        the hook then makes no call)."""
+        return None
 
     def end_backward(self) -> None:
         pass
@@ -239,18 +234,13 @@ class Stage3(Stage2):
             self.behind = self.gatherer.behind = UpdateBehind(device, agree)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
-    hooks_grads = True
-
     def _param_sync(self) -> ParamSync:
         """The gathers' own group, with qwZ's codec when ``param_comm`` asks for it."""
         comm = self.topology.own_group()
         return ParamSync(comm, codec_for(self.config.param_comm, self.config.quant_block, comm))
 
-    def on_grad(self, p: nn.Parameter) -> None:
-        self.gatherer.on_grad(p)
-
     def grad_hook(self):
-        return self.gatherer.on_grad  # (called per parameter: the gatherer's own method, one frame less)
+        return self.gatherer.on_grad  # releases a unit once all of its gradients are in
 
     def end_backward(self) -> None:
         self.gatherer.end_backward()

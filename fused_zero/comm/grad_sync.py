@@ -268,8 +268,7 @@ class ReduceInBackward(GradSync):
         # every parameter's hook: the checks a .grad passes before it is packed (by this hook or a later
         # one), then one count down per bucket; a bucket starts once its count is 0 and those before it started
         g = p.grad
-        if g is not None and not (g.dtype is entry.dtype and g.layout is _STRIDED and g.shape == entry.shape
-                                  and g.device == entry.device):  # (grad_ok, inline: it runs per parameter)
+        if g is not None and not grad_ok(g, entry):
             _check_grad(p, entry.part)
         if not self.sync:
             self._accumulated = True

@@ -33,8 +33,8 @@ class ParamSync:
         """Gathers inside send the shards as they are, whatever the codec (a context manager)."""
         return setting(self, "_exact", True)
 
-    def seed(self, part: Partition, k: int) -> int:
-        """qwZ's stochastic rounding seed of bucket ``k`` of ``part``: a new one for every gather (a backward's
+    def seed(self, k: int) -> int:
+        """qwZ's stochastic rounding seed of a partition's bucket ``k``: a new one for every gather (a backward's
         gather rounds independently of its forward's), from the gathers so far, the bucket and the rank (the
         same on every run: ints hash alike in every process)."""
         self._gathers += 1
@@ -50,7 +50,7 @@ class ParamSync:
         ks = range(len(layout.buckets)) if buckets is None else buckets
         if self.codec is not None and not self._exact:
             return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
-                                          part.gather_source(layout.buckets[k]), seed=self.seed(part, k)) for k in ks]
+                                          part.gather_source(layout.buckets[k]), seed=self.seed(k)) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
                                      async_op=True) for k in ks]
 
