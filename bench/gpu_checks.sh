@@ -29,6 +29,13 @@ T0=$(date +%s)
     pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1  # (offline: no build isolation)
     python -c "import pytest_benchmark" 2>/dev/null || pip install -q pytest pytest-benchmark 2>&1 | tail -1
 } >"$OUT/env.txt" 2>&1
+# Where the editable install cannot build offline, the package imports from the tree: fused_zero.kernels is
+# the top-level kernels/ folder (setup.py's package_dir), linked in place.
+if ! python -c "import fused_zero.kernels" 2>/dev/null; then
+    [ -e fused_zero/kernels ] || ln -s ../kernels fused_zero/kernels
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python -c "import fused_zero.kernels, fused_zero; print('fused_zero from', fused_zero.__file__)" >>"$OUT/env.txt" 2>&1
 
 # 1. The tests with CUDA paths (kernels against their twins, the sync-free step under
 #    set_sync_debug_mode("error"), offload's CUDA paths, the transfers), then the GPU acceptance benches.

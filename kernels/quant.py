@@ -35,8 +35,9 @@ TILE = 2048
 NUM_WARPS = 4
 #: Blocks with a largest magnitude below this are sent as zeros.
 TINY = 2.0 ** -96
-_FLT_MAX = 3.4028234663852886e38
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: x + M - M rounds |x| < 2**22 to an integer, half to even
+_TINY = tl.constexpr(TINY)  # (the kernels' copy of it)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # (a kernel reads globals only as constexpr)
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + M - M rounds |x| < 2**22 to an integer, half to even
 
 
 @triton.jit
@@ -47,9 +48,9 @@ def _nan():
 @triton.jit
 def _scales(absmax, bad, QMAX: tl.constexpr):
     """(scale, inv) of each block: 0 / 0 when tiny, NaN / 0 when it holds a non-finite value."""
-    tiny = absmax < TINY
+    tiny = absmax < _TINY
     scale = tl.where(tiny, 0.0, tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32)))
-    inv = tl.where(tiny, 0.0, tl.math.div_rn(tl.full(absmax.shape, QMAX, tl.float32), tl.maximum(absmax, TINY)))
+    inv = tl.where(tiny, 0.0, tl.math.div_rn(tl.full(absmax.shape, QMAX, tl.float32), tl.maximum(absmax, _TINY)))
     return tl.where(bad, _nan(), scale), tl.where(bad, 0.0, inv)
 
 
