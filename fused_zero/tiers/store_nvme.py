@@ -129,9 +129,12 @@ class NvmeStore(ShardStore):
         return hi - lo if not self.direct else -(-(hi - lo) // DIRECT_ELEMENTS) * DIRECT_ELEMENTS
 
     def _read_block(self, b: int, buf: dict) -> dict:
+        """Block ``b``'s states as this step left them: its other slot once this step wrote it (stages 1-2 update
+        bucket by bucket behind step(), and two buckets may share a block), else its live slot."""
         lo, n = self._span(b)[0], self._block_len(b)
+        slot = int(self._live[b]) ^ (b in self._pending)
         for kind in self.kinds:
-            self._io(False, int(self._live[b]), kind, lo, buf[kind][:n], self.direct)
+            self._io(False, slot, kind, lo, buf[kind][:n], self.direct)
         return buf
 
     def _write_block(self, b: int, buf: dict) -> None:
