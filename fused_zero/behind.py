@@ -25,17 +25,27 @@ wait: the failing rank its own error, the others a RuntimeError. The update is t
 waiting thread, and only an update every rank finished is committed. A forward that already
 gathered earlier units with the new values raises before it ends (its root's hook releases them).
 
+Stages 1-2 (``behind_buckets.BucketsBehind``) key the update by bucket and give a ``land``: after every rank's
+update of a key succeeded, the worker all-gathers that bucket into the full parameters over a group of its own
+(``land(key)``), so no read between steps ever needs a collective from the reading thread. There a failure is
+undone on the worker itself (``update.rollback``, then the buckets already gathered gathered again,
+``restore(keys)``: every rank's worker does the same, whatever its main thread is doing), and the waiting
+thread only raises.
+
 Used where the parameters live on a GPU (the forward then leaves the host's cores to the update);
 on a CPU-only run only when ``UpdateBehind.on_cpu`` is set (the tests do).
 
 On a GPU the worker's uploads of new narrow params run on the copy stream (``tiers/transfer.py``);
 each key's ticket is an event recorded there after its jobs, which the waiting thread's stream
-waits for (``Ticket.order_before``) before it gathers.
+waits for (``Ticket.order_before``) before it gathers. With a ``land`` the worker runs on the copy stream
+throughout, so its gathers queue there too and the ticket follows them.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
@@ -43,6 +53,16 @@ from .comm.collectives import Comm
 from .sharding.partition import Partition
 from .tiers.transfer import DONE, Ticket, transfers
 from .update import PartitionJob, UpdatePlan, commit, rollback, run_job
+
+
+class Landing(Protocol):
+    """Stages 1-2: what the worker does with a key's buckets once every rank updated them."""
+
+    def land(self, key) -> None:
+        """All-gather ``key``'s buckets into the full parameters (a collective of the worker's own group)."""
+
+    def restore(self, keys: list) -> None:
+        """After a rollback: gather ``keys``' buckets again (their shards are as before the step)."""
 
 
 class UpdateBehind:
@@ -54,10 +74,13 @@ class UpdateBehind:
     #: step(). So a CPU-only run updates inside step(); the tests set this to run the overlap on CPU.
     on_cpu = False
 
-    def __init__(self, device: torch.device, agree: Comm | None = None) -> None:
-        """``device``: the parameters' device; ``agree``: a gloo Comm of the worker's own (None: one rank)."""
+    def __init__(self, device: torch.device, agree: Comm | None = None, landing: Landing | None = None) -> None:
+        """``device``: the parameters' device; ``agree``: a gloo Comm of the worker's own (None: one rank);
+        ``landing``: stages 1-2, the gathers after each key (None: stage 3, the gatherer gathers)."""
         self.device = torch.device(device)
         self._agree = agree
+        self._landing = landing
+        self._undone = False  # the worker rolled the step back itself (with a landing)
         self._pool: ThreadPoolExecutor | None = None
         self._cond = threading.Condition()
         self._future: Future | None = None
@@ -82,7 +105,7 @@ class UpdateBehind:
             raise RuntimeError("an update is already running behind step(): wait() for it first")
         self._partitions, self._plan = partitions, plan
         self._keys = {key for key, _ in order}
-        self._ready, self._stopped, self._error = {}, False, None
+        self._ready, self._stopped, self._error, self._undone = {}, False, None, False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_zero-update")
         self._future = self._pool.submit(self._run, order)
@@ -92,31 +115,47 @@ class UpdateBehind:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # the current device is per thread
-            for key, jobs in order:
-                ticket = DONE
-                if self._error is None:
-                    try:
-                        for job in jobs:
-                            run_job(job)
-                        ticket = self._ticket()
-                    except BaseException as e:  # raised on the waiting thread, after every rank knows
-                        self._error = e
-                failed = self._error is not None
-                if self._agree is not None:
-                    failed = self._agree.any_rank(failed, "offload: the ranks' update verdict")
-                with self._cond:
-                    if not failed:
-                        self._ready[key] = ticket
-                        if self.log is not None:
-                            self.log.append(("updated", key))
-                    self._cond.notify_all()
-                if failed:
-                    return
-            commit(self._partitions)
+            # with a landing, the gathers queue on the copy stream behind the uploads (the tickets follow them)
+            stream = torch.cuda.stream(transfers(self.device).stream) \
+                if self._landing is not None and self.device.type == "cuda" else nullcontext()
+            with stream:
+                self._run_keys(order)
         finally:
             with self._cond:
                 self._stopped = True
                 self._cond.notify_all()
+
+    def _run_keys(self, order) -> None:
+        landed = []
+        for key, jobs in order:
+            ticket = DONE
+            if self._error is None:
+                try:
+                    for job in jobs:
+                        run_job(job)
+                    ticket = self._ticket()
+                except BaseException as e:  # raised on the waiting thread, after every rank knows
+                    self._error = e
+            failed = self._error is not None
+            if self._agree is not None:
+                failed = self._agree.any_rank(failed, "offload: the ranks' update verdict")
+            if not failed and self._landing is not None:
+                self._landing.land(key)  # every rank updated it: gather it (a collective of the worker's group)
+                landed.append(key)
+                ticket = self._ticket()
+            with self._cond:
+                if not failed:
+                    self._ready[key] = ticket
+                    if self.log is not None:
+                        self.log.append(("updated", key))
+                self._cond.notify_all()
+            if failed:
+                if self._landing is not None:  # undo here: restoring the gathered buckets is a collective
+                    rollback(self._partitions, self._plan.advanced)
+                    self._landing.restore(landed)
+                    self._undone = True
+                return
+        commit(self._partitions)
 
     def _ticket(self) -> Ticket:
         """What later GPU work waits for: every upload queued so far on the copy stream."""
@@ -125,6 +164,11 @@ class UpdateBehind:
         return Ticket(transfers(self.device).stream.record_event())
 
     # -- the waiting thread ---------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether the update in flight stopped short (some rank's failed): the next wait raises."""
+        return self._future is not None and self._stopped and len(self._ready) < len(self._keys)
+
     def ready(self, key) -> bool:
         """Whether ``key``'s update has ended on every rank (or there is none to wait for)."""
         return self._future is None or key not in self._keys or key in self._ready
@@ -151,10 +195,12 @@ class UpdateBehind:
             future.result()  # the worker's own errors (a collective that failed)
             failed = len(self._ready) < len(self._keys)
         except BaseException:
-            rollback(self._partitions, self._plan.advanced)
+            if not self._undone:
+                rollback(self._partitions, self._plan.advanced)
             raise
         if failed:
-            rollback(self._partitions, self._plan.advanced)
+            if not self._undone:
+                rollback(self._partitions, self._plan.advanced)
             error, self._error = self._error, None
             if error is not None:
                 raise error

@@ -86,11 +86,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.__dict__["state"] = value
 
     def _settle_update(self) -> None:
-        """Wait for the update running behind the last step (stage 3 with offloaded states; raises if it
-        failed on some rank, after undoing it)."""
+        """Wait for the update running behind the last step (offloaded states on a GPU: behind.py; raises if
+        it failed on some rank, after undoing it)."""
         stage = self.__dict__.get("_stage")
         if stage is not None and stage.behind is not None:
-            stage.behind.wait()
+            stage.settle()
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -529,8 +529,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
                 skip: torch.Tensor | None) -> None:
-        """The update, then the stage's ``after_update``. Stage 3 with offloaded states plans the update
-        here, releases the units, and leaves the host update running behind the step (behind.py)."""
+        """The update, then the stage's ``after_update``. With offloaded states on a GPU (stages 1-2: when built
+        with the model) the update is planned here and the host update left running behind the step
+        (behind.py, behind_buckets.py)."""
         behind = self._stage.behind
         if behind is None:
             with label(UPDATE):
@@ -542,7 +543,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
                                self.config.adam_w_mode)
         self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
-        behind.start(self.partitions, plan, self._stage.update_order(plan.jobs))
+        self._stage.start_behind(self.partitions, plan, has_grad)
 
     def _end_step(self) -> None:
         self._verdicts.end_step()

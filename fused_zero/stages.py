@@ -34,6 +34,7 @@ from .sharding.layout import build_layout
 from .sharding.partition import Partition
 from .sharding.units import plan_units
 from .behind import UpdateBehind
+from .behind_buckets import BucketsBehind
 from .tiers.factory import Tiers
 from .tiers.tier import Tier
 from .tiers.staging import Staging
@@ -46,8 +47,10 @@ class Stage1:
     traits = STAGE_TRAITS[1]
     reducer = ReduceAtStep
     can_add_groups = True
-    #: the host update running behind step() (stage 3 with offloaded states, behind.py), or None: inside step()
+    #: the host update running behind step() (offloaded states with the parameters on a GPU: behind.py; stages
+    #: 1-2 only when built with the model, behind_buckets.py), or None: inside step()
     behind: UpdateBehind | None = None
+    buckets_behind: BucketsBehind | None = None
 
     @property
     def shards_params(self) -> bool:
@@ -92,7 +95,33 @@ class Stage1:
                 params = [p for p in reversed(trainable) if p.dtype == dtype]
                 partitions.append(built.get(id(params[0])) or self._new_partition(gi, group, params))
                 positions.append([position[p] for p in params])
+        self._behind_buckets(module, partitions, names)
         return partitions, positions
+
+    def _overlaps(self, device: torch.device) -> bool:
+        """Whether the host update runs behind step(): offloaded states, the parameters on a GPU (on CPU the
+        forward would take the update's cores; the tests set ``UpdateBehind.on_cpu``)."""
+        return self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu)
+
+    def _worker_groups(self) -> tuple:
+        """The worker's groups, made once (every rank builds alike): its gathers' and its gloo verdicts'."""
+        if getattr(self, "_groups", None) is None:
+            agree = self.topology.everyone(backend="gloo") if self.topology.world_size > 1 else None
+            self._groups = (self.topology.own_group(), agree)
+        return self._groups
+
+    def _behind_buckets(self, module: nn.Module | None, partitions: list[Partition], names: dict) -> None:
+        """With the model and offloaded states on a GPU, the update runs behind step() bucket by bucket
+        (behind_buckets.py); without the model nothing can wait before its forward: inside step()."""
+        if self.buckets_behind is not None:  # a rebuild (add_param_group): the new partitions' buckets
+            self.buckets_behind.close()
+            self.buckets_behind = self.behind = None
+        device = partitions[0].flat.device if partitions else torch.device("cpu")
+        if module is None or not partitions or not self._overlaps(device):
+            return
+        gathers, agree = self._worker_groups()
+        self.buckets_behind = BucketsBehind(module, partitions, ParamSync(gathers), device, agree, names)
+        self.behind = self.buckets_behind.behind
 
     def _take_frozen(self, frozen: list[nn.Parameter]) -> None:
         """Frozen parameters stay the user's tensors, with rank 0's values on every rank (as DDP's constructor)."""
@@ -136,13 +165,28 @@ class Stage1:
             part.adopt_outside_changes(self.names)
 
     def after_update(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
-        """The updated shards back into every rank's full parameters."""
+        """The updated shards back into every rank's full parameters (behind step(): as each bucket is updated)."""
+        if self.buckets_behind is not None:
+            return
         self.sync.gather_updated(partitions, updated)
         for part in partitions:
             part.mark_synced()
 
+    def start_behind(self, partitions: list[Partition], plan, updated) -> None:
+        """Run the planned update behind step() (``behind`` is set); ``updated``: the step's has-grad flags."""
+        self.buckets_behind.start(plan, updated)
+
+    def settle(self) -> None:
+        """Wait for the update behind the last step (raising if it failed, undone); the parameters are whole."""
+        if self.buckets_behind is not None:
+            self.buckets_behind.settle()
+        elif self.behind is not None:
+            self.behind.wait()
+
+    @contextmanager
     def full_parameters(self):
-        return nullcontext()
+        self.settle()
+        yield
 
     def frozen_weights(self, keep: bool) -> dict:
         """Stage 3's frozen parameters' full values (stages 1-2: none; they are the user's whole tensors)."""
@@ -152,15 +196,17 @@ class Stage1:
         """Stage 3: frozen parameters' full values into their shards (stages 1-2: the caller copies)."""
 
     def traffic(self) -> dict[str, int]:
-        """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's)."""
-        return {}
+        """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's; with
+        the update behind step(), the worker's all-gathers)."""
+        return {} if self.buckets_behind is None else self.buckets_behind.traffic()
 
     def held_bytes(self) -> dict[str, int]:
         """memory_bytes()'s keys of this stage's own (stage 3 with hpZ: "secondary"); none here."""
         return {}
 
     def close(self) -> None:
-        pass
+        if self.buckets_behind is not None:
+            self.buckets_behind.close()  # the update behind the last step ends (or raises) before the files go
 
 
 class Stage2(Stage1):
@@ -228,8 +274,7 @@ class Stage3(Stage2):
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward, secondary)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
-        if self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu):
-            # the host update overlaps the next forward, unit by unit (behind.py)
+        if self._overlaps(device):  # the host update overlaps the next forward, unit by unit (behind.py)
             agree = self.topology.everyone(backend="gloo") if self.topology.world_size > 1 else None
             self.behind = self.gatherer.behind = UpdateBehind(device, agree)
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
@@ -250,6 +295,9 @@ class Stage3(Stage2):
 
     def after_update(self, partitions, updated) -> None:
         self.gatherer.release_all()  # the next forward gathers the new values
+
+    def start_behind(self, partitions, plan, updated) -> None:
+        self.behind.start(partitions, plan, self.update_order(plan.jobs))
 
     def update_order(self, jobs: list) -> list:
         """``jobs`` keyed by unit, in the order the next forward gathers the units (the root first)."""

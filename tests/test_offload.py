@@ -5,8 +5,9 @@
   blocks, so runs of the update are split as they never are in memory), through accumulation
   under no_sync() and over two synced backwards with clip_grad_norm_ and GradScaler steps with a skipped overflow; the reduced
   gradient shard is reported on the host. On CPU the reduction lands in the host shard directly; one
-  run takes the GPU's way (reduce in the pool buffer, copy down) to test that path here. Stage 3 runs
-  the update behind step() (tests/test_offload_behind.py), as it does with the parameters on a GPU.
+  run takes the GPU's way (reduce in the pool buffer, copy down) to test that path here. Stage 3, and
+  stages 1-2 built with the model (the "behind" cases), run the update behind step()
+  (tests/test_offload_behind.py, tests/test_offload_behind_buckets.py), as they do with the parameters on a GPU.
 - a checkpoint saved with NVMe offload resumes without it, and the reverse, bitwise.
 - a full disk midway through a step raises an OSError naming the file and leaves the states,
   step counts and parameters as before the step; training then goes on as if nothing happened.
@@ -46,11 +47,12 @@ TIERS = [dict(), dict(offload_optimizer="cpu", offload_chunk_numel=700),
     ([dict(offload_optimizer="nvme", offload_chunk_numel=700, nvme_direct=True)] if DIRECT else [])
 
 
-def _build(model, stage, folder=None, **kw):
+def _build(model, stage, folder=None, behind=False, **kw):
+    """``behind``: stages 1-2 built with the model, so the offloaded update runs behind step() (as on a GPU)."""
     if kw.get("offload_optimizer") == "nvme":
         kw["nvme_path"] = folder
-    return ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000,
-                            **kw)
+    return ShardedOptimizer(model if stage == 3 or behind else model.parameters(), **HYPER, stage=stage,
+                            bucket_numel=1000, **kw)
 
 
 def _step(model, opt, t, rank, scaler=None):
@@ -85,13 +87,14 @@ def _params(model, opt):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def _lockstep(rank, world_size, stage, folder, copy_down=False):
+def _lockstep(rank, world_size, stage, folder, copy_down=False, behind=False):
     BucketPipe.copy_down = copy_down  # the GPU's way: reduce in the pool buffer, then copy down to the host shard
-    UpdateBehind.on_cpu = True  # stage 3: the update behind step(), as with the parameters on a GPU
+    UpdateBehind.on_cpu = True  # the update behind step() where it is on a GPU (stage 3; stages 1-2 with the model)
     folder = os.path.join(folder, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
     models = [TinyNet() for _ in TIERS]
-    opts = [_build(m, stage, folder, **kw) for m, kw in zip(models, TIERS)]
+    opts = [_build(m, stage, folder, behind, **kw) for m, kw in zip(models, TIERS)]
+    assert all((o._stage.behind is not None) == (stage == 3 or behind) for o in opts[1:])
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in TIERS]
     unequal = []
     for t in range(10):
@@ -109,9 +112,11 @@ def _lockstep(rank, world_size, stage, folder, copy_down=False):
             "partitions": len(opts[2].partitions)}
 
 
-@pytest.mark.parametrize("stage,copy_down", [(1, False), (2, False), (3, False), (2, True)])
-def test_offload_is_bitwise_the_run_without(stage, copy_down, tmp_path):
-    for r in run_ranks(_lockstep, 2, stage, str(tmp_path), copy_down, timeout=240):
+@pytest.mark.parametrize("stage,copy_down,behind", [(1, False, False), (2, False, False), (3, False, False),
+                                                   (2, True, False), (1, False, True), (2, False, True)],
+                         ids=["1", "2", "3", "2-copy_down", "1-behind", "2-behind"])
+def test_offload_is_bitwise_the_run_without(stage, copy_down, behind, tmp_path):
+    for r in run_ranks(_lockstep, 2, stage, str(tmp_path), copy_down, behind, timeout=240):
         assert r["unequal"] == []
         device, host, nvme = r["mem"][:3]
         assert all(m == nvme for m in r["mem"][3:])  # O_DIRECT changes how, not where

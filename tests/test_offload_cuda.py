@@ -2,7 +2,9 @@
 cannot run -- each bucket's gradient shard copied down on the side stream during backward, the host
 update writing pinned staging buffers that go up while the next chunk is updated.
 
-World size 1, a bf16 TinyNet, stages 2 and 3, 8 steps with accumulation (no_sync, then two synced
+World size 1, a bf16 TinyNet, stages 2 and 3 (stage 2 also built with the model: the update then runs
+behind step() bucket by bucket, its uploads and gathers on the copy stream, the next forward waiting per
+module), 8 steps with accumulation (no_sync, then two synced
 backwards), clip_grad_norm_ and plain steps, against the same run without offload. The update runs
 on a different processor (torch's fused CPU AdamW against the Triton kernel), so the fp32 masters are
 compared within a few ulps and the bf16 params within one bf16 ulp, not bitwise.
@@ -19,14 +21,15 @@ TIERS = [dict(offload_optimizer="cpu"), dict(offload_optimizer="nvme"),
          dict(offload_optimizer="cpu", offload_params="cpu")]
 
 
-def _run(stage, folder, **kw):
+def _run(stage, folder, with_model=False, **kw):
     model = TinyNet(dtype=torch.bfloat16).cuda()
     if kw.get("offload_params") and stage != 3:
         pytest.skip("offload_params needs stage 3")
     if "nvme" in kw.values():
         kw["nvme_path"] = str(folder)
-    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000,
-                           offload_chunk_numel=700, **kw)
+    opt = ShardedOptimizer(model if stage == 3 or with_model else model.parameters(), **HYPER, stage=stage,
+                           bucket_numel=1000, offload_chunk_numel=700, **kw)
+    assert (opt._stage.behind is not None) == (bool(kw) and (stage == 3 or with_model))
     for t in range(8):
         opt.zero_grad()
         micro = (0, 1, 2) if t % 2 else (0,)
@@ -50,11 +53,11 @@ def _run(stage, folder, **kw):
     return masters, params, info
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage,with_model", [(2, False), (2, True), (3, True)], ids=["2", "2-behind", "3"])
 @pytest.mark.parametrize("tier", TIERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_offload_on_gpu_matches_the_run_without(stage, tier, tmp_path):
+def test_offload_on_gpu_matches_the_run_without(stage, with_model, tier, tmp_path):
     ref_masters, ref_params, ref_info = _run(stage, tmp_path)
-    masters, params, info = _run(stage, tmp_path, **tier)
+    masters, params, info = _run(stage, tmp_path, with_model, **tier)
     for a, b in zip(ref_masters, masters):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     for a, b in zip(ref_params, params):

@@ -1,0 +1,233 @@
+"""BucketsBehind: stages 1-2's host update (offloaded optimizer states) overlapped with the next forward.
+
+Stage 3 runs the host update behind ``step()`` unit by unit (``behind.py``); stages 1-2 do it bucket by bucket.
+Once ``step()`` has its verdicts and has planned the update, each partition's job is cut at its buckets (the
+chunks never cross a bucket edge: ``OwnSlices.edges``) and the worker updates the buckets in the order the next
+forward uses them (the model's parameter order, ``module.parameters()``), then, once every rank updated a bucket,
+all-gathers it into the full parameters over a group of its own (``land``). The gathers never wait for the main
+thread: a read between steps on one rank only (rank 0 saving ``model.state_dict()``) needs no collective.
+
+Until its buckets are in, a parameter is an empty placeholder, as stage 3's are between uses: the update
+writes the flat buffer the parameters view, and a read of a half-updated value must never pass silently.
+Each module with parameters of its own gets a forward pre-hook that waits for its parameters' buckets and
+points them back at the flat buffer; ``settle()`` (the next ``step()``, backward, ``clip_grad_norm_``,
+``state_dict()``, checkpoints, ``optimizer.state``, ``full_parameters()``, ``model.state_dict()`` and
+``model.load_state_dict`` through their pre-hooks, ``close()``) waits for the whole update and points them
+all back. A parameter changed in place while it was a placeholder (the change went nowhere) raises there,
+naming it. What cannot be seen is a read of ``p`` outside any of these (``p.norm()`` in a log line, an EMA
+that reads the parameters right after ``step()``): it sees an empty tensor. Such code waits with
+``with optimizer.full_parameters():`` first, or builds the optimizer over ``model.parameters()`` (no module:
+the update stays inside ``step()``).
+
+A failure (a full disk on one rank) stops every rank's worker at the same bucket; the worker rolls the step
+back and gathers the buckets it had gathered again (``restore``), and the next wait raises on every rank. A
+forward that already ran on some updated buckets raises before it returns (its root's forward hook).
+"""
+from __future__ import annotations
+
+import bisect
+import weakref
+
+import torch
+from torch import nn
+
+from .behind import UpdateBehind
+from .comm.collectives import Comm
+from .comm.param_sync import ParamSync
+from .sharding.partition import Partition
+from .update import UpdatePlan
+
+
+class BucketsBehind:
+    """The buckets of stages 1-2's partitions, updated behind ``step()`` and gathered as they are ready."""
+
+    def __init__(self, module: nn.Module, partitions: list[Partition], sync: ParamSync, device: torch.device,
+                 agree: Comm | None, names: dict) -> None:
+        """``sync``: gathers over a group of the worker's own; ``agree``: the worker's gloo group (None: one rank)."""
+        self.partitions = partitions
+        self.sync = sync
+        self.names = names
+        self.behind = UpdateBehind(device, agree, landing=self)
+        order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
+        rank: dict[tuple[int, int], tuple] = {}
+        self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
+        self._members: dict[tuple[int, int], list] = {}  # a key -> its parameters
+        for pi, part in enumerate(partitions):
+            for k, members in enumerate(part.bucket_params):
+                key = (pi, k)
+                ps = [part.params[j] for j in members]
+                self._members[key] = ps
+                rank[key] = (min((order.get(p, len(order)) for p in ps), default=len(order)), key)
+                for p in ps:
+                    self._keys_of.setdefault(p, []).append(key)
+        self._rank = {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
+        self._starts = [[b.shard_offset for b in part.layout.buckets] for part in partitions]
+        self._index = {id(part): pi for pi, part in enumerate(partitions)}
+        self._view = {p: v for part in partitions for p, v in part.views()}
+        self._released: dict[nn.Parameter, int] = {}  # placeholders: a parameter -> its version counter then
+        self._placeholders: dict = {}
+        self._bytes = 0  # all-gather bytes started, not yet reported (traffic)
+        self._handles = []
+        me = weakref.ref(self)  # the model's hooks must not keep a dropped optimizer's buckets alive
+        for m in module.modules():
+            own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
+            if own:
+                self._handles += [m.register_forward_pre_hook(_eager_only(_PreForward(me, own)), prepend=True),
+                                  m.register_state_dict_pre_hook(_Settle(me)),
+                                  m.register_load_state_dict_pre_hook(_Settle(me))]
+        self._handles.append(module.register_forward_hook(_eager_only(_AfterForward(me)), always_call=True))
+
+    # -- the step ----------------------------------------------------------------
+    def start(self, plan: UpdatePlan, updated: tuple[tuple[bool, ...], ...]) -> None:
+        """Cut the planned jobs at their buckets, release those buckets' parameters, start the worker.
+
+        The keys are the same on every rank (each worker agrees and gathers once per key): the buckets holding a
+        parameter ``updated`` on some rank, of the partitions the plan updates (none where a step is skipped).
+        Which of a bucket's elements this rank updates is its own (its shard): a key may have nothing to run here."""
+        by_key: dict = {}
+        for job in plan.jobs:
+            pi = self._index[id(job.part)]
+            flags = updated[pi]
+            for k, members in enumerate(job.part.bucket_params):
+                if any(flags[j] for j in members):
+                    by_key[(pi, k)] = (job, [])
+            for a, z in job.ranges:  # each range lies inside one bucket (OwnSlices.edges)
+                by_key[(pi, bisect.bisect_right(self._starts[pi], a) - 1)][1].append((a, z))
+        order = [(key, [job._replace(ranges=ranges)] if ranges else []) for key, (job, ranges) in
+                 sorted(by_key.items(), key=lambda item: self._rank[item[0]])]
+        for part in self.partitions:  # what adopt_outside_changes compares with at the next step
+            part.mark_synced()
+        for key, _ in order:
+            for p in self._members[key]:
+                if p not in self._released:
+                    p.data = self._placeholder(p)
+                    self._released[p] = p._version
+        self.behind.start(self.partitions, plan, order)
+        if self.sync.comm.world_size > 1:  # an all-gather counts its output (Comm._count): each bucket, whole
+            self._bytes += sum(self.partitions[pi].layout.buckets[k].numel * self.partitions[pi].flat.element_size()
+                               for (pi, k), _ in order)
+
+    def traffic(self) -> dict[str, int]:
+        """The all-gather bytes of the updates started since the last call (counted when started, so a step's
+        ``comm_bytes()`` holds them although they run behind it; the worker's group's own count is dropped)."""
+        self.sync.comm.reset_traffic()
+        out, self._bytes = {"all_gather": self._bytes}, 0
+        return out
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self._placeholders[key]
+
+    # -- on the worker ---------------------------------------------------------------
+    def land(self, key) -> None:
+        pi, k = key
+        for h in self.sync.gather(self.partitions[pi], [k]):
+            h.wait()
+
+    def restore(self, keys: list) -> None:
+        for key in keys:
+            self.land(key)
+
+    # -- the waiting thread ------------------------------------------------------------
+    def before_forward(self, params: list) -> None:
+        """A module's forward: wait for its parameters' buckets, then point them back."""
+        if not self._released:
+            return
+        waiting = [p for p in params if p in self._released]
+        if not waiting:
+            return
+        try:
+            for key in sorted({key for p in waiting for key in self._keys_of[p]}, key=self._rank.get):
+                self.behind.wait(key)
+        except BaseException:
+            self._point_all()
+            raise
+        self._point(waiting)
+
+    def settle(self) -> None:
+        """Wait for the whole update (raising if it failed, undone), and point every parameter back."""
+        try:
+            self.behind.wait()
+        finally:
+            self._point_all()
+
+    def after_forward(self) -> None:
+        """The root's forward ended: if the update failed meanwhile, it raises now (the output may hold both)."""
+        if self.behind.failed:
+            self.settle()
+
+    def _point_all(self) -> None:
+        if self._released:
+            self._point(list(self._released))
+
+    def _point(self, params: list) -> None:
+        changed = []
+        for p in params:
+            version = self._released.pop(p)
+            if p.numel() == 0 and self._view[p].numel() != 0:  # still the placeholder (else user code set p.data)
+                if p._version != version:
+                    changed.append(self.names.get(p, f"of shape {tuple(self._view[p].shape)}"))
+                p.data = self._view[p]
+        if changed:
+            raise RuntimeError(
+                f"parameters {changed[:5]} were changed in place between step() and their module's next forward "
+                "while their update still ran behind step() (stages 1-2 with offload_optimizer, the optimizer "
+                "built with the model): they were empty placeholders then, and the change went nowhere. Make "
+                "such changes inside `with optimizer.full_parameters(writeback=True):` (it waits for the "
+                "update), or before step()")
+
+    def close(self) -> None:
+        try:
+            self.behind.close()
+        finally:
+            self._point_all()
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+
+def _eager_only(hook):
+    from .comm.gatherer import _eager_only as eager  # torch.compile must never trace a hook that re-points p.data
+    return eager(hook)
+
+
+class _PreForward:
+    """A module's forward pre-hook: its own parameters' buckets (weakly held)."""
+
+    __slots__ = ("owner", "params")
+
+    def __init__(self, owner, params) -> None:
+        self.owner, self.params = owner, params
+
+    def __call__(self, module, args):
+        owner = self.owner()
+        if owner is not None and owner._released:
+            owner.before_forward(self.params)
+
+
+class _AfterForward:
+    __slots__ = ("owner",)
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+
+    def __call__(self, module, args, output):
+        owner = self.owner()
+        if owner is not None and owner.behind.pending:
+            owner.after_forward()
+
+
+class _Settle:
+    """A state-dict pre-hook (saving or loading the model): the whole update first."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+
+    def __call__(self, *args, **kwargs):
+        owner = self.owner()
+        if owner is not None and (owner._released or owner.behind.pending):
+            owner.settle()
