@@ -195,6 +195,13 @@ class Stage1:
     def load_frozen(self, values: dict) -> None:
         """Stage 3: frozen parameters' full values into their shards (stages 1-2: the caller copies)."""
 
+    def codec_state(self) -> dict:
+        """What a checkpoint keeps of the codecs' own state (stage 3 with qwZ: the gathers' count); none here."""
+        return {}
+
+    def load_codec_state(self, state: dict) -> None:
+        """Take in ``codec_state()`` from a checkpoint (one without it, or saved without the codec: from 0)."""
+
     def traffic(self) -> dict[str, int]:
         """Bytes this stage's own communicator moved since the last call (none: it shares the optimizer's; with
         the update behind step(), the worker's all-gathers)."""
@@ -317,6 +324,14 @@ class Stage3(Stage2):
 
     def load_frozen(self, values: dict) -> None:
         load_frozen(self.frozen_parts, values, self.names, self.gatherer._placeholder)
+
+    def codec_state(self) -> dict:
+        sync = self.gatherer.sync
+        return {} if sync.codec is None else {"param_gathers": sync.gathers}
+
+    def load_codec_state(self, state: dict) -> None:
+        if self.gatherer.sync.codec is not None:
+            self.gatherer.sync.gathers = state.get("param_gathers", 0)
 
     def traffic(self) -> dict[str, int]:
         comm = self.gatherer.comm

@@ -97,6 +97,15 @@ class StateAccess:
         """Stage 3: {frozen parameter: full CPU copy} on rank 0 ({} elsewhere, and at stages 1-2); collective."""
         return self._stage.frozen_weights(keep=self.comm.rank == 0)
 
+    def codec_state(self) -> dict:
+        """What a checkpoint keeps of the codecs' own state, the same on every rank (qwZ: the gathers' count,
+        which every stochastic rounding seed starts from); {} without a codec."""
+        return self._stage.codec_state()
+
+    def load_codec_state(self, state: dict) -> None:
+        """Take in a checkpoint's ``codec_state()`` (a resumed qwZ run rounds as the uninterrupted one)."""
+        self._stage.load_codec_state(state)
+
     def load_frozen_weights(self, values: dict) -> None:
         """Stage 3: each rank's shard of ``values`` ({frozen parameter: full tensor}) into its param shards."""
         self._stage.load_frozen(values)

@@ -168,6 +168,8 @@ CASES = {  # name: (damage, the file the message names, what else it says)
     "group lists a ghost": (_ghost, "metadata.json", "lists 'ghost'"),
     "hyper undecodable": (_set(["param_groups", 0, "hyper"], {"__tuple__": 5}), "metadata.json", "does not decode"),
     "hyper a list": (_set(["param_groups", 0, "hyper"], []), "metadata.json", "'hyper'"),
+    "codec state a list": (_set(["codec_state"], [1]), "metadata.json", "'codec_state'] is list"),
+    "codec count negative": (_set(["codec_state"], {"param_gathers": -1}), "metadata.json", "ints >= 0"),
     "unknown state key": (_set(["state_dict_keys", 0], "nope"), "metadata.json", "'nope'"),
     "shard truncated": (_truncate(RANK0, 100), RANK0, "100 bytes"),
     "shard header only": (_truncate(RANK0, 8), RANK0, "8 bytes"),

@@ -235,3 +235,43 @@ def _disagree(rank, world_size):
 def test_ranks_that_disagree_on_a_codec_are_refused_on_every_rank():
     results = run_ranks(_disagree, 2)
     assert all(r is not None and "optimizer options and hyperparameters differ" in r for r in results), results
+
+
+def _resume(rank, world_size, folder):
+    """qwZ: train 3 steps, save, train 3 more; a fresh model + optimizer that loads the checkpoint trains the
+    same 3 steps: the stochastic rounding goes on with the same seeds (the gathers' count is saved)."""
+    from fused_zero import checkpoint as ckpt
+
+    def make():
+        model = MLP()
+        return model, ShardedOptimizer(model, lr=LR, stage=3, bucket_numel=1000, param_comm="int8", quant_block=64)
+
+    def train(model, opt, steps):
+        x, y = _data(rank)
+        out = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            out.append(float(loss))
+        return out
+
+    model, opt = make()
+    train(model, opt, 3)
+    ckpt.save(folder, model, opt)
+    with torch.no_grad():
+        model(_data(rank)[0])  # an evaluation forward after the save: its gathers draw seeds too
+    losses = train(model, opt, 3)
+    fresh, fopt = make()
+    ckpt.load(folder, fresh, fopt)
+    with torch.no_grad():
+        fresh(_data(rank)[0])
+    fresh_losses = train(fresh, fopt, 3)
+    with opt.full_parameters(), fopt.full_parameters():
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return losses == fresh_losses and same
+
+
+def test_qwz_resumes_bitwise_from_a_checkpoint(tmp_path):
+    assert run_ranks(_resume, 2, str(tmp_path)) == [True, True]

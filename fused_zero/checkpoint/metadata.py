@@ -59,6 +59,7 @@ def build_metadata(view: ModelView, tag: str, written: list, files_of: dict) -> 
         "params": params, "state_dict_keys": view.keys, "model_tensors": model_tensors,
         "rank_files": [rank_file(r, ws) for r in range(ws)],
         "scheduler": files_of.get("scheduler"), "extra": files_of.get("extra"), "files": files,
+        "codec_state": opt.codec_state(),  # qwZ's gathers' count (absent in older checkpoints: 0)
     }
     meta[CHECKSUM] = checksum(meta)
     return meta
@@ -114,6 +115,10 @@ class _Schema:
             blob = self.typed(meta, key, (str, type(None)), "metadata")
             self.need(blob is None or (blob in files and blob.endswith((".json", ".pt"))), f"metadata[{key!r}]",
                       f"names {blob!r}, which is not a listed .json or .pt file")
+        if "codec_state" in meta:  # absent in checkpoints written before it existed
+            codec = self.typed(meta, "codec_state", dict, "metadata")
+            self.need(all(type(v) is int and v >= 0 for v in codec.values()), "metadata['codec_state']",
+                      "must map names to ints >= 0")
         groups = self.typed(meta, "param_groups", list, "metadata")
         params = self.typed(meta, "params", dict, "metadata")
         for gi, g in enumerate(groups):

@@ -208,6 +208,7 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
 
     (staged, steps, hypers, tensors, extras), _ = agree(comm, read)
     commit(view, staged, steps, hypers, tensors, scheduler, extras["scheduler"])
+    optimizer.load_codec_state(meta.get("codec_state") or {})
     return extras["extra"]
 
 

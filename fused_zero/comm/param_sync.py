@@ -33,6 +33,15 @@ class ParamSync:
         """Gathers inside send the shards as they are, whatever the codec (a context manager)."""
         return setting(self, "_exact", True)
 
+    @property
+    def gathers(self) -> int:
+        """qwZ: quantized gathers launched so far (a checkpoint keeps it: a resumed run draws the same seeds)."""
+        return self._gathers
+
+    @gathers.setter
+    def gathers(self, n: int) -> None:
+        self._gathers = int(n)
+
     def seed(self, k: int) -> int:
         """qwZ's stochastic rounding seed of a partition's bucket ``k``: a new one for every gather (a backward's
         gather rounds independently of its forward's), from the gathers so far, the bucket and the rank (the
