@@ -108,17 +108,23 @@ class UpdateBehind:
         self._ready, self._stopped, self._error, self._undone = {}, False, None, False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_zero-update")
-        self._future = self._pool.submit(self._run, order)
+        # with a landing the worker queues on the copy stream, not behind the compute stream as the copies
+        # otherwise are (transfers.copy): it first waits for everything the step queued there (the backward
+        # may still read the parameters its uploads and gathers write)
+        after = torch.cuda.current_stream(self.device).record_event() \
+            if self._landing is not None and self.device.type == "cuda" else None
+        self._future = self._pool.submit(self._run, order, after)
 
     # -- the worker ---------------------------------------------------------
-    def _run(self, order) -> None:
+    def _run(self, order, after=None) -> None:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # the current device is per thread
             # with a landing, the gathers queue on the copy stream behind the uploads (the tickets follow them)
-            stream = torch.cuda.stream(transfers(self.device).stream) \
-                if self._landing is not None and self.device.type == "cuda" else nullcontext()
+            stream = torch.cuda.stream(transfers(self.device).stream) if after is not None else nullcontext()
             with stream:
+                if after is not None:
+                    torch.cuda.current_stream(self.device).wait_event(after)
                 self._run_keys(order)
         finally:
             with self._cond:
