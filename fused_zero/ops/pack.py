@@ -266,7 +266,10 @@ def _triton_args(kpack, plan, tensors, bucket):
     state = plan.state
     ptrs = state["ptrs"]
     if ptrs is not state.get("uploaded") and ptrs != state.get("uploaded"):
-        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        try:
+            dtypes = tuple(map(_DTYPE, tensors))
+        except AttributeError:  # a None entry
+            dtypes = tuple(None if t is None else t.dtype for t in tensors)
         if dtypes != state.get("dtypes"):
             state["table"] = kpack.build_table(dtypes, plan.offsets, plan.numels, bucket)
             state["dtypes"] = dtypes
