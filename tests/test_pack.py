@@ -5,6 +5,8 @@ or on CUDA) and on its torch twin, chosen with FUSED_ZERO_BACKEND. Expected
 values are computed here per tensor with torch ops.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -413,3 +415,16 @@ def test_empty_lists(dev):
     ops.pack_([torch.zeros(0, device=dev)], bucket, [4])
     ops.unpack_(bucket, [], [])
     assert bool((bucket == _SENTINEL).all())
+
+
+def test_pack_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts kernels that Triton's compiler refuses: compile for an H100/H200
+    (frontend, LLVM and ptxas from the triton wheel), every dtype branch in one kernel, in a
+    process without TRITON_INTERPRET (it replaces the compiler's builders) and a fresh cache."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pack_sm90.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "128-bit stores: yes" in done.stdout
