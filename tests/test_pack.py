@@ -5,6 +5,8 @@ or on CUDA) and on its torch twin, chosen with FUSED_ZERO_BACKEND. Expected
 values are computed here per tensor with torch ops.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -157,11 +159,12 @@ def test_rounding_on_random_bits(dev, dtype):
 
 
 def test_int64_offsets_in_tables():
-    rows = kpack._rows(np.array([1 << 40]), np.array([2**33 + 5]), np.array([BLOCK + 7]), 2, 0)
+    rows = kpack._rows(np.array([7]), np.array([2**33 + 5]), np.array([BLOCK + 7]), np.array([kpack.CODES[BF16]]))
     assert rows.dtype == np.int64
-    assert rows[:, 1].tolist() == [2**33 + 5, 2**33 + 5 + BLOCK]
-    assert rows[:, 0].tolist() == [1 << 40, (1 << 40) + 2 * BLOCK]
-    assert rows[:, 2].tolist() == [BLOCK, 7]
+    assert rows[:, 0].tolist() == [7, 7]  # entry index: addresses live in their own vector
+    assert rows[:, 1].tolist() == [0, BLOCK]  # element offset in the entry
+    assert rows[:, 2].tolist() == [2**33 + 5, 2**33 + 5 + BLOCK]
+    assert rows[:, 3].tolist() == [BLOCK * 4 + 1, 7 * 4 + 1]  # length * 4 + dtype code
 
 
 @pytest.mark.parametrize("bdtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
@@ -218,16 +221,14 @@ def test_plan_reuse_and_stale_pointers(dev, monkeypatch):
     bucket = torch.zeros(size, device=dev)
     plan = ops.pack_plan(tensors, offsets, bucket)
     ops.pack_(tensors, bucket, plan=plan)
-    launches = plan.state["launches"]
+    table = plan.state.get("table")
     ops.pack_(tensors, bucket, offsets, plan=plan)
-    assert plan.state["launches"] is launches  # same tensors: tables reused
-    if os.environ["FUSED_ZERO_BACKEND"] == "triton":
-        assert len(launches) == 2  # one launch per source dtype
+    assert plan.state.get("table") is table  # same tensors: table reused
     # new tensors (fresh grads) while the old ones still hold other values
     fresh = [t * 2 + 1 for t in tensors]
     ops.pack_(fresh, bucket, plan=plan)
     _assert_bitwise(bucket, _expected(torch.zeros_like(bucket), fresh, offsets))
-    assert plan.state["launches"] is not launches or launches is None
+    assert plan.state.get("table") is table  # new addresses, same dtypes: the table stays
     del tensors
     fresh2 = [t - 3 for t in fresh]
     del fresh
@@ -257,27 +258,107 @@ def test_plan_reuse_and_stale_pointers(dev, monkeypatch):
         ops.pack_(fresh2, bucket, plan=(1, 2))
 
 
-@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="needs Triton")
-def test_tables(monkeypatch):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+_TRITON = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="needs Triton")
+
+
+def _triton_dev(monkeypatch):
     monkeypatch.setenv("FUSED_ZERO_BACKEND", "triton")
-    tensors = _make([((BLOCK * 2 + 5,), F32), ((7,), BF16), ((4,), F32)], dev)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@_TRITON
+def test_tables(monkeypatch):
+    dev = _triton_dev(monkeypatch)
     bucket = torch.zeros(3 * BLOCK, device=dev)
-    aligned = kpack.build_launches(tensors, [0, 2 * BLOCK + 8, 2 * BLOCK + 16], [2 * BLOCK + 5, 7, 4], bucket)
-    assert [(la.dtype, la.copy_rows, la.aligned) for la in aligned] == [(F32, 4, True), (BF16, 1, True)]
-    table = aligned[0].table.cpu()
-    assert table.dtype == torch.int64
-    assert table[:, 2].tolist() == [BLOCK, BLOCK, 5, 4]  # lengths per chunk
-    assert table[:, 1].tolist() == [0, BLOCK, 2 * BLOCK, 2 * BLOCK + 16]
-    assert table[1, 0] - table[0, 0] == BLOCK * 4
-    odd = kpack.build_launches(tensors, [1, 2 * BLOCK + 8, 2 * BLOCK + 16], [2 * BLOCK + 5, 7, 4], bucket)
-    assert [la.aligned for la in odd] == [False, True]
-    calls = []
+    table = kpack.build_table([F32, BF16, F32, None], [0, 2 * BLOCK + 8, 2 * BLOCK + 16, 2 * BLOCK + 32],
+                              [2 * BLOCK + 5, 7, 4, 3], bucket)
+    assert (table.copy_rows, table.aligned) == (5, True)
+    assert table.codes == 1 << kpack.CODES[F32] | 1 << kpack.CODES[BF16] | 1 << kpack.ZERO
+    rows = table.rows.cpu()
+    assert rows.dtype == torch.int64
+    assert rows[:, 0].tolist() == [0, 0, 0, 1, 2, 3]  # copy rows in entry order, then the zero fill
+    assert (rows[:, 3] >> 2).tolist() == [BLOCK, BLOCK, 5, 7, 4, 3]  # lengths per chunk
+    assert (rows[:, 3] & 3).tolist() == [0, 0, 0, 1, 0, kpack.ZERO]
+    assert rows[:, 2].tolist() == [0, BLOCK, 2 * BLOCK, 2 * BLOCK + 8, 2 * BLOCK + 16, 2 * BLOCK + 32]
+    odd = kpack.build_table([F32, BF16], [1, 2 * BLOCK + 8], [2 * BLOCK + 5, 7], bucket)
+    assert not odd.aligned
+
+
+def _count_launches(monkeypatch):
+    grids = []
     real = kpack._launch
-    monkeypatch.setattr(kpack, "_launch", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    ops.pack_(tensors + [None], bucket, [1, 2 * BLOCK + 8, 2 * BLOCK + 16, 2 * BLOCK + 32], numels=[
-        2 * BLOCK + 5, 7, 4, 3])
-    assert calls == [5, 1]  # one launch per dtype; the zero-fill row rides on the first
+    monkeypatch.setattr(kpack, "_launch", lambda *a, **k: grids.append(a[3]) or real(*a, **k))
+    return grids
+
+
+@_TRITON
+def test_one_launch_per_pack_call_for_mixed_dtypes(monkeypatch):
+    dev = _triton_dev(monkeypatch)
+    grids = _count_launches(monkeypatch)
+    tensors = _make([((BLOCK * 2 + 5,), F32), ((7,), BF16), ((4,), F16), ((BLOCK,), BF16)], dev)
+    entries = tensors[:3] + [None, tensors[3]]
+    numels = [2 * BLOCK + 5, 7, 4, 3, BLOCK]
+    offsets, size = _layout(entries, numels=numels)
+    bucket = torch.full((size,), _SENTINEL, device=dev)
+    plan = ops.pack_plan(entries, offsets, bucket, numels=numels)
+    for call in range(3):
+        grids.clear()
+        ops.pack_(entries, bucket, plan=plan, scale=0.5)
+        assert grids == [7]  # one launch: 6 copy rows of three dtypes, the zero-fill row last
+        grids.clear()
+        ops.pack_(entries, bucket, plan=plan, accumulate=True)
+        assert grids == [6]  # accumulating: the zero-fill row is left out of the grid
+        grids.clear()
+        ops.pack_checked_(plan, entries, bucket)
+        assert grids == [7]
+    _assert_bitwise(bucket, _expected(torch.full_like(bucket, _SENTINEL), entries, offsets, numels))
+    outs = [None if t is None else torch.empty_like(t) for t in entries]
+    grids.clear()
+    ops.unpack_(bucket, outs, offsets)
+    assert grids == [6]
+    for o, t in zip(outs, entries):
+        if t is not None:
+            _assert_bitwise(o, t)
+
+
+@_TRITON
+@pytest.mark.parametrize("entry", ["pack_", "pack_checked_"])
+def test_changed_tensor_address_is_picked_up(monkeypatch, entry):
+    """A plan reused with tensors at new addresses (p.data replaced, a new .grad each step, the
+    old memory freed and reused) writes from the new tensors, never through a stale address."""
+    dev = _triton_dev(monkeypatch)
+    pack = (lambda ts, b, plan: ops.pack_(ts, b, plan=plan)) if entry == "pack_" else \
+        (lambda ts, b, plan: ops.pack_checked_(plan, ts, b))
+    tensors = _make([((BLOCK + 3,), F32), ((5,), BF16), ((2, 4), F32)], dev, seed=11)
+    offsets, size = _layout(tensors)
+    bucket = torch.zeros(size, device=dev)
+    plan = ops.pack_plan(tensors, offsets, bucket)
+    pack(tensors, bucket, plan)
+    table, addrs = plan.state["table"], plan.state["addrs"]
+    pack(tensors, bucket, plan)
+    assert plan.state["addrs"] is addrs  # unchanged addresses: nothing uploaded
+    for step in range(3):
+        moved = [t.clone() + step + 1 for t in tensors]  # new storage for every entry ...
+        tensors[1] = tensors[1].clone()  # ... and, in place of one, yet another
+        moved[1] = tensors[1] * 3
+        pack(moved, bucket, plan)
+        _assert_bitwise(bucket, _expected(torch.zeros_like(bucket), moved, offsets))
+        assert plan.state["addrs"] is not addrs and plan.state["table"] is table  # addresses only
+        addrs = plan.state["addrs"]
+    param = torch.nn.Parameter(tensors[0].clone())
+    entries = [param, tensors[1], tensors[2]]
+    pack(entries, bucket, plan)
+    param.data = torch.full_like(param, 2.5)  # same tensor object, new storage
+    pack(entries, bucket, plan)
+    _assert_bitwise(bucket[offsets[0]:offsets[0] + param.numel()], param.detach())
+    if entry == "pack_":  # another dtype at the same address: validated, and the table rebuilt
+        base = torch.zeros(10, dtype=BF16, device=dev)
+        ops.pack_([tensors[0], base[:5], tensors[2]], bucket, plan=plan)
+        other = [tensors[0], base.view(F16)[:5], tensors[2]]
+        other[1].copy_(torch.arange(5.0))
+        ops.pack_(other, bucket, plan=plan)
+        assert plan.state["table"] is not table
+        _assert_bitwise(bucket, _expected(torch.zeros_like(bucket), other, offsets))
 
 
 def test_bad_arguments(dev):
@@ -334,3 +415,16 @@ def test_empty_lists(dev):
     ops.pack_([torch.zeros(0, device=dev)], bucket, [4])
     ops.unpack_(bucket, [], [])
     assert bool((bucket == _SENTINEL).all())
+
+
+def test_pack_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts kernels that Triton's compiler refuses: compile for an H100/H200
+    (frontend, LLVM and ptxas from the triton wheel), every dtype branch in one kernel, in a
+    process without TRITON_INTERPRET (it replaces the compiler's builders) and a fresh cache."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pack_sm90.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "128-bit stores: yes" in done.stdout

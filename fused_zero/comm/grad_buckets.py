@@ -92,7 +92,7 @@ class GradBucket:
         # a bucket of frozen parameters is never reduced (the same decision on every rank)
         self.trainable = any(p.requires_grad for p in self.params)
         self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
-        self._plan = None  # the pack plan, reused while the grads stay put
+        self._plan = None  # the pack plan: its device table serves every step (kernels/pack.py)
         self.remaining = 0  # stages 2-3: trainable parameters whose gradient this round still waits for
 
     def start(self, present, accumulate: bool, free_grads: bool, block: bool) -> bool:

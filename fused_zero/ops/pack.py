@@ -1,10 +1,12 @@
 """``pack_`` / ``unpack_`` / ``pack_plan``: many tensors <-> one flat bucket.
 
 A ``PackPlan`` validates a bucket layout once. Backends: ``triton``
-(``fused_zero.kernels.pack``: work tables cached in the plan, one launch per
-tensor dtype) and ``torch`` (the twin in ``pack_twin.py``); both take
-``(plan, tensors, bucket, *, accumulate, scale)`` for pack and
-``(plan, bucket, tensors)`` for unpack.
+(``fused_zero.kernels.pack``: one work table per plan kept on the device, the
+entries' addresses in a vector beside it, one launch per call) and ``torch``
+(the twin in ``pack_twin.py``); both take ``(plan, tensors, bucket, *,
+accumulate, scale)`` for pack and ``(plan, bucket, tensors)`` for unpack. The
+entry points put the call's addresses in ``plan.state["ptrs"]`` before calling
+the triton backend (``_triton_args``), so no address is read twice per call.
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ class PackPlan(NamedTuple):
     """Validated layout of one bucket, reusable by ``pack_`` / ``unpack_``.
 
     ``offsets`` and ``numels`` are fixed; ``state`` caches what depends on
-    the tensors themselves (their addresses: the Triton work tables). Each
-    call compares the tensors' (data_ptr, dtype, numel, contiguity) and the
-    bucket's address with the cached ones and rebuilds the tables when any
-    differs, so the same plan serves new grad tensors every step.
+    the tensors themselves. ``pack_`` and ``unpack_`` compare every tensor's
+    (data_ptr, dtype, numel, contiguity) and the bucket's address with the
+    ones last validated and validate again when any differs, so the same plan
+    serves new grad tensors every step. The Triton work table depends only on
+    the layout and the entries' dtypes (rebuilt when a dtype changes); the
+    addresses are uploaded again whenever one changed.
     """
 
     offsets: tuple
@@ -37,15 +41,27 @@ class PackPlan(NamedTuple):
     state: dict
 
 
-def _key(tensors, bucket):
-    # Equal data_ptrs imply equal devices: CUDA's unified virtual addressing
-    # gives host and every device disjoint addresses.
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _columns(tensors):
+    """(data_ptrs, dtypes, numels, contiguity) of ``tensors`` as four lists (a None entry: address
+    0, the rest None); None when an entry is neither a tensor nor None (``_check_entries`` names it).
+
+    One C call per tensor and column (``map`` over the unbound methods): at 1000 tensors this
+    check is most of what a ``pack_`` call costs on the host."""
     try:
-        return (bucket.data_ptr(),) + tuple(
-            None if t is None else (t.data_ptr(), t.dtype, t.numel(), t.is_contiguous()) for t in tensors
-        )
-    except (AttributeError, TypeError, RuntimeError):
-        return None  # not all tensors: _check_entries names the culprit
+        return (list(map(_DATA_PTR, tensors)), list(map(_DTYPE, tensors)), list(map(_NUMEL, tensors)),
+                list(map(_CONTIGUOUS, tensors)))
+    except TypeError:  # a None entry (or not a tensor)
+        pass
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return ([0 if t is None else t.data_ptr() for t in tensors],) + tuple(
+        [None if t is None else f(t) for t in tensors] for f in (_DTYPE, _NUMEL, _CONTIGUOUS))
 
 
 def _ints(name, values, count):
@@ -78,8 +94,10 @@ def _check_entries(plan, tensors, bucket):
             f"the plan was built for a {plan.bucket_dtype} bucket of {plan.bucket_numel} elements on "
             f"{plan.device}, got {bucket.dtype}, {bucket.numel()}, {bucket.device}; build a new plan"
         )
-    key = _key(tensors, bucket)
+    columns = _columns(tensors)
+    key = None if columns is None else (bucket.data_ptr(),) + columns
     if key is not None and key == plan.state.get("key"):
+        plan.state["ptrs"] = columns[0]
         return key
     spans = []
     for i, t in enumerate(tensors):
@@ -113,7 +131,9 @@ def _check_entries(plan, tensors, bucket):
             raise ValueError(f"tensors[{i}] shares memory with bucket; pass a separate bucket")
     spans.sort()
     disjoint = all(spans[j][1] <= spans[j + 1][0] for j in range(len(spans) - 1))
-    plan.state.update(key=key, disjoint=disjoint, launches=None)  # the bucket views (pack_twin) stay
+    # The bucket views (pack_twin) and the device table stay; uploaded=None makes _triton_args read
+    # the dtypes again (one may have changed at an unchanged address) before it uploads the addresses.
+    plan.state.update(key=key, disjoint=disjoint, ptrs=None if key is None else columns[0], uploaded=None)
     return key
 
 
@@ -125,7 +145,7 @@ def pack_plan(tensors, offsets, bucket, *, numels=None) -> PackPlan:
     of each tensor in ``bucket``; ranges must lie inside the bucket and must
     not overlap (gaps are fine and left untouched). Keep one plan per tensor
     list: a plan used alternately for grads (pack_) and params (unpack_)
-    rebuilds its tables on every switch.
+    validates and uploads the addresses again on every switch.
     """
     return _plan(tensors, offsets, bucket, numels, sizeless_none=False)
 
@@ -197,8 +217,7 @@ def pack_(tensors, bucket, offsets=None, *, accumulate: bool = False, scale=None
     the bucket's dtype (nearest even). Without scale and accumulate the copy is
     bitwise ``copy_``. A None entry zeroes its range (kept when accumulating).
     ``plan`` (from ``pack_plan``) skips re-validation when the same tensors
-    come again and is rebuilt in place when they change. Triton: one launch
-    per tensor dtype.
+    come again and is validated again when they change. Triton: one launch.
     """
     check_bool("accumulate", accumulate)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
@@ -214,15 +233,19 @@ def pack_checked_(plan: PackPlan, tensors, bucket, *, scale=None, accumulate: bo
     """``pack_`` for a caller that guarantees on every call what ``pack_`` would check.
 
     For the optimizer's gradient buckets: every tensor is contiguous (any shape) with the plan's
-    numel, dtype and device (``.grad`` was checked against its parameter when backward produced
-    it, and sliced flat), the bucket is the plan's and shares no memory with them. Nothing is
-    validated here; the Triton work tables are rebuilt only when an address changed.
+    numel and device and the dtype it had when this plan last saw its address (``.grad`` was
+    checked against its parameter when backward produced it, and sliced flat), the bucket is the
+    plan's and shares no memory with them. Nothing is validated here; the Triton backend reads
+    each tensor's address (one call per tensor), uploads them again when one changed and
+    rebuilds its table only when an entry's dtype (or None-ness) changed with its address.
     """
-    if plan.device.type != "cpu" or _backend.forced() == "triton":
-        key = (bucket.data_ptr(),) + tuple(None if t is None else t.data_ptr() for t in tensors)
-        if key != plan.state.get("checked_key"):
-            plan.state.update(checked_key=key, launches=None)
-    return _backend.implementation("pack", bucket.device)(plan, tensors, bucket, accumulate=accumulate, scale=scale)
+    impl = _backend.implementation("pack", bucket.device)
+    if impl is _pack_triton:
+        try:
+            plan.state["ptrs"] = list(map(_DATA_PTR, tensors))
+        except TypeError:  # a None entry
+            plan.state["ptrs"] = [0 if t is None else t.data_ptr() for t in tensors]
+    return impl(plan, tensors, bucket, accumulate=accumulate, scale=scale)
 
 
 def unpack_(bucket, tensors, offsets=None, *, plan=None) -> None:
@@ -235,21 +258,35 @@ def unpack_(bucket, tensors, offsets=None, *, plan=None) -> None:
     _backend.implementation("unpack", bucket.device)(plan, bucket, tensors)
 
 
-def _launches(kpack, plan, tensors, bucket):
-    """The plan's work tables, built when the tensors changed (``_check_entries`` clears them)."""
-    if plan.state["launches"] is None:
-        plan.state["launches"] = kpack.build_launches(tensors, plan.offsets, plan.numels, bucket)
-    return plan.state["launches"]
+def _triton_args(kpack, plan, tensors, bucket):
+    """The plan's device table and address vector for this call's addresses (``plan.state["ptrs"]``,
+    set by the entry point). When an address changed: the dtypes are read again (the table is
+    rebuilt if one changed) and the addresses are uploaded again. The table never holds an
+    address, so a stale one cannot outlive this comparison."""
+    state = plan.state
+    ptrs = state["ptrs"]
+    if ptrs is not state.get("uploaded") and ptrs != state.get("uploaded"):
+        try:
+            dtypes = tuple(map(_DTYPE, tensors))
+        except AttributeError:  # a None entry
+            dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        if dtypes != state.get("dtypes"):
+            state["table"] = kpack.build_table(dtypes, plan.offsets, plan.numels, bucket)
+            state["dtypes"] = dtypes
+        state["addrs"] = kpack.upload_addresses(ptrs, state["table"], bucket.device)
+        state["uploaded"] = ptrs
+    return state["table"], state["addrs"]
 
 
 def _pack_triton(plan, tensors, bucket, *, accumulate, scale):
     kpack = _backend.kernels("pack")
-    return kpack.pack(_launches(kpack, plan, tensors, bucket), bucket, accumulate=accumulate, scale=scale)
+    table, addrs = _triton_args(kpack, plan, tensors, bucket)
+    return kpack.pack(table, addrs, bucket, accumulate=accumulate, scale=scale)
 
 
 def _unpack_triton(plan, bucket, tensors) -> None:
     kpack = _backend.kernels("pack")
-    kpack.unpack(_launches(kpack, plan, tensors, bucket), bucket)
+    kpack.unpack(*_triton_args(kpack, plan, tensors, bucket), bucket)
 
 
 _backend.register("pack", triton=_pack_triton, torch=pack_twin)
