@@ -19,6 +19,11 @@ that reads the parameters right after ``step()``): it sees an empty tensor. Such
 ``with optimizer.full_parameters():`` first, or builds the optimizer over ``model.parameters()`` (no module:
 the update stays inside ``step()``).
 
+The forward hooks exist only while an update is pending, so between updates the model runs without them.
+Under ``torch.compile`` the placeholders and hooks would make every compiled forward recompile: the first hook
+called from compiled code marks the model ``compiled``, and from then on the update stays inside ``step()``
+(bitwise the same; one recompile, then none).
+
 A failure (a full disk on one rank) stops every rank's worker at the same bucket; the worker rolls the step
 back and gathers the buckets it had gathered again (``restore``), and the next wait raises on every rank. A
 forward that already ran on some updated buckets raises before it returns (its root's forward hook).
@@ -67,15 +72,20 @@ class BucketsBehind:
         self._released: dict[nn.Parameter, int] = {}  # placeholders: a parameter -> its version counter then
         self._placeholders: dict = {}
         self._bytes = 0  # all-gather bytes started, not yet reported (traffic)
-        self._handles = []
+        self._handles = []  # the state-dict hooks, for the optimizer's life
+        self._forward_handles = []  # the forward hooks, only while an update is pending (see start)
+        #: a forward ran under torch.compile (a hook saw it traced): updates then stay inside step()
+        self.compiled = False
         me = weakref.ref(self)  # the model's hooks must not keep a dropped optimizer's buckets alive
+        self._module = weakref.ref(module)
+        self._owned = []  # (module, its own parameters that have buckets)
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
             if own:
-                self._handles += [m.register_forward_pre_hook(_eager_only(_PreForward(me, own)), prepend=True),
-                                  m.register_state_dict_pre_hook(_Settle(me)),
+                self._owned.append((weakref.ref(m), own))
+                self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
-        self._handles.append(module.register_forward_hook(_eager_only(_AfterForward(me)), always_call=True))
+        self._me = me
 
     # -- the step ----------------------------------------------------------------
     def start(self, plan: UpdatePlan, updated: tuple[tuple[bool, ...], ...]) -> None:
@@ -97,11 +107,16 @@ class BucketsBehind:
                  sorted(by_key.items(), key=lambda item: self._rank[item[0]])]
         for part in self.partitions:  # what adopt_outside_changes compares with at the next step
             part.mark_synced()
+        if self.compiled:  # placeholders would make every compiled forward recompile: the update stays inside
+            self.behind.start(self.partitions, plan, order)
+            self.settle()
+            return
         for key, _ in order:
             for p in self._members[key]:
                 if p not in self._released:
                     p.data = self._placeholder(p)
                     self._released[p] = p._version
+        self._hook_forward()
         self.behind.start(self.partitions, plan, order)
         if self.sync.comm.world_size > 1:  # an all-gather counts its output (Comm._count): each bucket, whole
             self._bytes += sum(self.partitions[pi].layout.buckets[k].numel * self.partitions[pi].flat.element_size()
@@ -113,6 +128,24 @@ class BucketsBehind:
         self.sync.comm.reset_traffic()
         out, self._bytes = {"all_gather": self._bytes}, 0
         return out
+
+    def _hook_forward(self) -> None:
+        """The forward hooks, registered while the update is pending only: between updates (and with a compiled
+        model, always) the model runs without them, so they break no compiled graph."""
+        for ref, own in self._owned:
+            m = ref()
+            if m is not None:
+                self._forward_handles.append(m.register_forward_pre_hook(_hook(_PreForward(self._me, own)),
+                                                                         prepend=True))
+        module = self._module()
+        if module is not None:
+            self._forward_handles.append(module.register_forward_hook(_hook(_AfterForward(self._me)),
+                                                                      always_call=True))
+
+    def _unhook_forward(self) -> None:
+        for h in self._forward_handles:
+            h.remove()
+        self._forward_handles.clear()
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.dtype, p.device)
@@ -159,6 +192,7 @@ class BucketsBehind:
             self.settle()
 
     def _point_all(self) -> None:
+        self._unhook_forward()
         if self._released:
             self._point(list(self._released))
 
@@ -188,9 +222,22 @@ class BucketsBehind:
             self._handles.clear()
 
 
-def _eager_only(hook):
-    from .comm.gatherer import _eager_only as eager  # torch.compile must never trace a hook that re-points p.data
-    return eager(hook)
+def _hook(hook):
+    """``hook`` kept out of torch.compile's graph (it waits and re-points p.data); a call from a compiled forward
+    marks its owner ``compiled`` first, so later updates stay inside step() (placeholders would make each
+    compiled forward recompile)."""
+    def compiled(*args):
+        owner = hook.owner()
+        if owner is not None:
+            owner.compiled = True
+        return hook(*args)
+    disabled = torch.compiler.disable(compiled)
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return disabled(*args)
+        return hook(*args)
+    return call
 
 
 class _PreForward:

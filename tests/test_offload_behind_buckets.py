@@ -10,6 +10,8 @@ by bucket, and overlaps the next forward (with the parameters on a GPU; here on 
   empty placeholder until then, and one changed in place meanwhile raises, naming it;
 - 2 gloo ranks: rank 0 alone saving model.state_dict() between steps needs nothing from rank 1 (the gathers
   run on the workers) and sees the updated parameters; comm_bytes() counts the gathers behind step() in their step;
+- torch.compile: exact, and after the first compiled forward that meets a pending update the update stays
+  inside step() and the graphs stop growing;
 - a failed update (a full disk on one of 2 gloo ranks) raises on every rank at the next forward, leaves every
   rank's states, step counts and parameters as before the step, and training then goes on exactly as if that
   step had not been taken.
@@ -251,3 +253,25 @@ def test_a_failed_update_raises_on_every_rank_and_is_undone(stage, tmp_path):
     assert r0["error"] is not None and "failed on another rank" in r0["error"]
     for r in (r0, r1):
         assert r["undone"] and r["steps"] and r["resumed"] and r["gathered_first"] >= 2, r
+
+
+def test_a_compiled_model_trains_exactly_and_stops_recompiling(tmp_path):
+    """torch.compile: the first forward with an update pending runs its hooks from compiled code, which marks the
+    model compiled; from then on the update stays inside step() (placeholders and hooks would make every compiled
+    forward recompile), and the graphs stop growing."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    model, ref = _model(), _model()
+    opt, ref_opt = _opt(model, tmp_path, 2, **TIERS[0]), _ref(ref, 2)
+    compiled = torch.compile(model, backend="aot_eager")
+    graphs = []
+    for t in range(5):
+        _train_step(compiled, opt, t)
+        _train_step(ref, ref_opt, t)
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert opt._stage.buckets_behind.compiled and not opt._stage.behind.pending
+    assert graphs[2:] == [graphs[1]] * 3, graphs
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.close()
