@@ -19,7 +19,9 @@ Each configuration runs in a fresh process (peak device memory is per process); 
 a figure is the median over its runs of the median step after two warm-up steps, timed from a
 synchronize to a synchronize. The largest-model search doubles n_layer from 8 until a step fails
 (CUDA out of memory, or the plan says the host cannot hold it), then bisects; each trial is one
-process running two steps.
+process running two steps. Beside each tier's result it prints the planner's largest n_layer for this machine
+(fused_zero.plan.estimate on the model built on meta: device bytes within the GPU's memory, host bytes within
+MemAvailable) and the planner's device and host bytes for the model that was measured.
 """
 from __future__ import annotations
 
@@ -153,12 +155,65 @@ def _largest(tier: str) -> tuple[int, dict]:
     return fits, best
 
 
+#: each timed tier as the planner names it: (stage, offload)
+PLANNED = {"none": (2, "none"), "cpu": (2, "opt=cpu"), "cpu+params": (3, "opt=cpu,params=cpu"),
+           "nvme": (2, "opt=nvme")}
+
+
+def _host_memory() -> int:
+    """Bytes of host memory available now (MemAvailable): what an offload tier may fill."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def _planned(tier: str, layers: int):
+    """The planner's estimate of ``tier`` for the GPT of ``layers`` layers on this machine (built on meta)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from gpt import GPT, GPTConfig
+    from fused_zero.plan import estimate
+
+    cfg = GPTConfig(vocab=32000, d_model=2048, n_layer=layers, n_head=16, seq_len=1024, tie_weights=True)
+    reset, GPT.reset_parameters = GPT.reset_parameters, lambda self, seed: None
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg).to(torch.bfloat16)
+    finally:
+        GPT.reset_parameters = reset
+    plan = estimate(model=model, gpu_memory=torch.cuda.get_device_properties(0).total_memory, headroom=0.0,
+                    seq_len=1024, micro_batch=MICRO, hidden=2048, layers=layers, heads=16)
+    return plan.stage(*PLANNED[tier])
+
+
+def _planned_largest(tier: str) -> int:
+    """The most layers the planner says fit: device bytes within the GPU's memory, host bytes within what is
+    available now (bisected as the measured search is)."""
+    gpu, host = torch.cuda.get_device_properties(0).total_memory, _host_memory()
+
+    def fits(n):
+        s = _planned(tier, n)
+        return s.total <= gpu and s.host <= host
+    lo, hi = 0, 8
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 @pytest.mark.skipif(os.environ.get("FUSED_ZERO_BENCH_LARGEST") != "1", reason="set FUSED_ZERO_BENCH_LARGEST=1")
 @pytest.mark.parametrize("tier", [t for t in TIERS if t != "cpu-behind"])  # the same memory as "cpu"
 def test_largest_model_per_tier(benchmark, tier):
     if tier == "nvme" and not FOLDER:
         pytest.skip("set FUSED_ZERO_OFFLOAD_DIR to a folder on a local disk")
     layers, r = _largest(tier)
+    planned = _planned_largest(tier)
+    plan = _planned(tier, layers)  # the planner's bytes for the model that was measured
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    print(f"\n  largest with {tier}: {layers} layers, {r.get('params', 0) / 1e9:.2f}B params")
-    benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), layers=layers, **r)
+    print(f"\n  largest with {tier}: {layers} layers, {r.get('params', 0) / 1e9:.2f}B params; planner: {planned} "
+          f"layers ({planned / max(layers, 1):.2f}x); peak device {r.get('peak_device', 0) / 2**30:.1f} GiB "
+          f"(planned {plan.total / 2**30:.1f}), host {r.get('mem', {}).get('host', 0) / 2**30:.1f} GiB "
+          f"(planned {plan.host / 2**30:.1f})")
+    benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), layers=layers,
+                                planned_layers=planned, planned_device=plan.total, planned_host=plan.host, **r)
