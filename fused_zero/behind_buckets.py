@@ -107,6 +107,9 @@ class BucketsBehind:
                  sorted(by_key.items(), key=lambda item: self._rank[item[0]])]
         for part in self.partitions:  # what adopt_outside_changes compares with at the next step
             part.mark_synced()
+        if self.sync.comm.world_size > 1:  # an all-gather counts its output (Comm._count): each bucket, whole
+            self._bytes += sum(self.partitions[pi].layout.buckets[k].numel * self.partitions[pi].flat.element_size()
+                               for (pi, k), _ in order)
         if self.compiled:  # placeholders would make every compiled forward recompile: the update stays inside
             self.behind.start(self.partitions, plan, order)
             self.settle()
@@ -118,9 +121,6 @@ class BucketsBehind:
                     self._released[p] = p._version
         self._hook_forward()
         self.behind.start(self.partitions, plan, order)
-        if self.sync.comm.world_size > 1:  # an all-gather counts its output (Comm._count): each bucket, whole
-            self._bytes += sum(self.partitions[pi].layout.buckets[k].numel * self.partitions[pi].flat.element_size()
-                               for (pi, k), _ in order)
 
     def traffic(self) -> dict[str, int]:
         """The all-gather bytes of the updates started since the last call (counted when started, so a step's
