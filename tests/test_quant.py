@@ -5,6 +5,10 @@ twins on odd sizes, several chunks, every input and output dtype (payload bytes,
 the round trip stays within half a quantization step of each block; zeros, tiny blocks, inf and NaN
 decode as kernels/quant.py says; bad arguments are refused naming the fix.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -180,3 +184,19 @@ def test_bad_arguments_refused_naming_the_fix():
     for seed in (-1, 2**31, 1.5, True):
         with pytest.raises(ValueError, match=r"seed must be None \(round to nearest\) or an int in \[0, 2\*\*31\)"):
             ops.quantize_(x, good, block=32, seed=seed)
+
+
+def test_quant_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts kernels that Triton's compiler refuses (these once failed on the GPU): compile
+    every quantize / dequantize variant for an H100/H200 (frontend, LLVM and ptxas from the triton wheel) in
+    a process without TRITON_INTERPRET and a fresh cache; the aligned fp32 launches load 128 bits at a time
+    and convert no integer to float or back (outside the stochastic hash): what kernels/quant.py's speed
+    rests on."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quant_sm90.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "128-bit loads: yes" in done.stdout
+    assert "no int/float conversion: yes" in done.stdout

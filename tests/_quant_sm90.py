@@ -1,0 +1,56 @@
+"""Compile ``kernels/quant.py``'s kernels for sm_90 without a GPU (run by test_quant.py in a process without
+TRITON_INTERPRET): quantize for every input dtype, to nearest and stochastic, int8 and int4; dequantize
+into every output dtype, each chunk and the sum of 8; aligned (what a large launch specializes) and not;
+the smallest and largest block sizes. Prints what the PTX of the aligned fp32 launches shows: 128-bit
+loads of the input and of the payload, and no int/float conversion outside the stochastic hash."""
+import re
+
+from _sm90 import compile_sm90
+
+from fused_zero.kernels import quant as kq
+
+FLOATS = ("fp32", "bf16", "fp16")
+OPTIONS = {"num_warps": kq.NUM_WARPS, "enable_fp_fusion": False}
+CONVERT = re.compile(r"cvt\.[a-z.]*(f16|f32)\.[su](8|16|32|64)\b|cvt\.[a-z.]*[su](8|16|32|64)\.(f16|f32)\b")
+ENCODE = ("n", "nb", "q_bytes", "chunk_words", "q_words")
+
+
+def quantize(bits, x, stochastic, aligned, block=256):
+    sig = {"x_ptr": f"*{x}", "q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32",
+           **{k: "i32" for k in ENCODE}, "seed": "i32"}
+    consts = dict(BITS=bits, BLOCK_Q=block, ROWS=kq._rows(block), STOCHASTIC=stochastic)
+    names = ("x_ptr", "q_ptr", "s_ptr") + ENCODE if aligned else ()
+    return compile_sm90(kq._quantize_kernel, sig, consts, OPTIONS, names).asm["ptx"]
+
+
+def dequantize(bits, out, chunks, aligned, block=256):
+    sig = {"q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32", "out_ptr": f"*{out}",
+           **{k: "i32" for k in ENCODE}}
+    consts = dict(BITS=bits, BLOCK_Q=block, ROWS=kq._rows(block), SUM=chunks > 1, CHUNKS=chunks)
+    names = ("q_ptr", "s_ptr", "out_ptr") + ENCODE if aligned else ()
+    return compile_sm90(kq._dequantize_kernel, sig, consts, OPTIONS, names).asm["ptx"]
+
+
+count, wide, exact = 0, True, True
+for bits in (8, 4):
+    for dtype in FLOATS:
+        for aligned in (True, False):
+            for stochastic in (False, True):
+                ptx = quantize(bits, dtype, stochastic, aligned)
+                count += 1
+                if aligned and dtype == "fp32":
+                    wide &= "ld.global.v4" in ptx
+                    exact &= stochastic or not CONVERT.search(ptx)
+            for chunks in (1, 8):
+                ptx = dequantize(bits, dtype, chunks, aligned)
+                count += 1
+                if aligned and dtype == "fp32":
+                    wide &= "ld.global.v4" in ptx and "st.global.v4" in ptx
+                    exact &= not CONVERT.search(ptx)
+    for block in (32, 8192):
+        quantize(bits, "fp32", False, True, block)
+        dequantize(bits, "bf16", 2, True, block)
+        count += 2
+print("compiled:", count)
+print("128-bit loads:", "yes" if wide else "no")
+print("no int/float conversion:", "yes" if exact else "no")
