@@ -112,29 +112,51 @@ def _rounded_bits(y, seed, index, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, 
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, q_bytes, chunk_words, q_words, seed,
-                     BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr):
+                     BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                     PAIRED: tl.constexpr):
+    """int4: PAIRED loads elements 2i and 2i + 1 as one word (even ``n``, ``x`` aligned to two elements);
+    else one contiguous load split in registers, which lays each thread's elements over more rows."""
     QMAX: tl.constexpr = 127 if BITS == 8 else 7
     chunk = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     idx = rows[:, None] * BLOCK_Q + tl.arange(0, BLOCK_Q)[None, :]
     q_base = q_ptr + chunk * chunk_words * 4
-    x = tl.load(x_ptr + chunk * n + idx, mask=idx < n, other=0.0).to(tl.float32)
-    index = (chunk * n + idx).to(tl.uint32) if STOCHASTIC else idx  # (only the stochastic hash reads it)
     if BITS == 8:
+        x = tl.load(x_ptr + chunk * n + idx, mask=idx < n, other=0.0).to(tl.float32)
         scale, inv, bad = _scales(_peak(x), QMAX)
         y = tl.where(bad[:, None], 0.0, x * inv[:, None])  # a bad block's finite elements: x * 0; all of it: 0
+        index = (chunk * n + idx).to(tl.uint32) if STOCHASTIC else idx  # (only the stochastic hash reads it)
         q = _rounded_bits(y, seed, index, QMAX, STOCHASTIC, 0)
         tl.store(q_base + idx, q.to(tl.int8), mask=idx < n)  # the low byte: q in two's complement
-    else:  # elements 2i and 2i + 1 apart, split in registers after one contiguous load
-        lo, hi = tl.split(tl.reshape(x, (ROWS, BLOCK_Q // 2, 2)))
-        scale, inv, bad = _scales(tl.maximum(_peak(lo), _peak(hi)), QMAX)
-        i_lo, i_hi = tl.split(tl.reshape(index, (ROWS, BLOCK_Q // 2, 2)))
-        q_lo = _rounded_bits(tl.where(bad[:, None], 0.0, lo * inv[:, None]), seed, i_lo, QMAX, STOCHASTIC, 8)
-        q_hi = _rounded_bits(tl.where(bad[:, None], 0.0, hi * inv[:, None]), seed, i_hi, QMAX, STOCHASTIC, 8)
-        byte = (q_lo & 15) | (q_hi << 4)  # low nibbles: q + 8 in [1, 15]
+    else:  # elements 2i and 2i + 1 side by side, in the shape of the bytes they make
         pair = rows[:, None] * (BLOCK_Q // 2) + tl.arange(0, BLOCK_Q // 2)[None, :]
+        if PAIRED:
+            lo, hi = _load_pairs(x_ptr, chunk * n, pair, pair < q_bytes)
+        else:
+            x = tl.load(x_ptr + chunk * n + idx, mask=idx < n, other=0.0).to(tl.float32)
+            lo, hi = tl.split(tl.reshape(x, (ROWS, BLOCK_Q // 2, 2)))
+        scale, inv, bad = _scales(tl.maximum(_peak(lo), _peak(hi)), QMAX)
+        index = (chunk * n + 2 * pair).to(tl.uint32) if STOCHASTIC else pair
+        q_lo = _rounded_bits(tl.where(bad[:, None], 0.0, lo * inv[:, None]), seed, index, QMAX, STOCHASTIC, 8)
+        q_hi = _rounded_bits(tl.where(bad[:, None], 0.0, hi * inv[:, None]), seed, index + 1, QMAX, STOCHASTIC, 8)
+        byte = (q_lo & 15) | (q_hi << 4)  # low nibbles: q + 8 in [1, 15]
         tl.store(q_base + pair, byte.to(tl.uint8), mask=pair < q_bytes)
     tl.store(s_ptr + chunk * chunk_words + q_words + rows, scale, mask=rows < nb)
+
+
+@triton.jit
+def _load_pairs(x_ptr, start, pair, mask):
+    """fp32 values of elements ``start + 2 * pair`` and the next (0 where masked), loaded as one word each:
+    64-bit for fp32, 32-bit for bf16 / fp16 (``start`` even, ``x_ptr`` aligned to two elements)."""
+    if x_ptr.dtype.element_ty == tl.float32:
+        w = tl.load((x_ptr + start).to(tl.pointer_type(tl.int64)) + pair, mask=mask, other=0)
+        lo = w.to(tl.int32).to(tl.float32, bitcast=True)  # the low word: the element at the lower address
+        hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        w = tl.load((x_ptr + start).to(tl.pointer_type(tl.uint32)) + pair, mask=mask, other=0)
+        lo = w.to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -191,10 +213,11 @@ def quantize(x, q, scales, *, n: int, chunks: int, chunk_words: int, q_words: in
         return
     nb, q_bytes = -(-n // block), n if bits == 8 else (n + 1) // 2
     rows = _rows(block)
+    paired = bits == 4 and n % 2 == 0 and x.data_ptr() % (2 * x.element_size()) == 0
     with launch_context(x.device):
         _quantize_kernel[(-(-nb // rows), chunks)](
             x, q, scales, n, nb, q_bytes, chunk_words, q_words, 0 if seed is None else seed, BITS=bits, BLOCK_Q=block,
-            ROWS=rows, STOCHASTIC=seed is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            ROWS=rows, STOCHASTIC=seed is not None, PAIRED=paired, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 def dequantize(q, scales, out, *, n: int, chunks: int, chunk_words: int, q_words: int, bits: int, block: int,

@@ -63,7 +63,7 @@ def _inputs(numel, dtype, device, seed=0):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("in_dtype,out_dtype", [(F32, F32), (BF16, BF16), (F16, F32), (F32, BF16), (F32, F16)])
 @pytest.mark.parametrize("numel,chunks,block", [(1, 1, 256), (7, 1, 32), (333, 3, 32), (1002, 2, 64),
-                                                (2 * 1061, 2, 256), (4100, 1, 1024)])
+                                                (2 * 1061, 2, 256), (4100, 1, 1024), (3 * 1064, 3, 256)])
 def test_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, out_dtype, numel, chunks, block):
     x = _inputs(numel, in_dtype, device)
     kernel = _run("triton", monkeypatch, x, bits, block, chunks, out_dtype)
@@ -78,7 +78,7 @@ def test_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, out
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 @pytest.mark.parametrize("numel,chunks,block,seed", [(7, 1, 32, 0), (1002, 2, 64, 12345),
-                                                     (2 * 1061, 2, 256, 2**31 - 1)])
+                                                     (2 * 1061, 2, 256, 2**31 - 1), (3 * 1064, 3, 256, 77)])
 def test_stochastic_rounding_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, numel, chunks,
                                                             block, seed):
     x = _inputs(numel, in_dtype, device)
