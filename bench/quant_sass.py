@@ -67,15 +67,17 @@ def main(out_dir: str) -> None:
         q_ty = "*i8" if bits == 8 else "*u8"
         for dt in ("fp32", "bf16"):
             runs = []
+            shape = dict(BITS=bits, BLOCK_Q=BLOCK, ROWS=kq._rows(BLOCK))
             for stochastic in (False, True):
-                consts = dict(BITS=bits, BLOCK_Q=BLOCK, ROWS=kq._rows(BLOCK), STOCHASTIC=stochastic, PAIRED=bits == 4)
+                consts = dict(shape, STOCHASTIC=stochastic, PAIRED=bits == 4)
+                pointers = {"x_ptr": f"*{dt}", "q_ptr": q_ty, "s_ptr": "*fp32"}
                 runs.append((f"quantize int{bits} {dt} {'stochastic' if stochastic else 'nearest'}",
-                             _compile(kq._quantize_kernel, {"x_ptr": f"*{dt}", "q_ptr": q_ty, "s_ptr": "*fp32"}, consts)))
+                             _compile(kq._quantize_kernel, pointers, consts)))
             for chunks in (1, 8):
-                consts = dict(BITS=bits, BLOCK_Q=BLOCK, ROWS=kq._rows(BLOCK), SUM=chunks > 1, CHUNKS=chunks, HW_BF16=True)
+                consts = dict(shape, SUM=chunks > 1, CHUNKS=chunks, HW_BF16=True)
+                pointers = {"q_ptr": q_ty, "s_ptr": "*fp32", "out_ptr": f"*{dt}"}
                 runs.append((f"dequantize int{bits} {dt} {'sum8' if chunks > 1 else 'each'}",
-                             _compile(kq._dequantize_kernel, {"q_ptr": q_ty, "s_ptr": "*fp32", "out_ptr": f"*{dt}"},
-                                      consts)))
+                             _compile(kq._dequantize_kernel, pointers, consts)))
             for name, kernel in runs:
                 ops = _sass(kernel, out_dir, name.replace(" ", "_"))
                 memory = collections.Counter(o for o in ops if o.startswith(("LDG", "STG")))
