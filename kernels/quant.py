@@ -28,8 +28,10 @@ clock: an int4 bf16 quantize has ~20 instructions per element to spend), so inte
 meet on the bits: the absmax and the non-finite test are one integer max of ``|x|``'s bits (Hopper
 reduces it in one warp instruction), ``q`` is read off the bits of ``y + 1.5 * 2**23``, and decoded
 values are ``2**23 + u`` built on the bits, less a constant: no float/int conversions, which run at a
-quarter of the FP32 rate. Every value is the same as the plain arithmetic's (bitwise equal to the
-torch twins). One fixed launch configuration, int64 offsets, no mul+add contraction.
+quarter of the FP32 rate; int4 quantize reads element pairs as one word (``_load_pairs``) and bf16
+outputs round by the GPU's conversion (``_round_out``). Every value is the plain arithmetic's, bitwise
+equal to the torch twins' (a NaN may have other bits). One fixed launch configuration, int64 offsets,
+no mul+add contraction.
 """
 from __future__ import annotations
 
@@ -201,7 +203,9 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nb, q_bytes, chunk_words, q_wor
                        BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, SUM: tl.constexpr,
                        CHUNKS: tl.constexpr, HW_BF16: tl.constexpr):
     """Every chunk (SUM False: one program per tile and chunk, CHUNKS unused) or the sum of the CHUNKS
-    chunks (one program per output tile reading all of them; the loop unrolled, its loads in flight)."""
+    chunks (one program per output tile reading all of them; the loop unrolled, its loads in flight). The
+    sum starts from chunk 0's values where the twin adds them to zeros: the same, as no decoded value is -0
+    (q = 0 decodes to +0, and scales are positive, 0 or NaN)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     idx = rows[:, None] * BLOCK_Q + tl.arange(0, BLOCK_Q)[None, :]
     if SUM:
