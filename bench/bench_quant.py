@@ -8,6 +8,13 @@ Size: a 2**26-element bucket cut into 8 chunks (one per peer of an all-to-all), 
 Bytes moved count what each kernel must touch: quantize reads the input (4 bytes fp32, 2 bf16) and
 writes the payload; dequantize reads the payload and writes the output; the all-to-all's reduction
 ("sum8") reads 8 payloads and writes one chunk. The issue's bar: 80% of copy bandwidth or more.
+
+Each case records (extra_info, and one line printed with -s): ``pct_of_copy`` (do_bench's median, each call
+after a 256 MB L2 flush: host work shorter than the flush is hidden, longer shows as device time),
+``device_pct_of_copy`` (the kernel alone: calls queued behind a sleep kernel, back to back), ``host_us``
+(one call's host time, Triton's launch included) and ``host_bound`` (host_us above the device time: the
+call cannot go faster than the host issues it, whatever the kernel). bench/quant_host.py measures the host
+part before the launch without a GPU.
 """
 from __future__ import annotations
 
@@ -51,3 +58,7 @@ def test_quant(benchmark, bits, dtype, mode):
         moved = payload.numel() + n * width
     measure(benchmark, fn, bytes_moved=moved, rounds=20, bits=bits, dtype=str(dtype), mode=mode, numel=NUMEL,
             block=BLOCK, chunks=CHUNKS)
+    info = benchmark.extra_info
+    print(f"\nint{bits} {str(dtype)[6:]} {mode}: do_bench {info['pct_of_copy']}% of copy, device "
+          f"{info.get('device_pct_of_copy')}% ({info.get('device_ms')} ms), host {info.get('host_us')} us, "
+          f"host_bound {info.get('host_bound')}")

@@ -1,13 +1,10 @@
 """Compile ``kernels/pack.py``'s kernel for sm_90 without a GPU (run by test_pack.py in a process
 without TRITON_INTERPRET): every bucket dtype, pack / scaled accumulate / unpack, aligned or not,
 every dtype branch present. Prints whether the aligned fp32 copy stores 128 bits at a time."""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _sm90 import compile_sm90
 
 from fused_zero.kernels import pack as kpack
 
-TARGET = GPUTarget("cuda", 90, 32)
 wide = False
 for bucket in ("*fp32", "*bf16", "*fp16"):
     sig = {"table_ptr": "*i64", "addr_ptr": "*i64", "bucket_ptr": bucket, "scale": "fp32"}
@@ -15,10 +12,8 @@ for bucket in ("*fp32", "*bf16", "*fp16"):
         for aligned in (False, True):
             consts = dict(CODES=15, UNPACK=unpack, ACCUMULATE=accumulate, HAS_SCALE=has_scale, ALIGNED=aligned,
                           BLOCK=kpack.BLOCK)
-            src = ASTSource(fn=kpack._pack_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}),
-                            constexprs=consts)
             options = {"num_warps": kpack.NUM_WARPS, "enable_fp_fusion": not (has_scale and accumulate)}
-            ptx = triton.compile(src, target=TARGET, options=options).asm["ptx"]
+            ptx = compile_sm90(kpack._pack_kernel, sig, consts, options).asm["ptx"]
             if aligned and bucket == "*fp32" and not (unpack or accumulate or has_scale):
                 wide = "st.global.v4" in ptx
 print("128-bit stores:", "yes" if wide else "no")

@@ -5,6 +5,10 @@ twins on odd sizes, several chunks, every input and output dtype (payload bytes,
 the round trip stays within half a quantization step of each block; zeros, tiny blocks, inf and NaN
 decode as kernels/quant.py says; bad arguments are refused naming the fix.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -59,7 +63,7 @@ def _inputs(numel, dtype, device, seed=0):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("in_dtype,out_dtype", [(F32, F32), (BF16, BF16), (F16, F32), (F32, BF16), (F32, F16)])
 @pytest.mark.parametrize("numel,chunks,block", [(1, 1, 256), (7, 1, 32), (333, 3, 32), (1002, 2, 64),
-                                                (2 * 1061, 2, 256), (4100, 1, 1024)])
+                                                (2 * 1061, 2, 256), (4100, 1, 1024), (3 * 1064, 3, 256)])
 def test_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, out_dtype, numel, chunks, block):
     x = _inputs(numel, in_dtype, device)
     kernel = _run("triton", monkeypatch, x, bits, block, chunks, out_dtype)
@@ -74,7 +78,7 @@ def test_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, out
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("in_dtype", [F32, BF16])
 @pytest.mark.parametrize("numel,chunks,block,seed", [(7, 1, 32, 0), (1002, 2, 64, 12345),
-                                                     (2 * 1061, 2, 256, 2**31 - 1)])
+                                                     (2 * 1061, 2, 256, 2**31 - 1), (3 * 1064, 3, 256, 77)])
 def test_stochastic_rounding_kernels_bitwise_equal_to_twins(monkeypatch, device, bits, in_dtype, numel, chunks,
                                                             block, seed):
     x = _inputs(numel, in_dtype, device)
@@ -180,3 +184,45 @@ def test_bad_arguments_refused_naming_the_fix():
     for seed in (-1, 2**31, 1.5, True):
         with pytest.raises(ValueError, match=r"seed must be None \(round to nearest\) or an int in \[0, 2\*\*31\)"):
             ops.quantize_(x, good, block=32, seed=seed)
+
+
+def test_quant_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts kernels that Triton's compiler refuses (these once failed on the GPU): compile
+    every quantize / dequantize variant for an H100/H200 (frontend, LLVM and ptxas from the triton wheel) in
+    a process without TRITON_INTERPRET and a fresh cache; the aligned fp32 launches load 128 bits at a time
+    and convert no integer to float or back (outside the stochastic hash): what kernels/quant.py's speed
+    rests on."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the tests above compile and run the kernels themselves (saves ~20 s of a GPU session)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quant_sm90.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "128-bit loads: yes" in done.stdout
+    assert "no int/float conversion: yes" in done.stdout
+
+
+@pytest.mark.skipif(not _KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("device", _KERNEL)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel,chunks", [(2 * 2048, 2), (2 * 2047, 2)])
+def test_kernels_bitwise_equal_to_twins_on_random_bit_patterns(monkeypatch, device, bits, numel, chunks):
+    """Every exponent, subnormals, -0, values near the largest float: the kernels work on the bits (the absmax
+    and non-finite test as one integer max, q off the bits of y + 1.5 * 2**23), so they meet the twins there
+    too. ~0.4% of the elements NaN and two infinite (most blocks of 32 stay finite); even n takes int4's paired
+    loads, odd n its split one."""
+    g = torch.Generator().manual_seed(5)
+    bits_ = torch.randint(-2**31, 2**31, (numel,), generator=g, dtype=torch.int64).to(torch.int32)
+    exponent = (bits_ >> 23) & 0xFF
+    bits_ = torch.where(exponent == 0xFF, bits_ & ~(1 << 30), bits_)  # most inf/NaN made finite
+    bits_[::257] |= 0x7F800000  # some back: NaN (a random mantissa)
+    bits_[100], bits_[1000] = 0x7F800000, -0x800000  # inf, -inf
+    x = bits_.view(torch.float32).to(device)
+    for out_dtype in (F32, BF16):
+        kernel = _run("triton", monkeypatch, x, bits, 32, chunks, out_dtype)
+        twin = _run("torch", monkeypatch, x, bits, 32, chunks, out_dtype)
+        assert torch.equal(kernel[0], twin[0]), "payload bytes differ"
+        _same(kernel[1], twin[1])
+        _same(kernel[2], twin[2])

@@ -9,6 +9,8 @@ what zeros, tiny blocks, inf and NaN become. Backends: ``triton`` (``fused_zero.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import payload_bytes, quant_words
@@ -31,19 +33,24 @@ def check_codec(bits: object, block: object) -> None:
         raise ValueError(f"the quantization block must be a power of two from {lo} to {hi}, got {block!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def _geometry(n: int, bits: int, block: int) -> dict:
+    """The launch's sizes for chunks of ``n`` elements (cached: a codec sends the same sizes every step)."""
     return dict(n=n, chunk_words=payload_bytes(n, bits, block) // 4, q_words=quant_words(n, bits), bits=bits,
                 block=block)
 
 
-def _check_payload(payload: torch.Tensor, n: int, chunks: int, bits: int, block: int) -> None:
+def _check_payload(payload: torch.Tensor, n: int, chunks: int, bits: int, block: int) -> dict:
+    """Refuse a payload of the wrong dtype, size or alignment; returns ``_geometry(n, bits, block)``."""
     check_flat("payload", payload, (torch.uint8,))
-    need = chunks * payload_bytes(n, bits, block)
+    geometry = _geometry(n, bits, block)
+    need = chunks * 4 * geometry["chunk_words"]
     if payload.numel() != need:
         raise ValueError(f"payload has {payload.numel()} bytes; {chunks} chunk(s) of {n} elements need "
                          f"{need} (payload_bytes(n, bits, block) each)")
     if payload.numel() and payload.data_ptr() % 4:
         raise ValueError("payload must start at a 4-byte aligned address (its scales are read as fp32)")
+    return geometry
 
 
 def _views(payload: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +71,10 @@ def quantize_(x, payload, *, bits: int = 8, block: int = 256, chunks: int = 1, s
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or x.numel() % chunks:
         raise ValueError(f"chunks must be a positive int dividing x's {x.numel()} elements, got {chunks!r}")
     n = x.numel() // chunks
-    _check_payload(payload, n, chunks, bits, block)
+    geometry = _check_payload(payload, n, chunks, bits, block)
     check_same_device("x", x, payload=payload)
     q, scales = _views(payload, bits)
-    _backend.implementation("quantize", x.device)(x, q, scales, chunks=chunks, seed=seed, **_geometry(n, bits, block))
+    _backend.implementation("quantize", x.device)(x, q, scales, chunks=chunks, seed=seed, **geometry)
     return payload
 
 
@@ -82,11 +89,11 @@ def dequantize_(payload, out, *, bits: int = 8, block: int = 256, chunks: int = 
     if not sum_chunks and out.numel() % chunks:
         raise ValueError(f"out's {out.numel()} elements do not split into {chunks} chunks")
     n = out.numel() if sum_chunks else out.numel() // chunks
-    _check_payload(payload, n, chunks, bits, block)
+    geometry = _check_payload(payload, n, chunks, bits, block)
     check_same_device("out", out, payload=payload)
     q, scales = _views(payload, bits)
     _backend.implementation("dequantize", out.device)(q, scales, out, chunks=chunks, sum_chunks=sum_chunks,
-                                                      **_geometry(n, bits, block))
+                                                      **geometry)
     return out
 
 
