@@ -185,23 +185,9 @@ def _decode_chunk(q_ptr, s_ptr, chunk, rows, n, nb, q_bytes, chunk_words, q_word
 
 
 @triton.jit
-def _round_out(x, DST: tl.constexpr, HW_BF16: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in the output dtype. HW_BF16 (on a GPU): bf16 by the hardware's
-    conversion (cvt.rn.bf16x2.f32: two values an instruction, against ~6 integer instructions a value on the
-    bits), the same value for every non-NaN input (IEEE round to nearest even, subnormals kept, overflow to
-    inf; a NaN stays a NaN of other bits); the interpreter truncates such casts, so there it rounds on the
-    bits (``cast.round_fp32_to``)."""
-    if HW_BF16 and DST == tl.bfloat16:
-        y = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    else:
-        y = round_fp32_to(x, DST)
-    return y
-
-
-@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nb, q_bytes, chunk_words, q_words,
                        BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, SUM: tl.constexpr,
-                       CHUNKS: tl.constexpr, HW_BF16: tl.constexpr):
+                       CHUNKS: tl.constexpr):
     """Every chunk (SUM False: one program per tile and chunk, CHUNKS unused) or the sum of the CHUNKS
     chunks (one program per output tile reading all of them; the loop unrolled, its loads in flight). The
     sum starts from chunk 0's values where the twin adds them to zeros: the same, as no decoded value is -0
@@ -212,11 +198,11 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nb, q_bytes, chunk_words, q_wor
         acc = _decode_chunk(q_ptr, s_ptr, 0, rows, n, nb, q_bytes, chunk_words, q_words, BITS, BLOCK_Q, ROWS)
         for c in tl.static_range(1, CHUNKS):
             acc = acc + _decode_chunk(q_ptr, s_ptr, c, rows, n, nb, q_bytes, chunk_words, q_words, BITS, BLOCK_Q, ROWS)
-        tl.store(out_ptr + idx, _round_out(acc, out_ptr.dtype.element_ty, HW_BF16), mask=idx < n)
+        tl.store(out_ptr + idx, round_fp32_to(acc, out_ptr.dtype.element_ty), mask=idx < n)
     else:
         chunk = tl.program_id(1).to(tl.int64)
         val = _decode_chunk(q_ptr, s_ptr, chunk, rows, n, nb, q_bytes, chunk_words, q_words, BITS, BLOCK_Q, ROWS)
-        tl.store(out_ptr + chunk * n + idx, _round_out(val, out_ptr.dtype.element_ty, HW_BF16), mask=idx < n)
+        tl.store(out_ptr + chunk * n + idx, round_fp32_to(val, out_ptr.dtype.element_ty), mask=idx < n)
 
 
 def _rows(block: int) -> int:
@@ -250,5 +236,4 @@ def dequantize(q, scales, out, *, n: int, chunks: int, chunk_words: int, q_words
     with launch_context(out.device):
         _dequantize_kernel[(tiles,) if sum_chunks else (tiles, chunks)](
             q, scales, out, n, nb, q_bytes, chunk_words, q_words, BITS=bits, BLOCK_Q=block, ROWS=rows, SUM=sum_chunks,
-            CHUNKS=chunks if sum_chunks else 1, HW_BF16=out.device.type == "cuda", num_warps=NUM_WARPS,
-            enable_fp_fusion=False)
+            CHUNKS=chunks if sum_chunks else 1, num_warps=NUM_WARPS, enable_fp_fusion=False)

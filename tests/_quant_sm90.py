@@ -1,9 +1,8 @@
 """Compile ``kernels/quant.py``'s kernels for sm_90 without a GPU (run by test_quant.py in a process without
-TRITON_INTERPRET): quantize for every input dtype, to nearest and stochastic, int8 and int4 (paired or
-not); dequantize into every output dtype (bf16 by the GPU's conversion, and once on the bits), each chunk
-and the sum of 8; aligned (what a large launch specializes) and not; the smallest and largest block sizes.
-Prints what the PTX of the aligned fp32 launches shows: 128-bit loads of the input and of the payload, and
-no int/float conversion outside the stochastic hash."""
+TRITON_INTERPRET): quantize for every input dtype, to nearest and stochastic, int8 and int4 (paired or not); dequantize
+into every output dtype, each chunk and the sum of 8; aligned (what a large launch specializes) and not;
+the smallest and largest block sizes. Prints what the PTX of the aligned fp32 launches shows: 128-bit
+loads of the input and of the payload (int4's paired and contiguous loads), and no int/float conversion outside the stochastic hash."""
 import re
 
 from _sm90 import compile_sm90
@@ -25,10 +24,10 @@ def quantize(bits, x, stochastic, aligned, block=256, paired=False):
     return compile_sm90(kq._quantize_kernel, sig, consts, OPTIONS, names).asm["ptx"]
 
 
-def dequantize(bits, out, chunks, aligned, block=256, hw=True):
+def dequantize(bits, out, chunks, aligned, block=256):
     sig = {"q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32", "out_ptr": f"*{out}",
            **{k: "i32" for k in ENCODE}}
-    consts = dict(BITS=bits, BLOCK_Q=block, ROWS=kq._rows(block), SUM=chunks > 1, CHUNKS=chunks, HW_BF16=hw)
+    consts = dict(BITS=bits, BLOCK_Q=block, ROWS=kq._rows(block), SUM=chunks > 1, CHUNKS=chunks)
     names = ("q_ptr", "s_ptr", "out_ptr") + ENCODE if aligned else ()
     return compile_sm90(kq._dequantize_kernel, sig, consts, OPTIONS, names).asm["ptx"]
 
@@ -52,8 +51,7 @@ for bits in (8, 4):
     for block in (32, 8192):
         quantize(bits, "fp32", False, True, block, paired=bits == 4)
         dequantize(bits, "bf16", 2, True, block)
-        dequantize(bits, "bf16", 2, True, block, hw=False)  # (the interpreter's rounding, compiled)
-        count += 3
+        count += 2
 print("compiled:", count)
 print("128-bit loads:", "yes" if wide else "no")
 print("no int/float conversion:", "yes" if exact else "no")
