@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FUSED_ZERO_BACKEND"] = "triton"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from _host_cost import LaunchStub, median_us  # noqa: E402
 from bench_pack import ALIGN, _sizes  # noqa: E402
 
 from fused_zero import ops  # noqa: E402
@@ -32,29 +32,8 @@ TOTAL = 3 * 10**7
 H200_COPY_GBPS = 4117.11  # bench/results/h200_2026-11-26_bench.json
 
 
-class _Stub:
-    """Stands in for ``_pack_kernel``: records each launch's grid, launches nothing."""
-
-    def __init__(self):
-        self.grids = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.grids.append(grid)
-
-
-def _median_us(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e6
-
-
 def main(rounds: int = 300) -> None:
-    stub = kpack._pack_kernel = _Stub()
+    stub = kpack._pack_kernel = LaunchStub()
     sizes = _sizes(TOTAL)
     offsets, pos = [], 0
     for n in sizes:
@@ -83,7 +62,7 @@ def main(rounds: int = 300) -> None:
         device_us = TOTAL * (dtype.itemsize + 4) / (H200_COPY_GBPS * 1e3)
         print(f"{dtype} -> fp32 (device time at H200 copy bandwidth: {device_us:.1f} us)")
         for name, fn in calls.items():
-            us = _median_us(fn, rounds if "new" not in name else max(20, rounds // 5))
+            us = median_us(fn, rounds if "new" not in name else max(20, rounds // 5))
             stub.grids.clear()
             fn()
             print(f"  {name:30s} {us:8.1f} us   launches {len(stub.grids)}")

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FUSED_ZERO_BACKEND"] = "triton"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from _host_cost import LaunchStub, median_us  # noqa: E402
 
 from fused_zero import ops  # noqa: E402
 from fused_zero.kernels import quant as kquant  # noqa: E402
@@ -28,29 +29,8 @@ NUMEL, CHUNKS, BLOCK = 2**26, 8, 256
 H200_COPY_GBPS = 4152.78  # bench/results/h200_2026-11-26_bench_quant.json
 
 
-class _Stub:
-    """Stands in for a kernel: records each launch's grid, launches nothing."""
-
-    def __init__(self):
-        self.grids = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.grids.append(grid)
-
-
-def _median_us(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e6
-
-
 def main(rounds: int = 2000) -> None:
-    stubs = [_Stub(), _Stub()]
+    stubs = [LaunchStub(), LaunchStub()]
     kquant._quantize_kernel, kquant._dequantize_kernel = stubs
     n = NUMEL // CHUNKS
     print(f"{NUMEL} elements, {CHUNKS} chunks, block {BLOCK}; host microseconds per call (median of {rounds}),"
@@ -69,7 +49,7 @@ def main(rounds: int = 2000) -> None:
                                                  sum_chunks=True), part.nbytes + payload.numel()),
             }
             for mode, (fn, moved) in cases.items():
-                us = _median_us(fn, rounds)
+                us = median_us(fn, rounds)
                 for s in stubs:
                     s.grids.clear()
                 fn()

@@ -226,18 +226,13 @@ def _hook(hook):
     """``hook`` kept out of torch.compile's graph (it waits and re-points p.data); a call from a compiled forward
     marks its owner ``compiled`` first, so later updates stay inside step() (placeholders would make each
     compiled forward recompile)."""
-    def compiled(*args):
+    from .comm.gatherer import _eager_only
+
+    def mark() -> None:
         owner = hook.owner()
         if owner is not None:
             owner.compiled = True
-        return hook(*args)
-    disabled = torch.compiler.disable(compiled)
-
-    def call(*args):
-        if torch.compiler.is_compiling():
-            return disabled(*args)
-        return hook(*args)
-    return call
+    return _eager_only(hook, mark)
 
 
 class _PreForward:

@@ -12,26 +12,19 @@
 (Bitwise equality over 10 mixed steps at 2 ranks, every tier: tests/test_offload.py.)
 """
 import os
-import time
 
 import pytest
 import torch
-from torch import nn
 
+from _behind import behind_on_cpu, slow_updates  # noqa: F401 (fixtures)
+from _behind import batch as _batch, full as _full, model as _model, train_step as _train_step
+from _behind import check_failed, fail_an_update
 from _dist import run_ranks
-from _faults import full_disk_after
 from fused_zero import ShardedOptimizer
-import fused_zero.behind as behind_module
 from fused_zero.behind import UpdateBehind
 
-WIDTH, LAYERS = 24, 6
 TIERS = [dict(offload_optimizer="cpu"), dict(offload_optimizer="nvme"),
          dict(offload_optimizer="cpu", offload_params="cpu"), dict(offload_optimizer="nvme", offload_params="nvme")]
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
 
 
 def _opt(model, folder, **kw):
@@ -39,40 +32,6 @@ def _opt(model, folder, **kw):
         kw["nvme_path"] = str(folder)
     return ShardedOptimizer(model, lr=1e-2, stage=3, min_unit_numel=0, bucket_numel=200,
                             offload_chunk_numel=128, **kw)
-
-
-def _batch(t, rank=0):
-    g = torch.Generator().manual_seed(1000 * rank + t)
-    return torch.randn(5, WIDTH, generator=g)
-
-
-def _train_step(model, opt, t, rank=0):
-    opt.zero_grad()
-    model(_batch(t, rank)).square().mean().backward()
-    opt.step()
-
-
-def _full(model, opt):
-    with opt.full_parameters():
-        return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.fixture(autouse=True)
-def behind_on_cpu(monkeypatch):
-    """A CPU-only run updates inside step() by default (behind.UpdateBehind.on_cpu): run the overlap here."""
-    monkeypatch.setattr(UpdateBehind, "on_cpu", True)
-
-
-@pytest.fixture
-def slow_updates(monkeypatch):
-    """Each partition's update takes 40 ms longer, on the worker thread (the ordering test then has 200 ms
-    between the first unit's update and the last's for the forward to gather the first: a loaded machine too)."""
-    real = behind_module.run_job
-
-    def slow(job):
-        time.sleep(0.04)
-        real(job)
-    monkeypatch.setattr(behind_module, "run_job", slow)
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda kw: "+".join(f"{k}={v}" for k, v in kw.items()))
@@ -159,38 +118,8 @@ def _failed_update(rank, world_size, folder):
     model, ref = _model(), _model()
     opt = _opt(model, folder, offload_optimizer="nvme")
     ref_opt = ShardedOptimizer(ref, lr=1e-2, stage=3, min_unit_numel=0, bucket_numel=200)
-    for t in range(2):
-        _train_step(model, opt, t, rank)
-        _train_step(ref, ref_opt, t, rank)
-    opt._stage.behind.wait()
-    before = _full(model, opt)
-    steps = sorted(float(s["step"]) for s in opt.state.values())
-    real = os.pwritev
-    if rank == 1:
-        os.pwritev = full_disk_after(real, 3)
-    opt.zero_grad()
-    model(_batch(2, rank)).square().mean().backward()
-    opt.step()  # returns: the update runs behind it
-    error = None
-    try:
-        model(_batch(3, rank))  # the next forward waits, unit by unit
-    except (OSError, RuntimeError) as e:
-        error = f"{type(e).__name__}: {e}"
-    os.pwritev = real
-    out = {"error": error, "undone": all(torch.equal(a, b) for a, b in zip(before, _full(model, opt))),
-           "steps": sorted(float(s["step"]) for s in opt.state.values()) == steps}
-    for t in range(2, 5):  # the disk has room again: training goes on as if the step was never taken
-        _train_step(model, opt, t, rank)
-        _train_step(ref, ref_opt, t, rank)
-    out["resumed"] = all(torch.equal(a, b) for a, b in zip(_full(ref, ref_opt), _full(model, opt)))
-    opt.close()
-    ref_opt.close()
-    return out
+    return fail_an_update(model, opt, ref, ref_opt, rank, writes=3)
 
 
 def test_a_failed_update_raises_on_every_rank_and_is_undone(tmp_path):
-    r0, r1 = run_ranks(_failed_update, 2, str(tmp_path), timeout=180)
-    assert r1["error"] is not None and "No space left" in r1["error"] and r1["error"].startswith("OSError")
-    assert r0["error"] is not None and "failed on another rank" in r0["error"]
-    for r in (r0, r1):
-        assert r["undone"] and r["steps"] and r["resumed"], r
+    check_failed(*run_ranks(_failed_update, 2, str(tmp_path), timeout=180))

@@ -4,14 +4,12 @@ Every test runs on the Triton kernel (under TRITON_INTERPRET=1 on CPU tensors,
 or on CUDA) and on its torch twin, chosen with FUSED_ZERO_BACKEND. Expected
 values are computed here per tensor with torch ops.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from _compiles import run_sm90_script
 from fused_zero import ops
 from fused_zero.ops._backend import interpreting
 from fused_zero.kernels import pack as kpack
@@ -422,9 +420,5 @@ def test_pack_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     (frontend, LLVM and ptxas from the triton wheel), every dtype branch in one kernel, in a
     process without TRITON_INTERPRET (it replaces the compiler's builders) and a fresh cache."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pack_sm90.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "128-bit stores: yes" in done.stdout
+    stdout = run_sm90_script("_pack_sm90.py", tmp_path)
+    assert "128-bit stores: yes" in stdout

@@ -5,13 +5,11 @@ twins on odd sizes, several chunks, every input and output dtype (payload bytes,
 the round trip stays within half a quantization step of each block; zeros, tiny blocks, inf and NaN
 decode as kernels/quant.py says; bad arguments are refused naming the fix.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _compiles import run_sm90_script
 from fused_zero import ops
 from fused_zero.ops._backend import interpreting
 from fused_zero.ops.quant import QMAX
@@ -195,13 +193,9 @@ def test_quant_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
     if torch.cuda.is_available():
         pytest.skip("with a GPU the tests above compile and run the kernels themselves (saves ~20 s of a GPU session)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quant_sm90.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "128-bit loads: yes" in done.stdout
-    assert "no int/float conversion: yes" in done.stdout
+    stdout = run_sm90_script("_quant_sm90.py", tmp_path)
+    assert "128-bit loads: yes" in stdout
+    assert "no int/float conversion: yes" in stdout
 
 
 @pytest.mark.skipif(not _KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")

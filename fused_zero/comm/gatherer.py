@@ -59,10 +59,17 @@ from .model_state import ModelStateHooks
 from ..sharding.partition import Partition
 
 
-def _eager_only(hook: Callable) -> Callable:
+def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -> Callable:
     """``hook`` kept out of torch.compile's graph: called through ``torch.compiler.disable`` while Dynamo
-    traces, directly otherwise (the wrapper's own cost, paid per module per forward, is then saved)."""
-    disabled = torch.compiler.disable(hook)
+    traces, directly otherwise (the wrapper's own cost, paid per module per forward, is then saved).
+    ``on_compiled``: called first on each call from compiled code (behind_buckets: the model is compiled)."""
+    if on_compiled is not None:
+        def from_compiled(*args, hook=hook):
+            on_compiled()
+            return hook(*args)
+        disabled = torch.compiler.disable(from_compiled)
+    else:
+        disabled = torch.compiler.disable(hook)
 
     def call(*args):
         if torch.compiler.is_compiling():
