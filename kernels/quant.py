@@ -28,10 +28,10 @@ clock: an int4 bf16 quantize has ~20 instructions per element to spend), so inte
 meet on the bits: the absmax and the non-finite test are one integer max of ``|x|``'s bits (Hopper
 reduces it in one warp instruction), ``q`` is read off the bits of ``y + 1.5 * 2**23``, and decoded
 values are ``2**23 + u`` built on the bits, less a constant: no float/int conversions, which run at a
-quarter of the FP32 rate; int4 quantize reads element pairs as one word (``_load_pairs``) and bf16
-outputs round by the GPU's conversion (``_round_out``). Every value is the plain arithmetic's, bitwise
-equal to the torch twins' (a NaN may have other bits). One fixed launch configuration, int64 offsets,
-no mul+add contraction.
+quarter of the FP32 rate; int4 quantize reads element pairs as one word (``_load_pairs``); bf16 outputs
+round on the bits (``round_fp32_to``: the GPU's own conversion would be fewer instructions but gives a NaN
+other bits than the twins). Every value is the plain arithmetic's, bitwise equal to the torch twins'. One
+fixed launch configuration, int64 offsets, no mul+add contraction.
 """
 from __future__ import annotations
 
