@@ -187,3 +187,22 @@ def test_lone_calls_end_every_rank():
         assert "rank 0 stopped in checkpoint.save(): checkpoint.save() is collective" in rank1
     assert exited["codes"] == [3, 0], exited["output"]
     assert "rank(s) [1] closed this optimizer or exited without calling it" in exited["output"]
+
+
+def test_a_withdrawn_call_leaves_its_name_for_a_peer_that_saw_it():
+    """A rank that withdraws a call keeps its name key (marked withdrawn, never deleted): a peer that counted it
+    a moment before and reads the names now gets them at once. (Deleted, the peer's store get waited for the
+    key until the store's timeout: a hang of test_different_calls_on_different_ranks under load.)"""
+    import datetime
+
+    from fused_zero.comm.rendezvous import Rendezvous
+
+    store = torch.distributed.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=2))
+    r0, r1 = (Rendezvous(store, r, 2, 5.0, "withdrawn") for r in range(2))
+    r0._count = 1
+    store.set(r0._key("name/1/0"), "state_dict()")
+    with pytest.raises(RuntimeError):
+        r0._fail("state_dict()", "rank 1 called something else")
+    assert r1._other_names(1, "load_state_dict()") == "rank 0 called state_dict() at the same point"
+    assert r1._named(1, 0).startswith("withdrawn:") and r1._named(1, 1) == ""

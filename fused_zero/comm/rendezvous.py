@@ -65,6 +65,9 @@ def _message(name: str, why: str) -> str:
     return f"{name} is collective: every rank of the optimizer's process group must call it, but {why}; {fix}"
 
 
+#: the prefix of a name key whose rank withdrew its call (rendezvous keys are never deleted)
+_WITHDRAWN = "withdrawn:"
+
 class _Withdrawn(Exception):
     """A call this rank served from a blocked wait was given up by its caller."""
 
@@ -95,7 +98,8 @@ class Rendezvous:
     # goes as it should; the per-rank ones only when it does not):
     #   calls/<c>          ranks that entered call number c
     #   calls/<c>/<name>   of those, ranks that entered it as <name>
-    #   name/<c>/<r>       rank r's name for call c
+    #   name/<c>/<r>       rank r's name for call c ("withdrawn:<name>" once it withdrew: never deleted, so
+    #                      a peer's get never waits for a key that is gone)
     #   state/<r>          BUSY, BLOCKED or GONE
     #   failed/<r>         the call rank r gave up on, and why
     def _key(self, what: str) -> str:
@@ -153,7 +157,8 @@ class Rendezvous:
             waited = time.monotonic() - start
             if waited - looked > 0.2:  # slow: see who is missing, and where
                 looked = waited
-                behind = [q for q in self._peers() if not st.check([self._key(f"name/{c}/{q}")])]
+                behind = [q for q in self._peers() if not self._named(c, q) or
+                          self._named(c, q).startswith(_WITHDRAWN)]  # not called, or withdrew
                 states = {q: self._read(f"state/{q}") for q in behind}
                 gone = [q for q in behind if states[q] == GONE]
                 if gone:
@@ -172,10 +177,16 @@ class Rendezvous:
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
 
+    def _named(self, c: int, q: int) -> str:
+        """Rank q's name for call c: "" if it has not called, ``withdrawn:<name>`` if it called and withdrew. A
+        name key is never deleted, so the get after the check cannot wait for a key removed meanwhile."""
+        key = self._key(f"name/{c}/{q}")
+        return self._store.get(key).decode() if self._store.check([key]) else ""
+
     def _other_names(self, c: int, name: str) -> str:
         for q in self._peers():
-            other = self._store.get(self._key(f"name/{c}/{q}")).decode()
-            if other != name:
+            other = self._named(c, q).removeprefix(_WITHDRAWN)
+            if other and other != name:
                 return f"rank {q} called {other} at the same point"
         return "another rank called something else at the same point"
 
@@ -185,7 +196,7 @@ class Rendezvous:
         st.set(self._key(f"failed/{self.rank}"), f"{name}\n{why}")
         st.add(self._key(f"calls/{c}"), -1)
         st.add(self._key(f"calls/{c}/{name}"), -1)
-        st.delete_key(self._key(f"name/{c}/{self.rank}"))
+        st.set(self._key(f"name/{c}/{self.rank}"), _WITHDRAWN + name)  # not deleted: see _named
         self._count -= 1
         raise RuntimeError(_message(name, why))
 
