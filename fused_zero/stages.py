@@ -17,12 +17,13 @@ Nothing outside this file and config.py branches on the stage number.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from .comm.codec import codec_for
+from .comm.collectives import Comm
 from .comm.topology import Topology
 from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
@@ -103,12 +104,18 @@ class Stage1:
         forward would take the update's cores; the tests set ``UpdateBehind.on_cpu``)."""
         return self.tiers.states is not Tier.DEVICE and (device.type != "cpu" or UpdateBehind.on_cpu)
 
-    def _worker_groups(self) -> tuple:
-        """The worker's groups, made once (every rank builds alike): its gathers' and its gloo verdicts'."""
-        if getattr(self, "_groups", None) is None:
-            agree = self.topology.everyone(backend="gloo") if self.topology.world_size > 1 else None
-            self._groups = (self.topology.own_group(), agree)
-        return self._groups
+    def _agree_group(self) -> Comm | None:
+        """The update worker's gloo group for the ranks' verdicts (None: one rank); made once, as every rank
+        builds alike."""
+        if getattr(self, "_agree", None) is None and self.topology.world_size > 1:
+            self._agree = self.topology.everyone(backend="gloo")
+        return getattr(self, "_agree", None)
+
+    def _gather_group(self) -> Comm:
+        """Stages 1-2 behind step(): the group the worker gathers the updated buckets on; made once."""
+        if getattr(self, "_gathers", None) is None:
+            self._gathers = self.topology.own_group()
+        return self._gathers
 
     def _behind_buckets(self, module: nn.Module | None, partitions: list[Partition], names: dict) -> None:
         """With the model and offloaded states on a GPU, the update runs behind step() bucket by bucket
@@ -119,8 +126,8 @@ class Stage1:
         device = partitions[0].flat.device if partitions else torch.device("cpu")
         if module is None or not partitions or not self._overlaps(device):
             return
-        gathers, agree = self._worker_groups()
-        self.buckets_behind = BucketsBehind(module, partitions, ParamSync(gathers), device, agree, names)
+        self.buckets_behind = BucketsBehind(module, partitions, ParamSync(self._gather_group()), device,
+                                            self._agree_group(), names)
         self.behind = self.buckets_behind.behind
 
     def _take_frozen(self, frozen: list[nn.Parameter]) -> None:
@@ -282,8 +289,7 @@ class Stage3(Stage2):
                                       names, first_forward, secondary)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self._overlaps(device):  # the host update overlaps the next forward, unit by unit (behind.py)
-            agree = self.topology.everyone(backend="gloo") if self.topology.world_size > 1 else None
-            self.behind = self.gatherer.behind = UpdateBehind(device, agree)
+            self.behind = self.gatherer.behind = UpdateBehind(device, self._agree_group())
         return [part for parts in unit_parts for part in parts if not part.frozen], positions
 
     def _param_sync(self) -> ParamSync:

@@ -29,6 +29,27 @@ def train_step(model, opt, t, rank=0):
     opt.step()
 
 
+def step_beside(model, opt, ref, ref_opt, t, log):
+    """Step ``t`` of the reference, then of ``model`` with ``log`` cleared just before its ``step()``: the update
+    runs behind it (the ordering tests read ``log`` through the next forward)."""
+    train_step(ref, ref_opt, t)
+    opt.zero_grad()
+    model(batch(t)).square().mean().backward()
+    log.clear()
+    opt.step()
+    assert opt._stage.behind.pending
+
+
+def second_moments(opt):
+    """Every partition's exp_avg_sq shard (``read_shard``: one of the reads that wait for the update)."""
+    return [opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel) for k, part in enumerate(opt.partitions)]
+
+
+def same_state(got: dict, want: dict) -> bool:
+    """``state_dict()["state"]`` read while an update ran equals the reference's, bitwise."""
+    return all(torch.equal(got[i][k], want[i][k]) for i in got for k in got[i])
+
+
 def full(model, opt):
     with opt.full_parameters():
         return [p.detach().clone() for p in model.parameters()]

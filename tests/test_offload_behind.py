@@ -18,7 +18,7 @@ import torch
 
 from _behind import behind_on_cpu, slow_updates  # noqa: F401 (fixtures)
 from _behind import batch as _batch, full as _full, model as _model, train_step as _train_step
-from _behind import check_failed, fail_an_update
+from _behind import check_failed, fail_an_update, same_state, second_moments, step_beside
 from _dist import run_ranks
 from fused_zero import ShardedOptimizer
 from fused_zero.behind import UpdateBehind
@@ -54,12 +54,7 @@ def test_next_forward_gathers_each_unit_once_its_update_ended(tier, tmp_path, sl
     gatherer._issue = issue
     trained = [u.index for u in gatherer.units if u.trainable]
     for t in range(4):
-        _train_step(ref, ref_opt, t)
-        opt.zero_grad()
-        model(_batch(t)).square().mean().backward()
-        log.clear()
-        opt.step()
-        assert behind.pending
+        step_beside(model, opt, ref, ref_opt, t, log)
         with torch.no_grad():  # the next forward (an evaluation one: it gathers every unit too)
             model(_batch(99))
         updated = [k for e, k in log if e == "updated"]
@@ -85,8 +80,7 @@ def test_reads_between_steps_see_the_whole_update(tier, tmp_path, slow_updates):
     expect = _full(ref, ref_opt)
     reads = {
         "state_dict": lambda: opt.state_dict()["state"],
-        "read_shard": lambda: [opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
-                               for k, part in enumerate(opt.partitions)],
+        "read_shard": lambda: second_moments(opt),
         "full_parameters": lambda: _full(model, opt),
         "state": lambda: [float(s["step"]) for s in opt.state.values()],
     }
@@ -99,11 +93,9 @@ def test_reads_between_steps_see_the_whole_update(tier, tmp_path, slow_updates):
         assert opt._stage.behind.pending, name
         got = read()
         if name == "state_dict":
-            assert all(torch.equal(got[i][k], expect_sd["state"][i][k]) for i in got for k in got[i]), name
+            assert same_state(got, expect_sd["state"]), name
         elif name == "read_shard":
-            want = [ref_opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
-                    for k, part in enumerate(ref_opt.partitions)]
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+            assert all(torch.equal(a, b) for a, b in zip(got, second_moments(ref_opt))), name
         elif name == "full_parameters":
             assert all(torch.equal(a, b) for a, b in zip(got, expect)), name
         else:

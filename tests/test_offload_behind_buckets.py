@@ -26,7 +26,7 @@ from torch import nn
 
 from _behind import behind_on_cpu, slow_updates  # noqa: F401 (fixtures)
 from _behind import batch as _batch, full as _full, model as _model, train_step as _train_step
-from _behind import check_failed, fail_an_update
+from _behind import check_failed, fail_an_update, same_state, second_moments, step_beside
 from _dist import run_ranks
 from fused_zero import ShardedOptimizer
 import fused_zero.behind as behind_module
@@ -66,12 +66,7 @@ def test_next_forward_runs_each_module_once_its_buckets_are_updated(stage, tier,
         m.register_forward_pre_hook(lambda module, args, i=i: log.append(("ran", i)))
     keys_of = {i: {key for p in m.parameters() for key in buckets._keys_of[p]} for i, m in enumerate(linears)}
     for t in range(3):
-        _train_step(ref, ref_opt, t)
-        opt.zero_grad()
-        model(_batch(t)).square().mean().backward()
-        log.clear()
-        opt.step()
-        assert opt._stage.behind.pending
+        step_beside(model, opt, ref, ref_opt, t, log)
         assert all(p.numel() == 0 for p in model.parameters())  # placeholders until their buckets are in
         with torch.no_grad():  # the next forward (an evaluation one: it waits for every module's buckets too)
             out = model(_batch(99))
@@ -98,8 +93,7 @@ def test_reads_between_steps_see_the_whole_update(stage, tier, tmp_path, slow_up
     expect = [p.detach().clone() for p in ref.parameters()]
     reads = {
         "state_dict": lambda m, o: o.state_dict()["state"],
-        "read_shard": lambda m, o: [o.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
-                                    for k, part in enumerate(o.partitions)],
+        "read_shard": lambda m, o: second_moments(o),
         "full_parameters": lambda m, o: _full(m, o),
         "state": lambda m, o: [float(s["step"]) for s in o.state.values()],
         "model.state_dict": lambda m, o: list(m.state_dict().values()),
@@ -113,11 +107,9 @@ def test_reads_between_steps_see_the_whole_update(stage, tier, tmp_path, slow_up
         assert opt._stage.behind.pending, name
         got = read(model, opt)
         if name == "state_dict":
-            assert all(torch.equal(got[i][k], expect_sd["state"][i][k]) for i in got for k in got[i]), name
+            assert same_state(got, expect_sd["state"]), name
         elif name == "read_shard":
-            want = [ref_opt.read_shard(k, "exp_avg_sq", 0, part.layout.shard_numel)
-                    for k, part in enumerate(ref_opt.partitions)]
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+            assert all(torch.equal(a, b) for a, b in zip(got, second_moments(ref_opt))), name
         elif name in ("full_parameters", "model.state_dict"):
             assert all(torch.equal(a, b) for a, b in zip(got, expect)), name
         elif name == "state":

@@ -12,7 +12,8 @@ per ``quant_block`` elements, ``ops.quantize_`` / ``ops.dequantize_``) replaces 
   had accumulated it, so in warm-up the forward's weights lagged the master (the 33.7M GPT 1.5-8.7% above
   full precision at steps 20-60 on two seeds, +2.1% at step 200); stochastically they equal the master on
   average (within 1% at steps 20-60; bench/results/cpu2core_2026-11-25_codec_early_rounding.txt). A run
-  repeats exactly (the seeds count the gathers); one resumed from a checkpoint rounds with other draws.
+  repeats exactly (the seeds count the gathers), and one resumed from a ``fused_zero.checkpoint`` rounds as
+  the run that went on (the checkpoint keeps the count: ``ParamSync.gathers``).
 - ``reduce_scatter`` (qgZ, ``GradBucket.start``): the packed bucket (pre-divided by every rank) is quantized
   slice by slice, slice r for rank r, and sent with one all-to-all; each rank decodes the N versions of
   its slice and sums them in fp32 in rank order (fixed: deterministic) into its gradient shard. Each

@@ -56,7 +56,7 @@ from ..profiling import ALL_GATHER, label
 from .param_sync import ParamSync
 from .secondary import SecondaryCopies
 from .model_state import ModelStateHooks
-from ..sharding.partition import Partition
+from ..sharding.partition import Partition, Placeholders
 
 
 def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -> Callable:
@@ -152,7 +152,7 @@ class ParamGatherer(ModelStateHooks):
         # running totals of the units not RELEASED (kept by _issue and _release, so no gather walks every unit)
         self.live_bytes = 0  # their full buffers' bytes (gathered_bytes() counts the storages themselves)
         self._live_units = 0  # how many of them are not the root (max_live_units bounds it)
-        self._placeholders: dict = {}
+        self._placeholder = Placeholders()  # what released parameters point at
         self._begin_backward = begin_backward
         self._first_forward = first_forward  # the optimizer's checks at the first training forward (once)
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
@@ -290,12 +290,6 @@ class ParamGatherer(ModelStateHooks):
             self.live_bytes -= u.nbytes
             self._live_units -= u.index > 0
         u.state = UnitState.RELEASED
-
-    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
-        key = (p.dtype, p.device)
-        if key not in self._placeholders:
-            self._placeholders[key] = torch.empty(0, dtype=p.dtype, device=p.device)
-        return self._placeholders[key]
 
     # -- schedule ---------------------------------------------------------
     def _start(self, state: TrainingState, order: list[int]) -> None:

@@ -68,6 +68,7 @@ def _message(name: str, why: str) -> str:
 #: the prefix of a name key whose rank withdrew its call (rendezvous keys are never deleted)
 _WITHDRAWN = "withdrawn:"
 
+
 class _Withdrawn(Exception):
     """A call this rank served from a blocked wait was given up by its caller."""
 
@@ -157,8 +158,7 @@ class Rendezvous:
             waited = time.monotonic() - start
             if waited - looked > 0.2:  # slow: see who is missing, and where
                 looked = waited
-                behind = [q for q in self._peers() if not self._named(c, q) or
-                          self._named(c, q).startswith(_WITHDRAWN)]  # not called, or withdrew
+                behind = [q for q in self._peers() if not self._entered(c, q)]
                 states = {q: self._read(f"state/{q}") for q in behind}
                 gone = [q for q in behind if states[q] == GONE]
                 if gone:
@@ -182,6 +182,11 @@ class Rendezvous:
         name key is never deleted, so the get after the check cannot wait for a key removed meanwhile."""
         key = self._key(f"name/{c}/{q}")
         return self._store.get(key).decode() if self._store.check([key]) else ""
+
+    def _entered(self, c: int, q: int) -> bool:
+        """Whether rank q is in call c now (it called it and did not withdraw)."""
+        named = self._named(c, q)
+        return bool(named) and not named.startswith(_WITHDRAWN)
 
     def _other_names(self, c: int, name: str) -> str:
         for q in self._peers():

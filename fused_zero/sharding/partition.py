@@ -27,6 +27,20 @@ from ..tiers.tier import Tier
 from ..tiers.transfer import host_buffer
 
 
+class Placeholders:
+    """The empty tensor a released parameter points at: one per (dtype, device), shared by every parameter
+    (stage 3 between gathers, stages 1-2 while their update runs behind step()). Called with the parameter."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self._made:
+            self._made[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self._made[key]
+
+
 class PartitionIndex(NamedTuple):
     """What a partition's shard holds, for code outside the optimizer (checkpoints)."""
 
