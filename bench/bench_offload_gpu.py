@@ -9,8 +9,8 @@ The model: examples/gpt.py with d_model 2048, 16 heads, vocab 32000 (tied), seq 
 masters. A step is FUSED_ZERO_BENCH_ACCUM micro-batches (default 4) of FUSED_ZERO_BENCH_MICRO
 sequences (default 8), then step(): 32k tokens per step. The host update starts at step() (it needs the
 whole step's norm and overflow verdict first: tiers/store_host.py says why). "cpu" builds the optimizer over
-model.parameters(), so the update stays inside step(); "cpu-behind" builds it with the model, so the update
-runs behind step() bucket by bucket and the next forward waits per module for its own buckets
+model.parameters(), so the update stays inside step(); "cpu-behind" builds it with the model and update_behind=True, so
+the update runs behind step() bucket by bucket and the next forward waits per module for its own buckets
 (behind_buckets.py). The ratio depends on how long the forward and backward run against the host's AdamW over
 the shard: the tokens per step are printed with it.
 
@@ -42,7 +42,7 @@ ACCUM = int(os.environ.get("FUSED_ZERO_BENCH_ACCUM", "4"))
 STEPS, ROUNDS, LAYERS_1B = 6, 2, 20
 FOLDER = os.environ.get("FUSED_ZERO_OFFLOAD_DIR")
 TIERS = {"none": dict(stage=2), "cpu": dict(stage=2, offload_optimizer="cpu"),
-         "cpu-behind": dict(stage=2, offload_optimizer="cpu", with_model=True),
+         "cpu-behind": dict(stage=2, offload_optimizer="cpu", update_behind=True),
          "cpu+params": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
          "nvme": dict(stage=2, offload_optimizer="nvme")}
 
@@ -62,7 +62,7 @@ try:
         for p in model.parameters():
             p.normal_(0.0, 0.02)
     params = model.num_params()  # before stage 3 releases them
-    with_model = kw.pop("with_model", False) or kw["stage"] == 3  # stages 1-2: the update behind step()
+    with_model = kw.get("update_behind", False) or kw["stage"] == 3  # stages 1-2: the update behind step()
     opt = ShardedOptimizer(model if with_model else model.parameters(), lr=1e-4, **kw)
     batches = [synthetic_batch(cfg, micro, step=0, rank=m, device="cuda") for m in range(accum)]  # made once
     times = []

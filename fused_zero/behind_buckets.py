@@ -1,4 +1,5 @@
-"""BucketsBehind: stages 1-2's host update (offloaded optimizer states) overlapped with the next forward.
+"""BucketsBehind: stages 1-2's host update (offloaded optimizer states) overlapped with the next forward
+(``update_behind=True``, the optimizer given the model).
 
 Stage 3 runs the host update behind ``step()`` unit by unit (``behind.py``); stages 1-2 do it bucket by bucket.
 Once ``step()`` has its verdicts and has planned the update, each partition's job is cut at its buckets (the

@@ -99,7 +99,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                  reduce_dtype=_UNSET, adam_w_mode=_UNSET, max_grad_norm=_UNSET, overlap=_UNSET,
                  max_live_units=_UNSET, min_unit_numel=_UNSET, reshard_after_forward=_UNSET, secondary_shard=_UNSET,
                  offload_optimizer=_UNSET, offload_params=_UNSET, nvme_path=_UNSET, offload_chunk_numel=_UNSET,
-                 nvme_direct=_UNSET, broadcast_buffers=_UNSET,
+                 nvme_direct=_UNSET, update_behind=_UNSET, broadcast_buffers=_UNSET,
                  param_comm=_UNSET, grad_comm=_UNSET, quant_block=_UNSET) -> None:
         given = {k: v for k, v in dict(stage=stage, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype,
                                        adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, overlap=overlap,
@@ -107,7 +107,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                        reshard_after_forward=reshard_after_forward, secondary_shard=secondary_shard,
                                        offload_optimizer=offload_optimizer, offload_params=offload_params,
                                        nvme_path=nvme_path, offload_chunk_numel=offload_chunk_numel,
-                                       nvme_direct=nvme_direct, broadcast_buffers=broadcast_buffers,
+                                       nvme_direct=nvme_direct, update_behind=update_behind,
+                                       broadcast_buffers=broadcast_buffers,
                                        param_comm=param_comm, grad_comm=grad_comm, quant_block=quant_block,
                                        ).items() if v is not _UNSET}
         if config is None:
@@ -126,6 +127,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if module is None and config.needs_module:
             raise ValueError("stage 3 shards the model's parameters: pass the nn.Module itself, "
                              "ShardedOptimizer(model, stage=3, ...), or its param groups with module=model")
+        if config.update_behind and module is None:
+            raise ValueError("update_behind=True needs the model (each module's forward waits for its own "
+                             "parameters): pass ShardedOptimizer(model, ...) or module=model")
         if units is not None and not config.needs_module:
             raise ValueError("units= only applies to stage 3")
         self._names: dict[nn.Parameter, str] = {} if module is None else {p: n for n, p in module.named_parameters()}

@@ -118,13 +118,13 @@ class Stage1:
         return self._gathers
 
     def _behind_buckets(self, module: nn.Module | None, partitions: list[Partition], names: dict) -> None:
-        """With the model and offloaded states on a GPU, the update runs behind step() bucket by bucket
-        (behind_buckets.py); without the model nothing can wait before its forward: inside step()."""
+        """With ``update_behind`` (the model given, offloaded states on a GPU), the update runs behind step()
+        bucket by bucket (behind_buckets.py); otherwise inside step()."""
         if self.buckets_behind is not None:  # a rebuild (add_param_group): the new partitions' buckets
             self.buckets_behind.close()
             self.buckets_behind = self.behind = None
         device = partitions[0].flat.device if partitions else torch.device("cpu")
-        if module is None or not partitions or not self._overlaps(device):
+        if not self.config.update_behind or module is None or not partitions or not self._overlaps(device):
             return
         self.buckets_behind = BucketsBehind(module, partitions, ParamSync(self._gather_group()), device,
                                             self._agree_group(), names)

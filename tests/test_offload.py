@@ -48,9 +48,12 @@ TIERS = [dict(), dict(offload_optimizer="cpu", offload_chunk_numel=700),
 
 
 def _build(model, stage, folder=None, behind=False, **kw):
-    """``behind``: stages 1-2 built with the model, so the offloaded update runs behind step() (as on a GPU)."""
+    """``behind``: stages 1-2 built with the model and update_behind=True: the offloaded update runs behind step()
+    (as on a GPU)."""
     if kw.get("offload_optimizer") == "nvme":
         kw["nvme_path"] = folder
+    if behind and kw.get("offload_optimizer"):
+        kw["update_behind"] = True
     return ShardedOptimizer(model if stage == 3 or behind else model.parameters(), **HYPER, stage=stage,
                             bucket_numel=1000, **kw)
 

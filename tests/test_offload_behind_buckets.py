@@ -1,5 +1,5 @@
-"""Stages 1-2 with offloaded optimizer states, built with the model: the host update runs behind step(), bucket
-by bucket, and overlaps the next forward (with the parameters on a GPU; here on CPU through
+"""Stages 1-2 with offloaded optimizer states, built with the model and ``update_behind=True``: the host update
+runs behind step(), bucket by bucket, and overlaps the next forward (with the parameters on a GPU; here on CPU through
 ``UpdateBehind.on_cpu``).
 
 - ordering (world size 1, each tier, stages 1-2): with each bucket's update slowed down, the next forward's
@@ -39,18 +39,26 @@ def _opt(model, folder, stage, **kw):
     """Built with the model (stages 1-2 then run the offloaded update behind step()); buckets split parameters."""
     if kw.get("offload_optimizer") == "nvme":
         kw["nvme_path"] = str(folder)
-    return ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, offload_chunk_numel=192, **kw)
+    return ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, offload_chunk_numel=192,
+                            update_behind=True, **kw)
 
 
 def _ref(model, stage):
     return ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_numel=500)
 
 
-def test_without_the_model_or_offload_the_update_stays_inside_step(tmp_path):
+def test_the_update_runs_behind_step_only_when_asked_with_the_model(tmp_path):
     model = _model()
-    assert ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, offload_optimizer="cpu")._stage.behind is None
-    assert ShardedOptimizer(model, lr=1e-2, stage=2)._stage.behind is None
-    assert ShardedOptimizer(model, lr=1e-2, stage=1, offload_optimizer="cpu")._stage.behind is not None
+    assert ShardedOptimizer(model, lr=1e-2, stage=2, offload_optimizer="cpu")._stage.behind is None  # the default
+    assert ShardedOptimizer(model, lr=1e-2, stage=1, offload_optimizer="cpu", update_behind=True)._stage.behind
+    with pytest.raises(ValueError, match="update_behind=True needs the model"):
+        ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, offload_optimizer="cpu", update_behind=True)
+    with pytest.raises(ValueError, match='needs stage 1 or 2 and offload_optimizer="cpu" or "nvme"'):
+        ShardedOptimizer(model, lr=1e-2, stage=2, update_behind=True)
+    with pytest.raises(ValueError, match="stage 3 overlaps by itself"):
+        ShardedOptimizer(model, lr=1e-2, stage=3, offload_optimizer="cpu", update_behind=True)
+    with pytest.raises(TypeError, match="update_behind must be True or False"):
+        ShardedOptimizer(model, lr=1e-2, stage=2, offload_optimizer="cpu", update_behind=1)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

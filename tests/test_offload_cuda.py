@@ -2,7 +2,7 @@
 cannot run -- each bucket's gradient shard copied down on the side stream during backward, the host
 update writing pinned staging buffers that go up while the next chunk is updated.
 
-World size 1, a bf16 TinyNet, stages 2 and 3 (stage 2 also built with the model: the update then runs
+World size 1, a bf16 TinyNet, stages 2 and 3 (stage 2 also with update_behind=True: the update then runs
 behind step() bucket by bucket, its uploads and gathers on the copy stream, the next forward waiting per
 module), 8 steps with accumulation (no_sync, then two synced
 backwards), clip_grad_norm_ and plain steps, against the same run without offload. The update runs
@@ -27,6 +27,8 @@ def _run(stage, folder, with_model=False, **kw):
         pytest.skip("offload_params needs stage 3")
     if "nvme" in kw.values():
         kw["nvme_path"] = str(folder)
+    if with_model and kw and stage < 3:
+        kw["update_behind"] = True
     opt = ShardedOptimizer(model if stage == 3 or with_model else model.parameters(), **HYPER, stage=stage,
                            bucket_numel=1000, offload_chunk_numel=700, **kw)
     assert (opt._stage.behind is not None) == (bool(kw) and (stage == 3 or with_model))
