@@ -17,9 +17,9 @@ the shard: the tokens per step are printed with it.
 Each configuration runs in a fresh process (peak device memory is per process); none and cpu
 (and nvme, where FUSED_ZERO_OFFLOAD_DIR names a folder on a local disk) alternate over two rounds;
 a figure is the median over its runs of the median step after two warm-up steps, timed from a
-synchronize to a synchronize. The largest-model search doubles n_layer from 8 until a step fails
-(CUDA out of memory, or the plan says the host cannot hold it), then bisects; each trial is one
-process running two steps. Beside each tier's result it prints the planner's largest n_layer for this machine
+synchronize to a synchronize. The largest-model search starts at the planner's largest n_layer and
+steps by a quarter until a step fails (CUDA out of memory, or the plan says the host cannot hold it), then
+bisects; each trial is one process running two steps. Beside each tier's result it prints the planner's largest n_layer for this machine
 (fused_zero.plan.estimate on the model built on meta: device bytes within the GPU's memory, host bytes within
 MemAvailable) and the planner's device and host bytes for the model that was measured.
 """
@@ -136,18 +136,38 @@ def test_offload_step_gpu(benchmark, step_results, tier):
 
 
 def _largest(tier: str) -> tuple[int, dict]:
-    """The most layers (and that run's figures) with which ``tier`` trains two steps."""
+    """The most layers (and that run's figures) with which ``tier`` trains two steps. The search starts at the
+    planner's largest for this machine and steps by a quarter from there (a handful of trials, each a process
+    building a model of billions of parameters), then bisects to within ~6%. A size whose planned host bytes
+    exceed the host memory available counts as failing without being run: a host out of memory can take the
+    machine down with it, not just the trial."""
+    host = _host_memory()
+
+    def trial(n):
+        if _planned(tier, n).host > host:
+            return {"ok": False, "why": "planned host bytes exceed MemAvailable"}
+        return _run(tier, n, 2)
     fits, fails, best = 0, None, {}
-    layers = 8
+    layers = max(1, _planned_largest(tier))
     while fails is None:
-        r = _run(tier, layers, 2)
+        r = trial(layers)
         if r["ok"]:
-            fits, best, layers = layers, r, layers * 2
+            fits, best, layers = layers, r, max(layers + 1, layers * 5 // 4)
         else:
             fails = layers
+            if fits == 0 and layers > 1:  # the plan's size failed: step down until one fits
+                layers = max(1, layers * 3 // 4)
+                while fits == 0:
+                    r = trial(layers)
+                    if r["ok"]:
+                        fits, best = layers, r
+                    elif layers == 1:
+                        return 0, r
+                    else:
+                        fails, layers = layers, max(1, layers * 3 // 4)
     while fails - fits > max(1, fits // 16):  # bisect to within ~6%
         mid = (fits + fails) // 2
-        r = _run(tier, mid, 2)
+        r = trial(mid)
         if r["ok"]:
             fits, best = mid, r
         else:

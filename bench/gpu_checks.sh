@@ -39,7 +39,7 @@ python -c "import fused_zero.kernels, fused_zero; print('fused_zero from', fused
 
 # 1. The tests with CUDA paths (kernels against their twins, the sync-free step under
 #    set_sync_debug_mode("error"), offload's CUDA paths, the transfers), then the GPU acceptance benches.
-box 170 "$OUT/cuda_tests.log" python -m pytest -q -x -p no:cacheprovider tests/test_offload_cuda.py \
+box 170 "$OUT/cuda_tests.log" python -m pytest -q -p no:cacheprovider tests/test_offload_cuda.py \
     tests/test_transfer.py tests/test_host_reads.py tests/test_quant.py tests/test_pack.py tests/test_cast.py \
     tests/test_norm.py tests/test_adamw.py tests/test_habits_contract.py
 # 2. Kernels (GB/s and % of measured copy bandwidth) and the whole step against torch's fused AdamW.
@@ -54,4 +54,11 @@ box 200 "$OUT/offload.log" python -m pytest -q -p no:cacheprovider bench/bench_o
 for args in "--stage 2" "--stage 3" "--stage 2 --blocks 200 --dtype fp32"; do
     box 40 "$OUT/profile.txt" python bench/profile_step.py $args --top 12
 done
+# 5. With FUSED_ZERO_GPU_CAPACITY=SECONDS: the capacity table (largest GPT per tier against the planner), one
+#    micro-batch of 1024 tokens per step so that each trial is short; tiers in order none, cpu, cpu+params.
+if [ -n "${FUSED_ZERO_GPU_CAPACITY:-}" ]; then
+    FUSED_ZERO_BENCH_LARGEST=1 FUSED_ZERO_BENCH_MICRO=1 FUSED_ZERO_BENCH_ACCUM=1 box "$FUSED_ZERO_GPU_CAPACITY" \
+        "$OUT/capacity.log" python -m pytest -q -p no:cacheprovider bench/bench_offload_gpu.py -k largest \
+        --benchmark-only -s
+fi
 echo "total $(( $(date +%s) - T0 )) s" >>"$OUT/env.txt"
