@@ -3,6 +3,7 @@ against the same step without offload, and the largest GPT each tier trains (ski
 
     python -m pytest bench/bench_offload_gpu.py --benchmark-only -s
     FUSED_ZERO_BENCH_LARGEST=1 python -m pytest bench/bench_offload_gpu.py --benchmark-only -s   # + the search
+    FUSED_ZERO_BENCH_TIERS=cpu FUSED_ZERO_BENCH_ROUNDS=1 python -m pytest ...   # none and cpu, one round
 
 The model: examples/gpt.py with d_model 2048, 16 heads, vocab 32000 (tied), seq 1024; 20 layers is
 1.07B parameters. World size 1, stage 2 (stage 3 for offload_params), bf16 parameters with fp32
@@ -39,7 +40,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 HERE = os.path.dirname(os.path.abspath(__file__))
 MICRO = int(os.environ.get("FUSED_ZERO_BENCH_MICRO", "8"))
 ACCUM = int(os.environ.get("FUSED_ZERO_BENCH_ACCUM", "4"))
-STEPS, ROUNDS, LAYERS_1B = 6, 2, 20
+STEPS, LAYERS_1B = 6, 20
+ROUNDS = int(os.environ.get("FUSED_ZERO_BENCH_ROUNDS", "2"))
 FOLDER = os.environ.get("FUSED_ZERO_OFFLOAD_DIR")
 TIERS = {"none": dict(stage=2), "cpu": dict(stage=2, offload_optimizer="cpu"),
          "cpu-behind": dict(stage=2, offload_optimizer="cpu", update_behind=True),
@@ -101,6 +103,10 @@ def _run(tier: str, layers: int, steps: int) -> dict:
 
 
 def _timed_tiers() -> list[str]:
+    """FUSED_ZERO_BENCH_TIERS (comma-separated, "none" always first) picks some; default every tier."""
+    picked = os.environ.get("FUSED_ZERO_BENCH_TIERS")
+    if picked:
+        return ["none"] + [t for t in picked.split(",") if t in TIERS and t != "none"]
     return ["none", "cpu", "cpu-behind"] + (["nvme"] if FOLDER else [])
 
 
@@ -126,7 +132,7 @@ def step_results():
 @pytest.mark.parametrize("tier", ["none", "cpu", "cpu-behind", "nvme"])
 def test_offload_step_gpu(benchmark, step_results, tier):
     if tier not in step_results:
-        pytest.skip("set FUSED_ZERO_OFFLOAD_DIR to a folder on a local disk to time the nvme tier")
+        pytest.skip("not timed in this run (FUSED_ZERO_BENCH_TIERS picks tiers; nvme needs FUSED_ZERO_OFFLOAD_DIR)")
     r = step_results[tier]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # the figures come from the child processes
     benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), step_s=r["step_s"],

@@ -81,6 +81,37 @@ def summarize(name: str, prof, wall_s: float, reads, device: torch.device, top: 
     return "\n".join(lines)
 
 
+def python_time(name: str, opt, loss_of, steps: int, device: torch.device, top: int) -> str:
+    """``steps`` steps timed plainly, then the same under cProfile: the functions by time of their own. CUDA's
+    backward runs on autograd's device thread, which cProfile does not see: under cProfile backward runs on
+    this thread (``set_multithreading_enabled(False)``), so the hooks' Python shows."""
+    import cProfile
+    import io
+    import pstats
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(opt, loss_of)
+    sync()
+    plain = (time.perf_counter() - t0) / steps
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(steps):
+            step(opt, loss_of)
+        sync()
+        prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    return f"== {name}: {plain * 1e3:.2f} ms per step over {steps} steps (no profiler); cProfile, per {steps} steps:\n" \
+        + "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
@@ -89,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=0, help="bench_host's residual blocks instead of the GPT")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="also run STEPS steps of each optimizer under cProfile and print the Python functions "
+                        "with the most time of their own (what the host spends outside torch's C++ ops)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -106,6 +140,8 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
         name = "torch AdamW(fused=True)" if which == "torch" else f"ShardedOptimizer stage {args.stage}"
         print(summarize(f"{name}, {args.dtype}, {device}", prof, wall, reads, device, args.top), flush=True)
+        if args.cprofile:
+            print(python_time(name, opt, loss_of, args.cprofile, device, args.top), flush=True)
         if hasattr(opt, "close"):
             opt.close()
         del model, opt

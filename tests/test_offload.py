@@ -30,6 +30,7 @@ from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
 from fused_zero.behind import UpdateBehind
 from fused_zero.comm.grad_buckets import BucketPipe
+from fused_zero.tiers.store_host import HostStore
 from fused_zero.tiers.store_nvme import check_nvme_path
 
 def _direct_ok(folder) -> bool:
@@ -92,6 +93,7 @@ def _params(model, opt):
 
 def _lockstep(rank, world_size, stage, folder, copy_down=False, behind=False):
     BucketPipe.copy_down = copy_down  # the GPU's way: reduce in the pool buffer, then copy down to the host shard
+    HostStore.copy_up = copy_down  # and the master goes up after each chunk's update (the GPU rounds it)
     UpdateBehind.on_cpu = True  # the update behind step() where it is on a GPU (stage 3; stages 1-2 with the model)
     folder = os.path.join(folder, f"rank{rank}")
     os.makedirs(folder, exist_ok=True)
@@ -131,6 +133,32 @@ def test_offload_is_bitwise_the_run_without(stage, copy_down, behind, tmp_path):
         assert nvme["master"] == nvme["exp_avg"] == 0 and nvme["nvme"] == states and nvme["host"] == shard
         assert len(r["files"]) == r["partitions"] * (len(TIERS) - 2) and all(f.endswith(".states") for f in r["files"])
         assert r["files_after_close"] == []
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_params_go_up_from_the_master_bitwise(stage, monkeypatch):
+    """A GPU's way with "cpu": the host updates the fp32 master alone and each chunk of it goes up, the
+    params' rounding done where they live (here by the same copy_, on a GPU by the GPU's). bf16 params
+    after every step, bitwise those of the run without offload; chunks of 700 against buckets of 1000."""
+    monkeypatch.setattr(HostStore, "copy_up", True)
+    monkeypatch.setattr(BucketPipe, "copy_down", True)
+    models = [TinyNet(dtype=torch.bfloat16) for _ in range(2)]
+    opts = [_build(m, stage, None, **kw) for m, kw in zip(models, TIERS[:2])]
+    for t in range(6):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            x, y = batch(t, 0)
+            loss_fn(m(x.bfloat16(), **flags(t, 0)).float(), y).backward()
+            if t % 2:
+                o.clip_grad_norm_(0.05)
+            o.step()
+        ref, got = (_params(m, o) for m, o in zip(models, opts))
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), t
+    for k, part in enumerate(opts[0].partitions):
+        n = part.layout.shard_numel
+        assert torch.equal(opts[0].read_shard(k, "master", 0, n), opts[1].read_shard(k, "master", 0, n))
+    for o in opts:
+        o.close()
 
 
 def _resume(rank, world_size, folder):

@@ -1,6 +1,7 @@
 """The offload tiers with the parameters on a GPU (skipped without CUDA): the paths the CPU tests
 cannot run -- each bucket's gradient shard copied down on the side stream during backward, the host
-update writing pinned staging buffers that go up while the next chunk is updated.
+update's chunks going up while the next chunk is updated ("cpu": the page-locked master, rounded on the
+GPU; "nvme": pinned staging buffers the host rounds into).
 
 World size 1, a bf16 TinyNet, stages 2 and 3 (stage 2 also with update_behind=True: the update then runs
 behind step() bucket by bucket, its uploads and gathers on the copy stream, the next forward waiting per
@@ -50,7 +51,9 @@ def _run(stage, folder, with_model=False, **kw):
     with opt.full_parameters():
         params = [p.detach().float().cpu() for p in model.parameters()]
     info = {"mem": opt.memory_bytes(), "pinned": all(part.grad_shard.is_pinned() for part in opt.partitions),
-            "staging": opt._stage.staging.nbytes()}
+            "staging": opt._stage.staging.nbytes(),
+            "master_pinned": all(getattr(part.store, "tensors", {}).get("master", torch.empty(0)).is_pinned()
+                                 for part in opt.partitions)}
     opt.close()
     return masters, params, info
 
@@ -65,6 +68,8 @@ def test_offload_on_gpu_matches_the_run_without(stage, with_model, tier, tmp_pat
     for a, b in zip(ref_params, params):
         assert ((a - b).abs() <= a.abs() * 2.0 ** -7 + 1e-6).all()  # one bf16 ulp
     assert info["pinned"]  # the gradients came down to pinned memory
-    # the params went up through the staging buffers (with offload_params the host shard is written in place)
-    assert (info["staging"] > 0) != bool(tier.get("offload_params"))
+    # "nvme": the params went up through the staging buffers; "cpu": the page-locked master goes up as it is and
+    # the GPU rounds it (with offload_params the host shard is written in place)
+    assert (info["staging"] > 0) == (tier.get("offload_optimizer") == "nvme")
+    assert info["master_pinned"] == (tier == dict(offload_optimizer="cpu"))  # what goes up is page-locked
     assert info["mem"]["grads"] == 0 and info["mem"]["host"] >= ref_info["mem"]["grads"]

@@ -90,8 +90,9 @@ def test_offload_closed_forms_bf16(n):
     pool = 2 * (64 * n * 1000) * 2  # GradSync's pool: two bf16 buffers of a bucket (of five)
     direct = 0 if n == 1 else pool  # one rank without offload packs straight into the shard: no pool
     assert plan.stage(3).buffers == direct
-    host_chunks = 2 * chunk * 2  # two pinned bf16 chunks of params going up
-    nvme_chunks = 3 * 3 * 4 * chunk + host_chunks  # NvmeStore: three blocks of each state kind besides
+    host_chunks = 0  # HostStore: the page-locked master itself goes up (counted in its states)
+    nvme_chunks = 3 * 3 * 4 * chunk + 2 * chunk * 2  # NvmeStore: three blocks of each state kind, two pinned bf16
+    # chunks of params going up
     scratch = 2 * (64 * 1000) * 2  # where accumulating backwards land: one bf16 bucket shard per pool buffer
     grads = 2 * psi // n  # the bf16 gradient shard, on the host with the states
     for stage in (1, 2, 3):
@@ -128,7 +129,9 @@ def test_offload_fp32_and_chunks():
     assert plan.stage(3, "opt=cpu").params == 4 * psi // n  # the master left: a param shard to gather from
     assert plan.stage(3, "params=cpu").host == 0  # nothing to move: the master is the gather source
     assert plan.stage(3, "opt=cpu,params=cpu").detail["host_params"] == 4 * psi // n
-    assert plan.stage(2, "opt=cpu").detail["host_staging"] == 128 * (4 + 4)  # 100 elements round up to 128
+    # 100 elements round up to 128: NvmeStore's two fp32 chunks going up and three blocks per state kind
+    assert plan.stage(2, "opt=nvme").detail["host_staging"] == 128 * (4 + 4) + 3 * 3 * 4 * 128
+    assert plan.stage(2, "opt=cpu").detail["host_staging"] == 0  # HostStore's master goes up as it is
 
 
 def test_small_layers_merge_into_units_as_the_optimizer_merges_them():

@@ -47,9 +47,10 @@ device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
     staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, once per
                        optimizer (staging.Staging: the partitions update one after another and
                        share it), with C = offload_chunk_numel rounded up to 64:
-                       host, optimizer "cpu": two pinned chunks of params going up per param
-                       dtype, 2*C*P (with a GPU; on the host the update writes the params in
-                       place); "nvme": three blocks per state kind, 3*3*4*C, besides; and per
+                       host, optimizer "cpu": none (with a GPU the master itself, page-locked,
+                       goes up chunk by chunk and the GPU rounds it in a 4*C-byte temporary,
+                       not counted; on the host the update writes the params in place); "nvme": two pinned chunks of params going up
+                       per param dtype, 2*C*P, and three blocks per state kind, 3*3*4*C; and per
                        reduce dtype, the host scratch accumulating backwards land in, one per pool
                        buffer, of the largest bucket shard; offload_params: the shards of the units in flight
                        (max_live_units + 1 of the largest) staged on the device, and for "nvme"
@@ -331,11 +332,12 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         unit_bytes[part.unit] = unit_bytes.get(part.unit, 0) + p * full
     d["bucket_pool"] = sum(min(MAX_INFLIGHT, n) * size * BYTES[r] for r, (n, size, _) in pools.items())
     if opt is not None:
-        # the optimizer's staging.Staging, shared by every partition: two pinned chunks of params going up to a
-        # GPU per param dtype (transfer.Uploads), and for NvmeStore three blocks per state kind
+        # the optimizer's staging.Staging, shared by every partition, for NvmeStore: two pinned chunks of params
+        # going up to a GPU per param dtype (transfer.Uploads) and three blocks per state kind (HostStore
+        # sends its page-locked master up as it is)
         dtypes = {part.dtype for part in parts if not part.frozen}
-        d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + (3 * 3 * 4 * job.chunk
-                                                                              if Tier.of(opt) is Tier.NVME else 0)
+        if Tier.of(opt) is Tier.NVME:
+            d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + 3 * 3 * 4 * job.chunk
         # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if not traits.shards_params:  # frozen parameters stay the user's whole tensors

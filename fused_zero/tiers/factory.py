@@ -58,7 +58,9 @@ class Tiers:
 
     def _store(self, numel: int, device: torch.device, amsgrad: bool) -> ShardStore:
         if self.states is Tier.HOST:
-            return HostStore(numel, device, amsgrad, staging=self.staging)
+            # its master goes up to the parameters' device after each update unless the param shard is on the host
+            return HostStore(numel, device, amsgrad, staging=self.staging,
+                             pin_master=self.params in (None, Tier.DEVICE))
         if self.states is Tier.NVME:
             return NvmeStore(numel, device, amsgrad, path=self.nvme_path, staging=self.staging,
                              direct=self.nvme_direct)
