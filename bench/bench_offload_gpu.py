@@ -22,7 +22,9 @@ synchronize to a synchronize. The largest-model search starts at the planner's l
 steps by a quarter until a step fails (CUDA out of memory, or the plan says the host cannot hold it), then
 bisects; each trial is one process running two steps. Beside each tier's result it prints the planner's largest n_layer for this machine
 (fused_zero.plan.estimate on the model built on meta: device bytes within the GPU's memory, host bytes within
-MemAvailable) and the planner's device and host bytes for the model that was measured.
+MemAvailable) and the planner's device and host bytes for the model that was measured. Each tier also prints
+the host memory fused_zero page-locked (``transfer.locked_bytes()``) against the planner's ``host_pinned``,
+and what torch's own pinned allocator held (small buffers; where the torch build reports it).
 """
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ import json, resource, statistics, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from gpt import GPT, GPTConfig, synthetic_batch
 from fused_zero import ShardedOptimizer
+from fused_zero.tiers.transfer import locked_bytes
+def _torch_pinned():
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch's pinned allocator (not all versions)
+    try:
+        return int(stats()["allocated_bytes.all.current"]) if stats else None
+    except Exception:
+        return None
 layers, steps, micro, accum, kw = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6])
 cfg = GPTConfig(vocab=32000, d_model=2048, n_layer=layers, n_head=16, seq_len=1024, tie_weights=True)
 GPT.reset_parameters = lambda self, seed: None  # drawn on the device below: the CPU draw of billions is slow
@@ -81,6 +90,7 @@ try:
     out = {"ok": True, "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
            "params": params, "peak_device": torch.cuda.max_memory_allocated(),
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "mem": opt.memory_bytes(),
+           "pinned": locked_bytes(), "torch_pinned": _torch_pinned(),
            "loss": loss.item()}
     opt.close()
 except torch.OutOfMemoryError as e:
@@ -124,8 +134,12 @@ def step_results():
     print(f"\noffload on {torch.cuda.get_device_name()}: GPT {res['none']['params'] / 1e9:.2f}B bf16, world 1, "
           f"{tokens} tokens per step ({ACCUM} x {MICRO} x 1024)")
     for t, r in res.items():
+        planned = _planned(t, LAYERS_1B).detail["host_pinned"] if t in PLANNED else None
+        pinned = "" if planned is None else (f"  page-locked {r['pinned'] / 2**30:.2f} GiB (planned "
+                                             f"{planned / 2**30:.2f}; torch's pinned allocator "
+                                             f"{(r['torch_pinned'] or 0) / 2**20:.1f} MiB)")
         print(f"  {t:10s} step {r['step_s']:.3f} s ({r['step_s'] / res['none']['step_s']:.2f}x)  peak device "
-              f"{r['peak_device'] / 2**30:.1f} GiB  peak host RSS {r['peak_rss'] / 2**30:.1f} GiB")
+              f"{r['peak_device'] / 2**30:.1f} GiB  peak host RSS {r['peak_rss'] / 2**30:.1f} GiB{pinned}")
     return res
 
 
@@ -182,7 +196,8 @@ def _largest(tier: str) -> tuple[int, dict]:
 
 
 #: each timed tier as the planner names it: (stage, offload)
-PLANNED = {"none": (2, "none"), "cpu": (2, "opt=cpu"), "cpu+params": (3, "opt=cpu,params=cpu"),
+PLANNED = {"none": (2, "none"), "cpu": (2, "opt=cpu"), "cpu-behind": (2, "opt=cpu"),
+           "cpu+params": (3, "opt=cpu,params=cpu"),
            "nvme": (2, "opt=nvme")}
 
 
@@ -240,6 +255,7 @@ def test_largest_model_per_tier(benchmark, tier):
     print(f"\n  largest with {tier}: {layers} layers, {r.get('params', 0) / 1e9:.2f}B params; planner: {planned} "
           f"layers ({planned / max(layers, 1):.2f}x); peak device {r.get('peak_device', 0) / 2**30:.1f} GiB "
           f"(planned {plan.total / 2**30:.1f}), host {r.get('mem', {}).get('host', 0) / 2**30:.1f} GiB "
-          f"(planned {plan.host / 2**30:.1f})")
+          f"(planned {plan.host / 2**30:.1f}), page-locked {r.get('pinned', 0) / 2**30:.1f} GiB (planned "
+          f"{plan.detail['host_pinned'] / 2**30:.1f})")
     benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), layers=layers,
                                 planned_layers=planned, planned_device=plan.total, planned_host=plan.host, **r)

@@ -10,11 +10,16 @@ backwards), clip_grad_norm_ and plain steps, against the same run without offloa
 on a different processor (torch's fused CPU AdamW against the Triton kernel), so the fp32 masters are
 compared within a few ulps and the bf16 params within one bf16 ulp, not bitwise.
 """
+import gc
+
 import pytest
 import torch
 
 from _models import HYPER, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
+from fused_zero.plan import estimate
+from fused_zero.plan.memory import tier as tier_name
+from fused_zero.tiers.transfer import locked_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,6 +35,8 @@ def _run(stage, folder, with_model=False, **kw):
         kw["nvme_path"] = str(folder)
     if with_model and kw and stage < 3:
         kw["update_behind"] = True
+    gc.collect()  # an earlier run's page-locked buffers go now, not in the middle of this one
+    locked = locked_bytes()
     opt = ShardedOptimizer(model if stage == 3 or with_model else model.parameters(), **HYPER, stage=stage,
                            bucket_numel=1000, offload_chunk_numel=700, **kw)
     assert (opt._stage.behind is not None) == (bool(kw) and (stage == 3 or with_model))
@@ -52,6 +59,9 @@ def _run(stage, folder, with_model=False, **kw):
         params = [p.detach().float().cpu() for p in model.parameters()]
     info = {"mem": opt.memory_bytes(), "pinned": all(part.grad_shard.is_pinned() for part in opt.partitions),
             "staging": opt._stage.staging.nbytes(),
+            # page-locked now, and where accumulating backwards landed (allocated per pool buffer that met one)
+            "locked": locked_bytes() - locked, "scratch": sum(t.numel() * t.element_size()
+                                                              for t in opt.grad_sync.pipe._scratch.values()),
             "master_pinned": all(getattr(part.store, "tensors", {}).get("master", torch.empty(0)).is_pinned()
                                  for part in opt.partitions)}
     opt.close()
@@ -73,3 +83,10 @@ def test_offload_on_gpu_matches_the_run_without(stage, with_model, tier, tmp_pat
     assert (info["staging"] > 0) == (tier.get("offload_optimizer") == "nvme")
     assert info["master_pinned"] == (tier == dict(offload_optimizer="cpu"))  # what goes up is page-locked
     assert info["mem"]["grads"] == 0 and info["mem"]["host"] >= ref_info["mem"]["grads"]
+    # peak page-locked host memory is the planner's (its scratch is an upper bound: one per pool buffer)
+    with torch.device("meta"):
+        meta = TinyNet(dtype=torch.bfloat16)
+    plan = estimate(model=meta, world_size=1, bucket_numel=1000, offload_chunk_numel=700).stage(
+        stage, tier_name(tier.get("offload_optimizer"), tier.get("offload_params")))
+    assert info["locked"] == plan.detail["host_pinned"] - plan.detail["host_scratch"] + info["scratch"]
+    assert info["scratch"] <= plan.detail["host_scratch"]

@@ -106,6 +106,10 @@ def test_offload_closed_forms_bf16(n):
             assert s.buffers == pool and none.buffers == direct + (2 * psi // n if stage < 3 else 0)
             assert s.params == none.params
         assert cpu.host == 12 * psi // n + grads + scratch + host_chunks and cpu.nvme == 0
+        # page-locked with a GPU: the gradient shard and the scratch, and what goes up ("cpu": the master itself;
+        # "nvme": two bf16 chunks of params)
+        assert cpu.detail["host_pinned"] == grads + scratch + 4 * psi // n
+        assert nvme.detail["host_pinned"] == grads + scratch + 2 * chunk * 2
         assert nvme.host == grads + scratch + nvme_chunks and nvme.nvme == 12 * psi // n
     s2 = plan.stage(2, "opt=cpu")
     assert s2.params + s2.grads + s2.optimizer == 2 * psi and s2.buffers == pool  # the params only
@@ -118,6 +122,8 @@ def test_offload_closed_forms_bf16(n):
         assert s.staging == 0  # no --layers: the units, like the gathered bytes, are unknown
         assert s.host == (14 * psi // n if where == "host" else 0) + grads + scratch + s.detail["host_staging"]
         assert s.nvme == (14 * psi // n if where == "nvme" else 0)
+        # "cpu": the host param shard is written in place (the master stays unlocked); "nvme": the chunks going up
+        assert s.detail["host_pinned"] == grads + scratch + (2 * psi // n if where == "host" else 2 * chunk * 2)
     assert plan.stage(3, "params=cpu").detail["host_params"] == 2 * psi // n  # states stay: 12Ψ/N on the device
     assert plan.stage(3, "params=cpu").optimizer == 12 * psi // n
 

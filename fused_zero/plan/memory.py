@@ -286,7 +286,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
                        "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
                        "nvme_states", "host_params", "nvme_params", "host_grads", "host_scratch",
-                       "host_staging", "device_staging", "secondary_all_gather", "secondary"], 0)
+                       "host_staging", "device_staging", "secondary_all_gather", "secondary", "host_pinned"], 0)
     for key in (job.key("reduce_scatter"),) + ((job.key("all_gather"),) if traits.shards_params else ()):
         d.setdefault(key, 0)  # a codec's (qgZ; qwZ at stage 3)
     pools: dict[str, list[int]] = {}  # reduce dtype -> [buckets reduced, largest bucket]
@@ -312,6 +312,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         if not part.frozen:
             d["grad_shard" if opt is None else "host_grads"] += r * shard
             _states(d, opt, shard)
+            if opt == "cpu" and par is None:  # HostStore's master goes up to the GPU as it is: page-locked
+                d["host_pinned"] += 4 * shard
             # one rank without offload: the gradients pack straight into the shard (BucketPipe.direct), no pool
             pool = pools.setdefault(reduce, [0, 0, 0]) if job.world_size > 1 or opt is not None else [0, 0, 0]
             pool[0] += len(launched)
@@ -337,7 +339,9 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         # sends its page-locked master up as it is)
         dtypes = {part.dtype for part in parts if not part.frozen}
         if Tier.of(opt) is Tier.NVME:
-            d["host_staging"] += sum(2 * job.chunk * BYTES[dt] for dt in dtypes) + 3 * 3 * 4 * job.chunk
+            uploads = sum(2 * job.chunk * BYTES[dt] for dt in dtypes)
+            d["host_staging"] += uploads + 3 * 3 * 4 * job.chunk
+            d["host_pinned"] += uploads
         # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
         d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if not traits.shards_params:  # frozen parameters stay the user's whole tensors
@@ -351,6 +355,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
         d["host_staging"] += d["device_staging"] if Tier.of(par) is Tier.NVME else 0
+    _pinned(d, par)
     if traits.shards_params:
         params, buffers = d["param_shard"], d["bucket_pool"]
         gathered = _gathered(unit_bytes, count, job) + d["secondary"]
@@ -377,6 +382,18 @@ def kind_of(key: str) -> str:
 def comm_of(detail: dict) -> dict:
     """The figures of a planned ``detail`` under comm_bytes()'s keys: the collectives' and the codecs'."""
     return {k: n for k, n in detail.items() if kind_of(k) in COMM}
+
+
+def _pinned(d: dict, par: str | None) -> None:
+    """With a GPU, the host bytes page-locked: what is copied to or from the GPU asynchronously. The reduced
+    gradient shard and the scratch accumulating backwards land in, the host param shard of
+    ``offload_params="cpu"``, and the param shards "nvme" reads for a gather (torch's pinned allocator, which
+    rounds each up to a power of two: not counted); ``"cpu"``'s master and NvmeStore's chunks of params going up
+    are added where they are planned. Not counted: the fp32 state blocks NVMe reads into (never copied to a
+    GPU) and torch's small pinned buffers (scalars, pack addresses)."""
+    d["host_pinned"] += d["host_grads"] + d["host_scratch"] + d["host_params"]
+    if Tier.of(par) is Tier.NVME:
+        d["host_pinned"] += d["device_staging"]
 
 
 def _states(d: dict, opt: str | None, shard: int) -> None:
@@ -439,8 +456,9 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     # without --layers the units, like the gathered bytes, are unknown: staged shards not counted
     reads = Tier.of(par) is Tier.NVME  # "nvme" reads the staged shards to the host first
     chunks = detail["host_staging"] - (detail["device_staging"] if reads else 0)  # shared by the units
+    pinned = detail["host_pinned"] + ((staging - detail["device_staging"]) if reads else 0)  # _pinned's staged shards
     detail.update(device_staging=staging, host_staging=chunks + (staging if reads else 0),
-                  partitions=detail["partitions"] * units)
+                  partitions=detail["partitions"] * units, host_pinned=pinned)
     host = (detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_scratch"]
             + detail["host_staging"])
     return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail,

@@ -106,6 +106,20 @@ def host_buffer(numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Te
     return t
 
 
+_LOCKED = [0]  # bytes page-locked by host_buffer and not yet released
+
+
+def locked_bytes() -> int:
+    """Host bytes fused_zero holds page-locked now (``host_buffer``'s exact-size registrations; torch's own pinned
+    allocations, ``torch.cuda.host_memory_stats()``, are apart): what the planner's ``host_pinned`` predicts."""
+    return _LOCKED[0]
+
+
+def _unlock(cudart, ptr: int, nbytes: int) -> None:
+    cudart.cudaHostUnregister(ptr)
+    _LOCKED[0] -= nbytes
+
+
 def _page_lock(t: torch.Tensor, mapping: mmap.mmap) -> None:
     """Register ``t``'s memory with CUDA until ``mapping`` goes (a warning, and pageable copies, if refused)."""
     cudart = torch.cuda.cudart()
@@ -116,8 +130,9 @@ def _page_lock(t: torch.Tensor, mapping: mmap.mmap) -> None:
                       "copies to and from it will not overlap with the GPU's work: raise the locked-memory limit "
                       "(ulimit -l) or free host memory", RuntimeWarning, stacklevel=3)
         return
+    _LOCKED[0] += nbytes
     # the finalizer runs when the last view is gone, before the memory is unmapped
-    weakref.finalize(mapping, cudart.cudaHostUnregister, ptr)
+    weakref.finalize(mapping, _unlock, cudart, ptr, nbytes)
 
 
 class Uploads:
