@@ -1,8 +1,8 @@
 """The fused AdamW update of every partition of one step, all or nothing.
 
 For each partition: advance the step count of every parameter that got a gradient on some rank,
-cut the shard into maximal runs of parameters sharing a step count, and run ``ops.adamw_`` on
-each chunk the partition's ``ShardStore`` hands out (states, gradient shard and narrow param
+cut the shard into maximal runs of parameters sharing a step count, and run ``ops.adamw_checked_``
+(the hyperparameters checked once per partition and step) on each chunk the partition's ``ShardStore`` hands out (states, gradient shard and narrow param
 shard over the same range, where the states live). A store that fails midway (a full disk)
 rolls back: the states, the step counts and the narrow param shards stay as before the step;
 only when every partition succeeded do the stores commit.
@@ -118,6 +118,9 @@ def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool
                  beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
+    # checked once here, where the step is taken (the chunks then run unchecked: ops.adamw_checked_)
+    hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                                  weight_decay=hyper["weight_decay"], device=device)
     runs = part.step_counts.runs(part, active)
     if grad_scale is not None:  # once per step where the update runs, not per chunk
         grad_scale = _where_it_runs(grad_scale, device, host, "offload: the host update's gradient scale")
@@ -147,9 +150,9 @@ def run_job(job: PartitionJob) -> None:
             if step.device != chunk.master.device:  # states kept elsewhere than the gradient shard
                 step = step.to(chunk.master.device)
             extra = {"amsgrad": True, "max_exp_avg_sq": chunk.max_exp_avg_sq} if job.amsgrad else {}
-            ops.adamw_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
-                       param_out=chunk.param_out, grad_scale=job.grad_scale, found_inf=job.skip, **job.hyper,
-                       **extra)
+            ops.adamw_checked_(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, step=step,
+                               param_out=chunk.param_out, grad_scale=job.grad_scale, found_inf=job.skip,
+                               **job.hyper, **extra)
     if part.pshard is not None:
         part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
 

@@ -331,3 +331,30 @@ def test_a_parameter_listed_twice_is_refused_where_torch_warns():
         torch.optim.AdamW([model.weight, model.bias, model.weight])
     with pytest.raises(ValueError, match="holds the same parameter twice: list each parameter once"):
         ShardedOptimizer([model.weight, model.bias, model.weight])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("key,value,match", [("lr", -1e-3, "lr must be >= 0"), ("eps", -1e-8, "eps must be >= 0"),
+                                             ("weight_decay", float("nan"), "weight_decay must be >= 0")])
+def test_a_group_edited_to_a_bad_value_is_refused_at_step_before_any_change(stage, key, value, match):
+    """A param group edited after building (a scheduler, a hand) is checked when the step is taken, once per
+    partition, before any element changes; the chunks then run unchecked (ops.adamw_checked_)."""
+    model = TinyNet()
+    groups = param_groups(model)  # the last group edited: the partitions of the others come first
+    opt = ShardedOptimizer(groups, module=model if stage == 3 else None, **HYPER, stage=stage, bucket_numel=1000)
+    x, y = batch(0, 0)
+    loss_fn(model(x, **flags(0, 0)), y).backward()
+    opt.step()
+    with opt.full_parameters():
+        before = [p.detach().clone() for p in model.parameters()]
+    steps = {p: float(s["step"]) for p, s in opt.state.items()}
+    opt.zero_grad()
+    loss_fn(model(x, **flags(1, 0)), y).backward()  # the branch unused in step 0 trains now
+    opt.param_groups[-1][key] = value
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    with opt.full_parameters():
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert {p: float(s["step"]) for p, s in opt.state.items() if p in steps} == steps  # none advanced
+    assert all(float(s["step"]) == 0 for p, s in opt.state.items() if p not in steps)
+    opt.close()

@@ -7,11 +7,11 @@ its registration in ``_backend``: CUDA tensors run the Triton kernels in
 fused CPU AdamW (``adamw_``) or the twins; ``FUSED_ZERO_BACKEND=triton|torch``
 forces one.
 """
-from .adamw import adamw_
+from .adamw import adamw_, adamw_checked_, check_hyper
 from .cast import cast_
 from .norm import NormStats, norm_stats, norm_stats_many
 from .pack import PackPlan, pack_, pack_checked_, pack_plan, unpack_
 from .quant import dequantize_, payload_bytes, quantize_
 
-__all__ = ["NormStats", "PackPlan", "adamw_", "cast_", "dequantize_", "norm_stats", "norm_stats_many", "pack_",
+__all__ = ["NormStats", "PackPlan", "adamw_", "adamw_checked_", "check_hyper", "cast_", "dequantize_", "norm_stats", "norm_stats_many", "pack_",
            "pack_checked_", "pack_plan", "payload_bytes", "quantize_", "unpack_"]
