@@ -168,7 +168,7 @@ def _field(w, magic, SHIFT: tl.constexpr, BIAS: tl.constexpr):
     if BIAS == 8:
         bits = (w & (15 << SHIFT)) | m
     else:
-        bits = (w & (255 << SHIFT)) ^ (m | (128 << SHIFT))
+        bits = (w & (255 << SHIFT)) ^ (m + (128 << SHIFT))  # (+: an or would be split off into a second LOP3)
     return bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - SHIFT) + BIAS)
 
 
@@ -188,22 +188,31 @@ def _decode_chunk(q_ptr, s_ptr, chunk, row0, nb, chunk_words, q_words, magic,
                   BITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, UNIT: tl.constexpr):
     """fp32 values of one chunk's blocks ``row0`` on (a [ROWS, BLOCK_Q] tile; garbage past ``n``: masked by the caller).
 
-    The values are read ``UNIT`` at a time (the 16 bytes a thread stores: 4 fp32 or 8 bf16 / fp16), one integer of
-    ``UNIT * BITS`` bits a thread (the payload is word aligned and its values padded to a word), so that the values
-    joined from it are laid out as the store wants them (no exchange through shared memory). Each value becomes a
-    float on its bits in place (``_field``): an int8 ``q`` (byte ``u``) is 2**k + (u ^ 128) less 2**k + 128, an int4
-    nibble ``u`` is 2**k + u less 2**k + 8, both exact; the fields at bits 16 and up are shifted down once a word.
-    Offsets within the tile are int32, from int64 scalar bases."""
+    ``UNIT`` > 0 (each chunk decoded into its own output): the values are read ``UNIT`` at a time (the 16 bytes a
+    thread stores: 4 fp32 or 8 bf16 / fp16), one integer of ``UNIT * BITS`` bits a thread (the payload is word
+    aligned and its values padded to a word), so that the values joined from it are laid out as the store wants them
+    (no exchange through shared memory). ``UNIT`` 0 (the sum): 32-bit words, 128 bits a load (one load and one scale
+    a thread and chunk, few registers a chunk), and the sum crosses threads once, on its way to the store. Each
+    value becomes a float on its bits in place (``_field``): an int8 ``q`` (byte ``u``) is 2**k + (u ^ 128) less
+    2**k + 128, an int4 nibble ``u`` is 2**k + u less 2**k + 8, both exact; the fields at bits 16 and up are
+    shifted down once a word. Offsets within the tile are int32, from int64 scalar bases."""
     words = chunk * chunk_words.to(tl.int64)  # int64 whatever type ``chunk`` has
     r = tl.arange(0, ROWS)
     rows_left = tl.minimum(nb - row0, ROWS).to(tl.int32)
     scale = tl.load(s_ptr + (words + q_words + row0) + r, mask=r < rows_left, other=0.0)[:, None]
-    UNITS: tl.constexpr = BLOCK_Q // UNIT  # loads a block
-    LOAD_BITS: tl.constexpr = UNIT * BITS
+    LOAD_BITS: tl.constexpr = 32 if UNIT == 0 else UNIT * BITS
+    UNITS: tl.constexpr = BLOCK_Q * BITS // LOAD_BITS  # loads a block
     ty: tl.constexpr = tl.int16 if LOAD_BITS == 16 else (tl.int32 if LOAD_BITS == 32 else tl.int64)
-    units = (q_words * 32 + LOAD_BITS - 1) // LOAD_BITS  # loads reaching the values (a 64-bit one may end in a scale)
-    left = tl.minimum(units - row0 * UNITS, ROWS * UNITS).to(tl.int32)
-    local = tl.max_contiguous(r[:, None] * UNITS + tl.arange(0, UNITS)[None, :], [1, 1])  # one load a thread
+    if LOAD_BITS == 16:  # loads reaching the values (a 64-bit one may end in a scale)
+        units = q_words * 2
+    elif LOAD_BITS == 32:
+        units = q_words
+    else:
+        units = (q_words + 1) // 2
+    left = tl.minimum(units - row0 * UNITS, 1 << 30).to(tl.int32)  # (a bound keeping units' divisibility by 16)
+    local = r[:, None] * UNITS + tl.arange(0, UNITS)[None, :]
+    if UNIT != 0:
+        local = tl.max_contiguous(local, [1, 1])  # one load a thread
     base = (q_ptr + words * 4).to(tl.pointer_type(ty)) + row0 * UNITS
     w = tl.load(base + local, mask=local < left, other=0)
     if LOAD_BITS == 16:  # int4, 4 values
@@ -264,10 +273,9 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nb, chunk_words, q_words, magic
     DST: tl.constexpr = out_ptr.dtype.element_ty
     UNIT: tl.constexpr = 4 if DST.primitive_bitwidth == 32 or (BITS == 8 and not WIDE) else 8  # values a load
     if SUM:
-        acc = _decode_chunk(q_ptr, s_ptr, 0, row0, nb, chunk_words, q_words, magic, BITS, BLOCK_Q, ROWS, UNIT)
+        acc = _decode_chunk(q_ptr, s_ptr, 0, row0, nb, chunk_words, q_words, magic, BITS, BLOCK_Q, ROWS, 0)
         for c in tl.static_range(1, CHUNKS):
-            acc = acc + _decode_chunk(q_ptr, s_ptr, c, row0, nb, chunk_words, q_words, magic, BITS, BLOCK_Q, ROWS,
-                                      UNIT)
+            acc = acc + _decode_chunk(q_ptr, s_ptr, c, row0, nb, chunk_words, q_words, magic, BITS, BLOCK_Q, ROWS, 0)
         tl.store(out_ptr + row0 * BLOCK_Q + local, _to_out(acc, DST), mask=local < left)
     else:
         chunk = tl.program_id(1).to(tl.int64)
