@@ -136,9 +136,12 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nb, q_bytes, chunk_words, q_words, 
             lo, hi = tl.split(tl.reshape(x, (ROWS, BLOCK_Q // 2, 2)))
         scale, inv, bad = _scales(tl.maximum(_peak(lo), _peak(hi)), QMAX)
         index = (chunk * n + 2 * pair).to(tl.uint32) if STOCHASTIC else pair
-        q_lo = _rounded_bits(tl.where(bad[:, None], 0.0, lo * inv[:, None]), seed, index, QMAX, STOCHASTIC, 8)
-        q_hi = _rounded_bits(tl.where(bad[:, None], 0.0, hi * inv[:, None]), seed, index + 1, QMAX, STOCHASTIC, 8)
-        byte = (q_lo & 15) | (q_hi << 4)  # low nibbles: q + 8 in [1, 15]
+        q_lo = _rounded_bits(lo * inv[:, None], seed, index, QMAX, STOCHASTIC, 8)
+        q_hi = _rounded_bits(hi * inv[:, None], seed, index + 1, QMAX, STOCHASTIC, 8)
+        # low nibbles: q + 8 in [1, 15]; a bad block's (x * 0: NaN at its inf / NaN) made q = 0 by a mask a row
+        keep = tl.where(bad, 0, 255)[:, None]
+        fill = tl.where(bad, 0x88, 0)[:, None]
+        byte = (((q_lo & 15) | (q_hi << 4)) & keep) | fill
         tl.store(q_base + pair, byte.to(tl.uint8), mask=pair < q_bytes)
     tl.store(s_ptr + chunk * chunk_words + q_words + rows, scale, mask=rows < nb)
 
