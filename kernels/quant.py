@@ -27,11 +27,14 @@ Instructions per element are what bounds these kernels on a GPU (an H200 moves ~
 clock: an int4 bf16 quantize has ~20 instructions per element to spend), so integers and floats
 meet on the bits: the absmax and the non-finite test are one integer max of ``|x|``'s bits (Hopper
 reduces it in one warp instruction), ``q`` is read off the bits of ``y + 1.5 * 2**23``, and decoded
-values are ``2**23 + u`` built on the bits, less a constant: no float/int conversions, which run at a
-quarter of the FP32 rate; int4 quantize reads element pairs as one word (``_load_pairs``); bf16 outputs
-round on the bits (``round_fp32_to``: the GPU's own conversion would be fewer instructions but gives a NaN
-other bits than the twins). Every value is the plain arithmetic's, bitwise equal to the torch twins'. One
-fixed launch configuration, int64 offsets, no mul+add contraction.
+values are ``2**(23 - k) + u`` built on the bits with the field ``u`` left in place at bit ``k`` (one LOP3 a
+value, ``_field``), less a constant: no float/int conversions, which run at a quarter of the FP32 rate;
+int4 quantize reads element pairs as one word (``_load_pairs``); decoding reads the payload one integer a
+thread holding the values it stores (each chunk) or 128 bits a load (the sum), so that no value crosses
+threads but the sum, once; bf16 outputs round on the bits (``_to_out``, as ``round_fp32_to``: the GPU's own
+conversion would be fewer instructions but gives a NaN other bits than the twins). Every value is the plain
+arithmetic's, bitwise equal to the torch twins'. One fixed launch configuration, int64 bases (int32 offsets
+within a tile), no mul+add contraction.
 """
 from __future__ import annotations
 
