@@ -74,7 +74,8 @@ def main(out_dir: str) -> None:
                 runs.append((f"quantize int{bits} {dt} {'stochastic' if stochastic else 'nearest'}",
                              _compile(kq._quantize_kernel, pointers, consts)))
             for chunks in (1, 8):
-                consts = dict(shape, SUM=chunks > 1, CHUNKS=chunks, HW_BF16=True)  # (taken where the kernel has it)
+                consts = dict(shape, SUM=chunks > 1, CHUNKS=chunks, HW_BF16=True,  # (taken where the kernel has it)
+                              WIDE=bits == 8 and dt == "bf16")  # as a launch at these sizes sets it
                 pointers = {"q_ptr": q_ty, "s_ptr": "*fp32", "out_ptr": f"*{dt}"}
                 runs.append((f"dequantize int{bits} {dt} {'sum8' if chunks > 1 else 'each'}",
                              _compile(kq._dequantize_kernel, pointers, consts)))

@@ -187,14 +187,14 @@ def test_bad_arguments_refused_naming_the_fix():
 def test_quant_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The interpreter accepts kernels that Triton's compiler refuses (these once failed on the GPU): compile
     every quantize / dequantize variant for an H100/H200 (frontend, LLVM and ptxas from the triton wheel) in
-    a process without TRITON_INTERPRET and a fresh cache; the aligned fp32 launches load 128 bits at a time
-    and convert no integer to float or back (outside the stochastic hash): what kernels/quant.py's speed
-    rests on."""
+    a process without TRITON_INTERPRET and a fresh cache; the aligned fp32 launches load (quantize) and store
+    (dequantize, every output dtype) 128 bits at a time and convert no integer to float or back (outside the
+    stochastic hash): what kernels/quant.py's speed rests on."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     if torch.cuda.is_available():
         pytest.skip("with a GPU the tests above compile and run the kernels themselves (saves ~20 s of a GPU session)")
     stdout = run_sm90_script("_quant_sm90.py", tmp_path)
-    assert "128-bit loads: yes" in stdout
+    assert "128-bit loads and stores: yes" in stdout
     assert "no int/float conversion: yes" in stdout
 
 
