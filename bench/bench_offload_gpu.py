@@ -20,7 +20,8 @@ Each configuration runs in a fresh process (peak device memory is per process); 
 a figure is the median over its runs of the median step after two warm-up steps, timed from a
 synchronize to a synchronize. The largest-model search starts at the planner's largest n_layer and
 steps by a quarter until a step fails (CUDA out of memory, or the plan says the host cannot hold it), then
-bisects; each trial is one process running two steps. Beside each tier's result it prints the planner's largest n_layer for this machine
+bisects; each trial is one process running two steps. Beside each tier's result it prints the planner's
+largest n_layer for this machine
 (fused_zero.plan.estimate on the model built on meta: device bytes within the GPU's memory, host bytes within
 MemAvailable) and the planner's device and host bytes for the model that was measured. Each tier also prints
 the host memory fused_zero page-locked (``transfer.locked_bytes()``) against the planner's ``host_pinned``,

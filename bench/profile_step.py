@@ -110,8 +110,8 @@ def python_time(name: str, opt, loss_of, steps: int, device: torch.device, top: 
     stats.sort_stats("tottime").print_stats(top)
     print("-- fused_zero's and Triton's functions by cumulative time (what each costs with its callees):", file=out)
     stats.sort_stats("cumulative").print_stats(r"fused_zero|kernels|triton", 2 * top)
-    return f"== {name}: {plain * 1e3:.2f} ms per step over {steps} steps (no profiler); cProfile, per {steps} steps:\n" \
-        + "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+    head = f"== {name}: {plain * 1e3:.2f} ms per step over {steps} steps (no profiler); cProfile, per {steps} steps:"
+    return head + "\n" + "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 def main(argv=None) -> int:

@@ -2,8 +2,9 @@
 
 For each partition: advance the step count of every parameter that got a gradient on some rank,
 cut the shard into maximal runs of parameters sharing a step count, and run ``ops.adamw_checked_``
-(the hyperparameters checked once per partition and step) on each chunk the partition's ``ShardStore`` hands out (states, gradient shard and narrow param
-shard over the same range, where the states live). A store that fails midway (a full disk)
+(the hyperparameters checked once per partition and step, before any partition runs) on each chunk
+the partition's ``ShardStore`` hands out (states, gradient shard and narrow param shard over the
+same range, where the states live). A store that fails midway (a full disk)
 rolls back: the states, the step counts and the narrow param shards stay as before the step;
 only when every partition succeeded do the stores commit.
 

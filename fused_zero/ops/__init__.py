@@ -13,5 +13,5 @@ from .norm import NormStats, norm_stats, norm_stats_many
 from .pack import PackPlan, pack_, pack_checked_, pack_plan, unpack_
 from .quant import dequantize_, payload_bytes, quantize_
 
-__all__ = ["NormStats", "PackPlan", "adamw_", "adamw_checked_", "check_hyper", "cast_", "dequantize_", "norm_stats", "norm_stats_many", "pack_",
-           "pack_checked_", "pack_plan", "payload_bytes", "quantize_", "unpack_"]
+__all__ = ["NormStats", "PackPlan", "adamw_", "adamw_checked_", "cast_", "check_hyper", "dequantize_", "norm_stats",
+           "norm_stats_many", "pack_", "pack_checked_", "pack_plan", "payload_bytes", "quantize_", "unpack_"]

@@ -49,8 +49,9 @@ device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
                        share it), with C = offload_chunk_numel rounded up to 64:
                        host, optimizer "cpu": none (with a GPU the master itself, page-locked,
                        goes up chunk by chunk and the GPU rounds it in a 4*C-byte temporary,
-                       not counted; on the host the update writes the params in place); "nvme": two pinned chunks of params going up
-                       per param dtype, 2*C*P, and three blocks per state kind, 3*3*4*C; and per
+                       not counted; on the host the update writes the params in place);
+                       "nvme": two pinned chunks of params going up per param dtype, 2*C*P,
+                       and three blocks per state kind, 3*3*4*C; and per
                        reduce dtype, the host scratch accumulating backwards land in, one per pool
                        buffer, of the largest bucket shard; offload_params: the shards of the units in flight
                        (max_live_units + 1 of the largest) staged on the device, and for "nvme"
@@ -387,9 +388,9 @@ def comm_of(detail: dict) -> dict:
 def _pinned(d: dict, par: str | None) -> None:
     """With a GPU, the host bytes page-locked: what is copied to or from the GPU asynchronously. The reduced
     gradient shard and the scratch accumulating backwards land in, the host param shard of
-    ``offload_params="cpu"``, and the param shards "nvme" reads for a gather (torch's pinned allocator, which
-    rounds each up to a power of two: not counted); ``"cpu"``'s master and NvmeStore's chunks of params going up
-    are added where they are planned. Not counted: the fp32 state blocks NVMe reads into (never copied to a
+    ``offload_params="cpu"``, and the param shards "nvme" reads for a gather (from torch's pinned allocator,
+    which rounds each up to a power of two, and which ``transfer.locked_bytes()`` does not see); ``"cpu"``'s
+    master and NvmeStore's chunks of params going up are added where they are planned. Not counted: the fp32 state blocks NVMe reads into (never copied to a
     GPU) and torch's small pinned buffers (scalars, pack addresses)."""
     d["host_pinned"] += d["host_grads"] + d["host_scratch"] + d["host_params"]
     if Tier.of(par) is Tier.NVME:

@@ -8,8 +8,8 @@ copy stream while the host updates the next one; the GPU rounds it to the parame
 (torch's copy_ with a dtype change converts on the GPU for a non-blocking copy). The host then never
 makes the rounding pass over the shard: on a 2-core CPU that pass was 27% of the host update of a bf16
 model (312 of 1175 us per million elements), and the update is the host's memory bandwidth at work.
-It moves 4 bytes per element over PCIe instead of 2 (hidden behind the host update, which is ~20x
-slower per element) and the rounding is the GPU's (nearest even, as the host's; a NaN's payload bits
+It moves 4 bytes per element over PCIe instead of 2 (behind the host update, which reads and writes
+26-34 bytes per element) and the rounding is the GPU's (nearest even, as the host's; a NaN's payload bits
 may differ). On a CPU-only machine the parameters live on the host and the chunks are views the kernel
 writes in place.
 
