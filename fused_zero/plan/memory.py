@@ -313,8 +313,6 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         if not part.frozen:
             d["grad_shard" if opt is None else "host_grads"] += r * shard
             _states(d, opt, shard)
-            if opt == "cpu" and par is None:  # HostStore's master goes up to the GPU as it is: page-locked
-                d["host_pinned"] += 4 * shard
             # one rank without offload: the gradients pack straight into the shard (BucketPipe.direct), no pool
             pool = pools.setdefault(reduce, [0, 0, 0]) if job.world_size > 1 or opt is not None else [0, 0, 0]
             pool[0] += len(launched)
@@ -356,7 +354,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
     if moved:  # the shards of the units in flight: on the device for the gather; "nvme" reads them to the host
         d["device_staging"] = _in_flight(moved, job)
         d["host_staging"] += d["device_staging"] if Tier.of(par) is Tier.NVME else 0
-    _pinned(d, par)
+    _pinned(d, opt, par)
     if traits.shards_params:
         params, buffers = d["param_shard"], d["bucket_pool"]
         gathered = _gathered(unit_bytes, count, job) + d["secondary"]
@@ -385,14 +383,17 @@ def comm_of(detail: dict) -> dict:
     return {k: n for k, n in detail.items() if kind_of(k) in COMM}
 
 
-def _pinned(d: dict, par: str | None) -> None:
+def _pinned(d: dict, opt: str | None, par: str | None) -> None:
     """With a GPU, the host bytes page-locked: what is copied to or from the GPU asynchronously. The reduced
     gradient shard and the scratch accumulating backwards land in, the host param shard of
-    ``offload_params="cpu"``, and the param shards "nvme" reads for a gather (from torch's pinned allocator,
-    which rounds each up to a power of two, and which ``transfer.locked_bytes()`` does not see); ``"cpu"``'s
-    master and NvmeStore's chunks of params going up are added where they are planned. Not counted: the fp32 state blocks NVMe reads into (never copied to a
-    GPU) and torch's small pinned buffers (scalars, pack addresses)."""
+    ``offload_params="cpu"``, ``"cpu"``'s master where it goes up to the GPU (a third of its states: the param
+    shard is on the device), and the param shards "nvme" reads for a gather (from torch's pinned allocator,
+    which rounds each up to a power of two, and which ``transfer.locked_bytes()`` does not see); NvmeStore's
+    chunks of params going up are added where they are planned. Not counted: the fp32 state blocks NVMe reads
+    into (never copied to a GPU) and torch's small pinned buffers (scalars, pack addresses)."""
     d["host_pinned"] += d["host_grads"] + d["host_scratch"] + d["host_params"]
+    if opt == "cpu" and par is None:
+        d["host_pinned"] += d["host_states"] // 3
     if Tier.of(par) is Tier.NVME:
         d["host_pinned"] += d["device_staging"]
 

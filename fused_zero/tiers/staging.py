@@ -6,8 +6,9 @@ are (stage 3 has one per unit and dtype). Two kinds, made on first use:
 
 - ``blocks(kinds)``: NvmeStore's three sets of fp32 blocks (one block per state kind each), the
   one being updated, the one read ahead and the one written behind;
-- ``uploads(dtype)``: the pinned buffers new narrow params go up to a GPU through
-  (``transfer.Uploads``; unused when the parameters live on the host).
+- ``uploads(dtype)``: the pinned buffers NvmeStore's new narrow params go up to a GPU through
+  (``transfer.Uploads``; unused when the parameters live on the host). HostStore takes only the chunk
+  size: its page-locked master goes up as it is.
 
 A store borrows them only inside ``update_chunks``; stores of two optimizers never share.
 """

@@ -41,13 +41,12 @@ class HostStore(ShardStore):
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, chunk_numel: int = 1 << 20,
                  staging: Staging | None = None, pin_master: bool = True) -> None:
-        """``staging``: the buffers shared with the optimizer's other stores (its chunk size wins);
-        ``pin_master``: the master goes up to the parameters' GPU (False where the param shard lives on the host,
-        which the update writes in place)."""
+        """``staging``: the optimizer's staging, whose chunk size wins (HostStore borrows no buffer of it: its
+        master goes up as it is); ``pin_master``: the master goes up to the parameters' GPU (False where the
+        param shard lives on the host, which the update writes in place)."""
         super().__init__(numel, amsgrad)
         self.device = device
-        self.staging = staging or Staging(chunk_numel)
-        self.chunk_numel = self.staging.chunk_numel
+        self.chunk_numel = (staging or Staging(chunk_numel)).chunk_numel
         # the master goes up to a GPU chunk by chunk after each update: page-locked there; the moments never
         # leave the host
         pinned = pin_master and device.type == "cuda"
