@@ -43,7 +43,7 @@ from .state_io import StateAccess
 from .state_views import attach_all
 from .stats import StepStats, all_reduce_stats, checksum
 from .tiers.tier import Tier
-from .update import plan_update, update_all
+from .update import REFUSED, plan_update, read_hypers, update_all
 
 
 class _Unset:
@@ -450,6 +450,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
         refuse_unfrozen(self._stage.frozen, self._names)  # before any collective, on every rank
+        hypers, refused = self._read_hypers()  # before the step's collectives
         # 1. reduce, and take in what user code did to the parameters since the last step
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
@@ -492,11 +493,30 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         grad_scale = scaler.inv_scale
         if coef is not None:
             grad_scale = coef if grad_scale is None else grad_scale * coef
+        if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
+            device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
+            skip = torch.ones((), device=device) if skip is None else torch.ones_like(skip)
         self._last_update = agreed
         # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
-        self._update(stats.has_grad, grad_scale, skip)
+        self._update(stats.has_grad, grad_scale, skip, hypers)
         self._end_step()
+        if refused is not None:
+            raise refused
         return loss
+
+    def _read_hypers(self):
+        """Every partition's hyperparameters for this step, checked (``update.read_hypers``), and the error of a
+        bad one. Alone, it raises now. Among ranks, a rank that raised here would leave the others waiting in
+        the step's collectives: it goes through them with the step skipped and raises at the end of step(),
+        nothing changed; the other ranks' all-reduce finds their hyperparameters differ, so they skip the step
+        too and raise at their next step(), as for any disagreement (or at this one, where every rank holds the
+        same bad value)."""
+        try:
+            return read_hypers(self.partitions, self.param_groups, self.config.adam_w_mode), None
+        except (TypeError, ValueError, RuntimeError) as error:
+            if self.topology.world_size == 1:
+                raise
+            return REFUSED, error
 
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
@@ -518,6 +538,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """Raise on every rank if a step's all-reduce found the ranks disagreeing (``every``: also the step in
         progress; else the steps that ended). Called after the step's reductions, before its own all-reduce."""
         if self._verdicts.check_all() if every else self._verdicts.check_due():
+            self._last_update = None  # what the skipped step would have used: not checked again at the next one
             if not every:  # inside step() or clip_grad_norm_: this step's gradients are dropped
                 self.grad_sync.end_step()
                 self._clip = None
@@ -532,7 +553,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._raise_if_disagreed(every=True)
 
     def _update(self, has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-                skip: torch.Tensor | None) -> None:
+                skip: torch.Tensor | None, hypers) -> None:
         """The update, then the stage's ``after_update``. With offloaded states on a GPU (stages 1-2: when built
         with the model) the update is planned here and the host update left running behind the step
         (behind.py, behind_buckets.py)."""
@@ -540,12 +561,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if behind is None:
             with label(UPDATE):
                 update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                           self.config.adam_w_mode)
+                           self.config.adam_w_mode, hypers)
             self._stage.after_update(self.partitions, has_grad)
             return
         with label(UPDATE):
             plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                               self.config.adam_w_mode)
+                               self.config.adam_w_mode, hypers)
         self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
         self._stage.start_behind(self.partitions, plan, has_grad)
 

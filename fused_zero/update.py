@@ -2,7 +2,7 @@
 
 For each partition: advance the step count of every parameter that got a gradient on some rank,
 cut the shard into maximal runs of parameters sharing a step count, and run ``ops.adamw_checked_``
-(the hyperparameters checked once per partition and step, before any partition runs) on each chunk
+(the hyperparameters checked once per group a step, before any partition runs: ``read_hypers``) on each chunk
 the partition's ``ShardStore`` hands out (states, gradient shard and narrow param shard over the
 same range, where the states live). A store that fails midway (a full disk)
 rolls back: the states, the step counts and the narrow param shards stay as before the step;
@@ -57,9 +57,9 @@ class UpdatePlan(NamedTuple):
 
 def update_all(partitions: list[Partition], groups: list[dict], state: dict,
                has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-               skip: torch.Tensor | None, adam_w_mode: bool) -> None:
+               skip: torch.Tensor | None, adam_w_mode: bool, hypers=None) -> None:
     """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises)."""
-    plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode)
+    plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode, hypers)
     try:
         for job in plan.jobs:
             run_job(job)
@@ -71,19 +71,27 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
 
 def plan_update(partitions: list[Partition], groups: list[dict], state: dict,
                 has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-                skip: torch.Tensor | None, adam_w_mode: bool) -> UpdatePlan:
+                skip: torch.Tensor | None, adam_w_mode: bool, hypers=None) -> UpdatePlan:
     """Advance the step counts (in one op per partition, on the device) and decide each partition's job.
 
     Runs where the optimizer's Python state lives (the caller's thread): it creates states and reads the
     param groups; ``run_job`` then touches only the partition's shards. All or nothing: if it raises
-    midway, the counts it advanced are rolled back first."""
+    midway, the counts it advanced are rolled back first. ``hypers``: each partition's
+    ``read_hypers`` of this step (read here when not given); ``REFUSED`` for a step this rank refuses (a
+    bad hyperparameter, found before the step's collectives): ``skip`` must then be set, so the jobs
+    keep their shape on every rank and change nothing."""
     advanced: list[StepCounts] = []
     jobs = []
     host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
+    if hypers is None:
+        hypers = read_hypers(partitions, groups, adam_w_mode)
+    elif hypers is REFUSED:
+        if skip is None:
+            raise RuntimeError("internal: a refused step's update must be skipped")
+        hypers = [_PLACEHOLDER] * len(partitions)
     try:
-        for part, flags in zip(partitions, has_grad):
-            job = _plan_partition(part, groups[part.group_index], state, flags, grad_scale, skip, adam_w_mode,
-                                  advanced, host)
+        for part, flags, hyper in zip(partitions, has_grad, hypers):
+            job = _plan_partition(part, hyper, state, flags, grad_scale, skip, advanced, host)
             if job is not None:
                 jobs.append(job)
     except BaseException:
@@ -92,8 +100,52 @@ def plan_update(partitions: list[Partition], groups: list[dict], state: dict,
     return UpdatePlan(jobs, advanced)
 
 
-def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool, ...], grad_scale, skip,
-                    adam_w_mode: bool, advanced: list, host: dict) -> PartitionJob | None:
+def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bool) -> list[Hyper]:
+    """Each partition's hyperparameters for this step, read from its group and checked (``ops.check_hyper``:
+    ValueError naming the value; amsgrad turned on after building: RuntimeError). Once per group and
+    device a step, before the step's collectives (the optimizer calls it first, so a rank alone with a bad
+    value can still go through the collectives with the step skipped, instead of leaving the others
+    waiting)."""
+    seen: dict = {}
+    out = []
+    for part in partitions:
+        device = part.grad_shard.device  # where the update runs
+        key = (part.group_index, device)
+        if key not in seen:
+            seen[key] = _read_hyper(groups[part.group_index], adam_w_mode, device)
+        if seen[key].amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
+            raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
+                               "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
+                               "the optimizer with amsgrad=True in that group")
+        out.append(seen[key])
+    return out
+
+
+class Hyper(NamedTuple):
+    """A group's hyperparameters for one step: the kernel's keywords, checked, and whether it is amsgrad."""
+
+    values: dict
+    amsgrad: bool
+
+
+def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device) -> Hyper:
+    hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
+                 beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
+                 adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
+                 maximize=bool(group.get("maximize", False)))
+    hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                                  weight_decay=hyper["weight_decay"], device=device)
+    return Hyper(hyper, bool(group.get("amsgrad", False)))
+
+
+REFUSED = object()  # plan_update's hypers for a step this rank refuses: see there
+# what a refused step's jobs carry instead of the bad values: valid, and unused (the step is skipped)
+_PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.0, adam_w_mode=True,
+                          maximize=False), False)
+
+
+def _plan_partition(part: Partition, hyper: Hyper, state: dict, flags: tuple[bool, ...], grad_scale, skip,
+                    advanced: list, host: dict) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
     if part.step_counts is None:
         part.step_counts = StepCounts(len(part.params), device)
@@ -110,23 +162,11 @@ def _plan_partition(part: Partition, group: dict, state: dict, flags: tuple[bool
         if host["skipped"]:
             return None
         skip = None
-    amsgrad = bool(group.get("amsgrad", False))
-    if amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
-        raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
-                           "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
-                           "the optimizer with amsgrad=True in that group")
-    hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
-                 beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
-                 adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
-                 maximize=bool(group.get("maximize", False)))
-    # checked once here, where the step is taken (the chunks then run unchecked: ops.adamw_checked_)
-    hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                                  weight_decay=hyper["weight_decay"], device=device)
     runs = part.step_counts.runs(part, active)
     if grad_scale is not None:  # once per step where the update runs, not per chunk
         grad_scale = _where_it_runs(grad_scale, device, host, "offload: the host update's gradient scale")
-    return PartitionJob(part, part.update_ranges([(a, b) for a, b, _ in runs]), runs, hyper, amsgrad,
-                        grad_scale, skip)
+    return PartitionJob(part, part.update_ranges([(a, b) for a, b, _ in runs]), runs, hyper.values,
+                        hyper.amsgrad, grad_scale, skip)
 
 
 def _where_it_runs(t: torch.Tensor, device: torch.device, host: dict, site: str) -> torch.Tensor:

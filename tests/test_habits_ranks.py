@@ -311,3 +311,66 @@ def test_state_moments_are_this_ranks_shard_and_say_so(stage):
             assert at == values.numel()
         assert torch.equal(seen, torch.ones_like(seen)), name  # every element on exactly one rank
     assert split > 0  # some parameters straddle the ranks
+
+
+def _bad_value_on_some_ranks(rank, world_size, stage, who):
+    """A param group edited to a bad value (lr < 0) on rank 1 only, or on every rank, between backward and step."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    ref, ref_opt = ddp_reference(model, groups=False)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+
+    def full():
+        with opt.full_parameters():
+            return [p.detach().clone() for p in model.parameters()]
+
+    def counts():
+        return sorted(float(s["step"]) for s in opt.state.values())
+
+    for m, o in ((model, opt), (ref, ref_opt)):
+        _train(m, o, 0, rank)
+        o.step()
+    before, steps = full(), counts()
+    out = {}
+    _train(model, opt, 1, rank)
+    if who == "all" or rank == 1:
+        opt.param_groups[0]["lr"] = -1.0
+    out["step"] = _caught(opt.step)
+    opt.param_groups[0]["lr"] = HYPER["lr"]
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, full())) and counts() == steps
+    _train(model, opt, 2, rank)
+    out["next"] = _caught(opt.step)  # where this rank learns of the other's bad value
+    out["unchanged_next"] = all(torch.equal(a, b) for a, b in zip(before, full())) and counts() == steps
+    if who == "all":  # every rank raised at the bad step and none disagreed: the next step trains
+        _train(ref, ref_opt, 2, rank)
+        ref_opt.step()
+    for t in (3, 4):  # and training goes on like DDP from there
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _train(m, o, t, rank)
+            o.step()
+    out["error"] = max(rel(a, b) for a, b in zip(full(), ref.module.parameters()))
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("who", ["rank1", "all"])
+def test_a_bad_value_on_some_ranks_raises_on_every_rank_without_hanging(stage, who):
+    """The rank with the bad value raises at this step (after the step's collectives, skipped: nothing changed),
+    the others at this step (the same bad value) or at their next one (the hyperparameters differ), as for any
+    disagreement; nobody waits in a collective the other rank left."""
+    results = run_ranks(_bad_value_on_some_ranks, 2, stage, who, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        bad = who == "all" or rank == 1
+        raised = r["step"] if bad else r["next"]
+        assert raised is not None, (rank, r)
+        if bad:
+            assert raised[0] == "ValueError" and "lr must be >= 0.0, got -1.0" in raised[1], raised
+            assert r["next"] is None or "ranks disagree" in r["next"][1], r["next"]
+        else:
+            assert r["step"] is None, r["step"]
+            assert raised[0] == "RuntimeError" and "ranks disagree" in raised[1], raised
+        assert r["unchanged"], r
+        assert r["unchanged_next"] == (who != "all"), r
+        assert r["error"] < 1e-5, r["error"]
