@@ -118,7 +118,7 @@ class GradSync:
                 self.buckets_of.setdefault(p, []).append(bucket)
         for p, buckets in self.buckets_of.items():
             buckets[-1].frees.append(p)  # its .grad can go once its last bucket in the order is packed
-        self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())), tuple(p.shape), part.dtype,
+        self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())), tuple(part.shapes[j]), part.dtype,
                                      part.device)
                         for pi, part in enumerate(partitions) for j, p in enumerate(part.params)}
         # zero-element parameters: in no bucket; they only count as having a gradient (torch steps them)
