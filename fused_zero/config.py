@@ -75,8 +75,8 @@ class ZeroConfig:
         this many, since every unit costs host work and collectives per gather whatever
         its size (DeepSpeed keeps such small parameters gathered; FSDP2 users stop
         wrapping small modules). The default, 2**20, leaves units of a billion-parameter
-        model's size alone and merges a model of small blocks into few units; 0 keeps
-        one unit per module. Units passed with ``units=`` are never merged.
+        model's size alone and merges a model of small blocks into few units (into the
+        root unit where they all merge into one); 0 keeps one unit per module. Units passed with ``units=`` are never merged.
     reshard_after_forward: stage 3: release each unit's parameters after its
         forward and gather them again for its backward (False keeps them
         from forward until the unit's backward is done: less traffic, more

@@ -421,7 +421,7 @@ def test_a_merged_unit_is_gathered_once_a_forward_and_once_a_backward(merged):
 
 
 class _Residual(nn.Module):
-    """Residual blocks of Linear + LayerNorm (bench/bench_host.py's model, small): they merge into one unit."""
+    """Residual blocks of Linear + LayerNorm (bench/bench_host.py's model, small)."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
@@ -434,18 +434,44 @@ class _Residual(nn.Module):
         return x.square().mean()
 
 
+def test_small_default_units_merged_into_one_are_the_root():
+    """Default units that all merge into one (a model under about twice min_unit_numel) are held by the root:
+    gathered from the forward's start to the end of backward, as that one unit would be, without a hook on each
+    of its modules (bench_host's 200 blocks). The steps still equal torch AdamW's."""
+    from fused_zero import ShardedOptimizer
+    model = _Residual(6)
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, **HYPER, stage=3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    g = opt._stage.gatherer
+    assert [u.modules for u in g.units] == [(model,)]
+    assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    with opt.full_parameters():
+        refs = dict(ref.named_parameters())
+        assert max(rel(p, refs[name]) for name, p in model.named_parameters()) < 1e-6
+    opt.close()
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_a_merged_unit_kept_into_backward_hooks_only_its_last_output(reshard):
     """A merged unit that stays gathered into backward (the schedule's last, or reshard_after_forward=False)
     needs no gather before its backward: one output hook (its last module's) starts backward's schedule, not one
-    per module (bench_host: 200 of them a step). The steps still equal torch AdamW's."""
+    per module (bench_host: 200 of them a step); a merged unit resharded after forward hooks each module's outputs
+    (backward may reach it through any of them). The steps still equal torch AdamW's."""
     from fused_zero import ShardedOptimizer
     model, n = _Residual(6), 6
     ref = copy.deepcopy(model)
-    opt = ShardedOptimizer(model, **HYPER, stage=3, reshard_after_forward=reshard)
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    opt = ShardedOptimizer(model, **HYPER, stage=3, reshard_after_forward=reshard, min_unit_numel=3 * per_block)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
     g = opt._stage.gatherer
-    assert [len(u.modules) for u in g.units] == [1, n]  # the root and one unit of every block
+    assert [len(u.modules) for u in g.units] == [1, n // 2, n // 2]  # the root and two units of three blocks
     hooked, hook = [], g._hook_outputs
     g._hook_outputs = lambda u, output: (hooked.append(u.index), hook(u, output))
     for step in range(3):
@@ -455,7 +481,8 @@ def test_a_merged_unit_kept_into_backward_hooks_only_its_last_output(reshard):
             o.zero_grad()
             m(x).backward()
             o.step()
-        assert sorted(hooked) == [0, 1], hooked  # the root's output and the unit's last block's
+        # the root's output, and each unit's last block's; unit 1, resharded, every block's
+        assert sorted(hooked) == ([0, 1, 1, 1, 2] if reshard else [0, 1, 2]), hooked
     with opt.full_parameters():
         refs = dict(ref.named_parameters())
         assert max(rel(p, refs[name]) for name, p in model.named_parameters()) < 1e-6

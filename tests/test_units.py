@@ -324,9 +324,14 @@ def test_plan_merges_small_default_units_only():
     assert plan.modules[1:] == ((model.blocks[0], model.blocks[1]), (model.blocks[2], model.blocks[3]),
                                 (model.blocks[4], model.blocks[5]))
     same(plan.params[1], [*model.blocks[0].parameters(), *model.blocks[1].parameters()])
-    plan = plan_units(model, min_unit_numel=10 ** 9)  # all blocks in one unit, the root apart
+    plan = plan_units(model, min_unit_numel=3 * per_block)  # two units of three blocks
     check_partition(model, plan)
-    assert plan.modules == ((model,), tuple(model.blocks))
+    assert plan.modules == ((model,), tuple(model.blocks[:3]), tuple(model.blocks[3:]))
+    plan = plan_units(model, min_unit_numel=10 ** 9)  # all blocks would be one unit: the root holds them
+    check_partition(model, plan)
+    assert plan.modules == ((model,),) and plan.params == (tuple(model.parameters()),)
+    plan = plan_units(model, min_unit_numel=4 * per_block)  # 4 + a tail of 2, added to the run: one run
+    assert plan.modules == ((model,),)
     same(single(plan_units(model, min_unit_numel=per_block)), [model, *model.blocks])  # each big enough
     # units= given explicitly are the user's choice: never merged
     same(single(plan_units(model, list(model.blocks), min_unit_numel=10 ** 9)), [model, *model.blocks])
