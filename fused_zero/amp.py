@@ -109,3 +109,33 @@ class PendingClip(NamedTuple):
                 and scaler.state["stage"] is OptState.UNSCALED:
             self.total.copy_(self.stats.sq_norm.sqrt() * scaler.inv_scale)
         return torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)
+
+
+def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | None,
+                   max_grad_norm: float | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What the update multiplies the gradient shards by, and its skip verdict, both on the device.
+
+    ``stats``: the step's all-reduce (or the clip's); ``clip``: clip_grad_norm_ called before the step;
+    ``max_grad_norm``: clip to it here (when no clip_grad_norm_ came first). Under a GradScaler (``scaler``:
+    its state, or the attribute protocol's ``found_inf``) a non-finite gradient on any rank skips the step,
+    and the verdict goes into the scaler's ``found_inf_per_device`` for ``scaler.update()``; ranks that
+    disagree (``stats.disagree``) skip it too. The factor is the scaler's inverse scale times the clip
+    coefficient (None: neither)."""
+    skip = stats.disagree
+    if scaler.state is not None or scaler.found_inf is not None:
+        found = (stats.nonfinite > 0).float()
+        if scaler.found_inf is not None:
+            found = torch.maximum(found, scaler.found_inf.to(found))
+        if scaler.state is not None:
+            scaler.state["found_inf_per_device"] = {found.device: found}
+        skip = found if skip is None else torch.maximum(found, skip)
+    coef = None
+    if clip is not None:
+        coef = clip.coef(scaler)
+    elif max_grad_norm is not None:
+        total = stats.total_norm(scaler.inv_scale)
+        coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+    grad_scale = scaler.inv_scale
+    if coef is not None:
+        grad_scale = coef if grad_scale is None else grad_scale * coef
+    return grad_scale, skip

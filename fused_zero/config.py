@@ -150,6 +150,18 @@ class ZeroConfig:
         """Whether the optimizer must be given the model itself (stage 3 shards its parameters)."""
         return STAGE_TRAITS[self.stage].shards_params
 
+    @staticmethod
+    def resolve(config: "ZeroConfig | None", given: dict) -> "ZeroConfig":
+        """ShardedOptimizer's ``config=`` or its keyword options ``given`` (never both, so they cannot mix silently)."""
+        if config is None:
+            return ZeroConfig(**given)
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a fused_zero.ZeroConfig, got {type(config).__name__}")
+        if given:
+            raise ValueError(f"pass either config= or the keyword options ({', '.join(sorted(given))}=...), not "
+                             "both: use dataclasses.replace(config, ...) to change a config")
+        return config
+
     def __post_init__(self) -> None:
         if not isinstance(self.broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")

@@ -21,6 +21,12 @@ _DDP = ("the model is wrapped in DistributedDataParallel: do not wrap the model 
         "fused_zero.integrations.accelerate.ZeroAccelerator in place of accelerate.Accelerator")
 
 
+STAGE1_GRADS_EDITED = (
+    "ShardedOptimizer stage 1: .grad was changed in place between backward and step(), but at stage 1 .grad "
+    "holds each rank's local gradient (averaged at step): a norm clipped from it (torch.nn.utils.clip_grad_norm_) "
+    "is this rank's, not the global one. Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=")
+
+
 def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
     """A message if a live DistributedDataParallel reduces any of ``params``.
 

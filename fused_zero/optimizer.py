@@ -23,7 +23,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from .amp import PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler
+from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler,
+                  update_scalars)
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm
 from .comm.topology import Topology
@@ -33,7 +34,7 @@ from .frozen import refuse_unfrozen
 from .hooks import HookSet, Relay
 from .deferred import DeferredFlags
 from .hyper import check_flags, check_group, check_hyperparameters, check_param
-from .habits import (ddp_wrapping, framework_without_integration, lightning_without_strategy,
+from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
 from .sharding.partition import Partition
@@ -111,13 +112,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                        broadcast_buffers=broadcast_buffers,
                                        param_comm=param_comm, grad_comm=grad_comm, quant_block=quant_block,
                                        ).items() if v is not _UNSET}
-        if config is None:
-            config = ZeroConfig(**given)
-        elif not isinstance(config, ZeroConfig):
-            raise TypeError(f"config must be a fused_zero.ZeroConfig, got {type(config).__name__}")
-        elif given:
-            raise ValueError(f"pass either config= or the keyword options ({', '.join(sorted(given))}=...), not "
-                             "both: use dataclasses.replace(config, ...) to change a config")
+        config = ZeroConfig.resolve(config, given)
         betas = check_hyperparameters(lr, betas, eps, weight_decay)
         check_flags(foreach, fused, capturable, differentiable)
         if isinstance(params, nn.Module):
@@ -458,10 +453,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # 2. update
         scaler = self._scaler(grad_scaler)
         if self.grad_sync.grads_edited() and not scaler_unscaled(scaler):
-            warnings.warn("ShardedOptimizer stage 1: .grad was changed in place between backward and step(), "
-                          "but at stage 1 .grad holds each rank's local gradient (averaged at step): a norm "
-                          "clipped from it (torch.nn.utils.clip_grad_norm_) is this rank's, not the global one. "
-                          "Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=", stacklevel=2)
+            warnings.warn(STAGE1_GRADS_EDITED, stacklevel=2)
         if self._clip is None and not self._clip_warned and self.grad_sync.frees_grads \
                 and self.config.max_grad_norm is None:
             found = torch_clip_in_loop()
@@ -476,23 +468,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         else:
             stats = self._stats(with_norm=need_norm or amp, site="step")
             agreed = self._stats_agreed
-        skip = stats.disagree
-        if amp:
-            found = (stats.nonfinite > 0).float()
-            if scaler.found_inf is not None:
-                found = torch.maximum(found, scaler.found_inf.to(found))
-            if scaler.state is not None:
-                scaler.state["found_inf_per_device"] = {found.device: found}
-            skip = found if skip is None else torch.maximum(found, skip)
-        coef = None
-        if self._clip is not None:
-            coef = self._clip.coef(scaler)
-        elif need_norm:
-            total = stats.total_norm(scaler.inv_scale)
-            coef = torch.clamp(self.config.max_grad_norm / (total + 1e-6), max=1.0)
-        grad_scale = scaler.inv_scale
-        if coef is not None:
-            grad_scale = coef if grad_scale is None else grad_scale * coef
+        grad_scale, skip = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm if need_norm else None)
         if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
             device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
             skip = torch.ones((), device=device) if skip is None else torch.ones_like(skip)
