@@ -10,7 +10,7 @@ NVMe, and ending with the collective ``optimizer.state_dict()`` or with a collec
 torch.distributed's own that a framework issues (Accelerate gathers the loss for its log,
 then ``end_training()`` destroys the group). The ranks run with a
 long GIL switch interval, so a thread that waits for the GIL at exit is still waiting
-when the interpreter finalizes: before the fix (comm/collectives.py, "pinned alias") about half
+when the interpreter finalizes: before the fix (comm/pins.py, "pinned alias") about half
 of these launches at stages 1-2 aborted.
 """
 from __future__ import annotations

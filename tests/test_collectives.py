@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import RanksFailed, free_port, run_ranks
-from fused_zero.comm import collectives
+from fused_zero.comm import pins
 from fused_zero.comm.collectives import Comm, Handle
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -194,26 +194,26 @@ def _check_pins(comm: Comm, rank: int, ws: int) -> None:
     an alias's count to 1 (which would need the GIL: the exit abort, tests/test_clean_exit.py)."""
     if ws == 1:
         return
-    collectives._reap()
+    pins._reap()
     buf = torch.ones(ws * 4)
     out = torch.empty(4)
     for launch in (lambda: comm.all_reduce(buf, async_op=True),
                    lambda: comm.reduce_scatter(out, buf.clone(), async_op=True, scratch_input=True),
                    lambda: comm.all_gather(buf, out, async_op=True)):
         handle = launch()
-        pins = list(collectives._PINS)
-        assert pins, "the collective pinned nothing"
-        for pin in pins:
+        held = list(pins._PINS)
+        assert held, "the collective pinned nothing"
+        for pin in held:
             assert all(a._base is not None and a._use_count() >= 2 for a in pin.aliases)
         handle.wait()
         del handle
     comm.barrier()
     for _ in range(200):  # gloo's threads let go of the finished Works within moments
-        collectives._reap()
-        if not collectives._PINS:
+        pins._reap()
+        if not pins._PINS:
             break
         time.sleep(0.01)
-    assert not collectives._PINS, "pins were never released after their Works were gone"
+    assert not pins._PINS, "pins were never released after their Works were gone"
     assert comm.all_gather_object("x" * (rank * 1000)) == ["x" * (r * 1000) for r in range(ws)]
 
 

@@ -2,7 +2,9 @@
 
 - ``collectives.py``: ``Comm``, the only code that imports ``torch.distributed``; async handles,
   a world-size-1 path, and the bytes each collective moved. A new topology (a replicate group for
-  HSDP, a node-local group) is one more ``Comm``.
+  HSDP, a node-local group) is one more ``Comm``. Its parts that talk to no rank: ``tensor_checks.py``
+  (what a collective's tensors must be), ``traffic.py`` (the bytes counted), ``agreement.py`` (``agree``,
+  ``check_same``: one verdict on every rank), ``pins.py`` (the pinned aliases every tensor travels as).
 - ``rendezvous.py``: the collective calls made outside a step meet every rank first.
 - ``grad_buckets.py``: a bucket's paired ``start()`` (pack, the gradient codec point, and launch the
   reduce-scatter) and ``finish()`` (land it), and the pool and host landing every bucket shares.

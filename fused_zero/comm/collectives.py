@@ -10,36 +10,18 @@ gloo runs reduce_scatter / all_gather into one flat tensor, all_reduce sum/max/m
 async_op, in-place all_gather (input = the rank's slice of output) and in-place
 reduce_scatter (output = the rank's slice of input) for fp32, fp64, bf16 and fp16
 CPU tensors. We only use SUM and leave averaging to the caller: ReduceOp.AVG fails
-for integers on gloo and is not in every backend and version. Tensors must be contiguous:
-gloo's all_reduce of a strided tensor silently returns wrong values (measured on
-torch 2.13: [3, 3, 1, 1] for [3, 3, 3, 3]). They must be on CPU for gloo and on CUDA
-for nccl.
+for integers on gloo and is not in every backend and version. What the tensors must be
+(contiguous, on the backend's device) is checked first: comm/tensor_checks.py.
 
 On gloo, a reduce-scatter of a scratch input runs as an all-reduce and an
 all-gather as one broadcast per rank: both measured faster there than gloo's
 own collectives (see reduce_scatter and _all_gather_by_broadcast).
 
-Traffic is counted per rank as the ZeRO paper counts volume: a reduce_scatter
-counts its input's bytes (an all_to_all too), an all_gather its output's, an all_reduce twice its tensor's
-(a reduce-scatter and an all-gather: 2Ψ).
+Traffic is counted per rank as the ZeRO paper counts volume (comm/traffic.py).
 Broadcast and object collectives are set-up only and are not counted.
 
-Why every tensor a collective is given is a pinned alias (a clean exit). A torch Work
-holds the tensors it was given, and in torch >= 2.10 a tensor whose C++ reference count
-falls from 2 to 1 releases its Python object, which takes the GIL. gloo runs each Work on a
-thread of its own and lets go of it just after marking it complete; when Python already
-dropped the Work, that thread is the last owner and takes the GIL to free the tensors'
-Python objects. A thread that asks for the GIL while the interpreter exits is ended inside
-a C++ destructor: "terminate called without an active exception", SIGABRT, in about one
-run in five when the last step's collectives were released just before the script ended.
-So ``_launch`` hands torch.distributed fresh aliases of the caller's tensors (views that no
-other object references) and pins each alias with one more C++ reference (``_Pin``) before
-the collective starts: whoever destroys the Work then takes the aliases' counts down to 2,
-never to 1, and needs no GIL. A pin is released on this thread (it holds the GIL) once every
-alias's count is back to 2 (the Work is gone); at exit (an ``atexit`` hook, which runs
-before the interpreter finalizes) the pins still held are kept for good, and the hook lets go
-of the GIL for a moment, so that a thread finishing a collective fused_zero did not issue (a
-framework's loss gather: Accelerate's, Trainer's) takes it while it still can.
+Every tensor a collective is given is a pinned alias, for a clean exit (see comm/pins.py): ``_launch``
+pins it, and an ``atexit`` hook here keeps the pins still held when the interpreter exits.
 """
 from __future__ import annotations
 
@@ -49,14 +31,17 @@ import ctypes
 import hashlib
 import pickle
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import rendezvous
+from .agreement import Agreement
+from .pins import _PINS, _Pin, _alias, _reap
+from .tensor_checks import _DEVICE_FOR_BACKEND, TensorChecks
+from .traffic import TrafficCount
 from .works import _DONE, Handle, _AllWorks, _copy_local, _Watched
 from ..habits import torchrun_without_process_group
 from ..host_read import host_copy, to_host
@@ -68,44 +53,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_DEVICE_FOR_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
-
-
-class _Pin(NamedTuple):
-    """Aliases handed to one collective and one more C++ reference to each (see "pinned alias")."""
-
-    aliases: tuple[torch.Tensor, ...]
-    pin: Any  # a torch.ScriptList of the aliases: a C++ reference, so a Work's release never frees them
-
-    def released(self) -> bool:
-        """The collective's Work is gone: only the alias's Python object and the pin hold each alias."""
-        return all(a._use_count() == 2 for a in self.aliases)
-
-
-_PINS: deque[_Pin] = deque()  # oldest first, for every communicator of this process
-_pin_scan_at = 64  # the deque's length that triggers a full pass
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A view of all of ``t`` that no other object references (its own C++ reference count)."""
-    return t.view(t.shape)
-
-
-def _reap() -> None:
-    """Release the pins whose collectives' Works are gone (here, on the thread that holds the GIL).
-
-    Oldest first; and once the deque doubled since the last full pass, also those behind a Work
-    still held (a unit's gathers in flight), so one long-held Work never keeps later aliases
-    and their storages alive (amortised O(1) a launch).
-    """
-    global _pin_scan_at
-    while _PINS and _PINS[0].released():
-        _PINS.popleft()
-    if len(_PINS) > _pin_scan_at:
-        held = [p for p in _PINS if not p.released()]
-        _PINS.clear()
-        _PINS.extend(held)
-        _pin_scan_at = 2 * len(held) + 64
 
 
 #: Seconds the exit hook releases the GIL for, so that a collective's thread waiting for it can finish.
@@ -115,10 +62,10 @@ _ranks_met = False  # a Comm over more than one rank was built in this process
 
 @atexit.register
 def _keep_pins_at_exit() -> None:
-    """The interpreter is exiting: keep the pins still held for good (see "pinned alias").
+    """The interpreter is exiting: keep the pins still held for good (see comm/pins.py).
 
     atexit runs before finalization. One extra reference on the deque survives the clearing of
-    this module's globals, so no alias in it ever reaches a count of 1 on any thread. Collectives
+    the modules' globals, so no alias in it ever reaches a count of 1 on any thread. Collectives
     that fused_zero did not issue (a framework's loss gather, the user's own all_reduce) hand torch
     unpinned tensors; a thread finishing one of those may be waiting for the GIL right now, so while
     a process group is up the hook also lets go of the GIL for ``EXIT_GRACE_S``: a thread that
@@ -139,7 +86,7 @@ def is_device_mesh(obj: object) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
-class Comm:
+class Comm(TensorChecks, TrafficCount, Agreement):
     """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
 
     def __init__(self, group=None):
@@ -246,54 +193,6 @@ class Comm:
         timeout = _group_timeout(self.group)
         return rendezvous.Rendezvous(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                      None if timeout is None else timeout.total_seconds(), key)
-
-    # ---- traffic accounting -------------------------------------------------
-    def traffic(self) -> dict[str, int]:
-        """Bytes per collective kind since the last reset (a copy)."""
-        return dict(self._traffic)
-
-    def reset_traffic(self) -> None:
-        self._traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
-
-    def _count(self, kind: str, t: torch.Tensor, times: int = 1) -> None:
-        """Volume as the ZeRO paper counts it: a reduce-scatter its input, an all-gather its output, an all-reduce
-        twice its tensor (a reduce-scatter and an all-gather: 2Ψ); a codec's exchanges under kinds of their own."""
-        if not self._local:
-            self._traffic[kind] = self._traffic.get(kind, 0) + times * t.numel() * t.element_size()
-
-    # ---- argument checks ----------------------------------------------------
-    def _check_tensor(self, what: str, t: object) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"{what} must be contiguous; pass a flat buffer or .contiguous()")
-        need = _DEVICE_FOR_BACKEND.get(self.backend)
-        if not self._local and need is not None and t.device.type != need:
-            raise ValueError(f"{what} is on {t.device}, but the {self.backend} backend needs {need} tensors")
-        return t
-
-    def _check_pair(self, name: str, big_name: str, big: torch.Tensor,
-                    small_name: str, small: torch.Tensor) -> None:
-        """``big`` holds world_size × ``small``; the only overlap allowed is small = this rank's slice."""
-        self._check_tensor(f"{name} {big_name}", big)
-        self._check_tensor(f"{name} {small_name}", small)
-        if big.dtype != small.dtype:
-            raise TypeError(f"{name} {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
-                            "they must match")
-        if big.device != small.device:
-            raise ValueError(f"{name} {big_name} is on {big.device} but {small_name} is on {small.device}")
-        if big.numel() != self.world_size * small.numel():
-            raise ValueError(
-                f"{name} {big_name} has {big.numel()} elements; it must be world_size ({self.world_size}) "
-                f"× {small_name} ({small.numel()}) = {self.world_size * small.numel()}"
-            )
-        own = big.data_ptr() + self.rank * small.numel() * small.element_size()
-        if overlaps(big, small) and small.data_ptr() != own:
-            raise ValueError(
-                f"{name} {small_name} overlaps {big_name} but is not its slice "
-                f"[rank*n:(rank+1)*n] = [{self.rank * small.numel()}:{(self.rank + 1) * small.numel()}]; "
-                f"pass a separate buffer or exactly that slice"
-            )
 
     # ---- tensor collectives -------------------------------------------------
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
@@ -426,7 +325,7 @@ class Comm:
         """``[obj of rank 0, ..., obj of rank world_size-1]`` (pickled; on nccl through the current CUDA device).
 
         Runs on pinned tensors of its own rather than torch's all_gather_object, whose tensors are
-        not (see "pinned alias").
+        not (see comm/pins.py).
         """
         if self._local:
             return [obj]
@@ -448,43 +347,6 @@ class Comm:
         if not self._local:
             dist.barrier(group=self.group)  # no tensor of ours
 
-    def agree(self, fn: Callable[[], Any], share: Callable[[Any], Any] | None = None,
-              errors: tuple[type, ...] = ()) -> tuple[Any, list]:
-        """Run ``fn`` (no collectives inside) on every rank; if it raised on any rank, raise on all.
-
-        Returns ``(fn's result, [share(result) of every rank])``. One all_gather_object
-        that every rank joins whatever happened: a rank whose check failed never leaves
-        the others waiting in a later collective. The rank that failed raises its own
-        exception; the others raise the same type (``errors``, the builtin ValueError,
-        TypeError, RuntimeError, OSError family; RuntimeError otherwise) naming that rank.
-        """
-        error, result, mine = None, None, None
-        try:
-            result = fn()
-            mine = share(result) if share is not None else None
-        except Exception as e:  # noqa: BLE001 - raised again below, on every rank
-            error = e
-        gathered = self.all_gather_object((None if error is None else (_error_class(error, errors), str(error)), mine))
-        if error is not None:
-            raise error
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-        if failed:
-            r, (cls, msg) = failed[0]
-            raise cls(f"rank {r} failed: {msg}")
-        return result, [s for _, s in gathered]
-
-    def check_same(self, value: Any, what: str, hint: str = "") -> None:
-        """Raise ValueError on EVERY rank if any rank's ``value`` differs from rank 0's.
-
-        One all_gather_object that every rank joins, then the same comparison on the
-        same data everywhere: all ranks agree on the verdict, so none is left waiting.
-        """
-        _, values = self.agree(lambda: value, share=lambda v: v)
-        for r in range(1, len(values)):
-            diff = _first_difference(values[r], values[0], r)
-            if diff is not None:
-                raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
-
 
 def _group_timeout(group):
     """The timeout of ``group`` (or of the default group), or None where torch does not say."""
@@ -494,27 +356,3 @@ def _group_timeout(group):
         return opts._timeout
     except (AttributeError, RuntimeError, ImportError):
         return None
-
-
-def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
-    """The class other ranks raise for ``error``: one of ``extra`` or a builtin (they pickle)."""
-    for cls in type(error).__mro__:
-        if cls in extra or cls in (FileNotFoundError, FileExistsError, PermissionError, OSError, TypeError, ValueError,
-                   NotImplementedError, RuntimeError):
-            return cls
-    return RuntimeError
-
-
-def _first_difference(mine: Any, ref: Any, rank: int) -> str | None:
-    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None."""
-    if isinstance(mine, (list, tuple)) and isinstance(ref, (list, tuple)):
-        for i in range(min(len(mine), len(ref))):
-            if mine[i] != ref[i]:
-                return f"rank {rank} has entry {i} = {mine[i]!r}, rank 0 has {ref[i]!r}"
-        if len(mine) != len(ref):
-            return f"rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
-        if type(mine) is type(ref):
-            return None
-    elif mine == ref:
-        return None
-    return f"rank {rank} has {mine!r}, rank 0 has {ref!r}"

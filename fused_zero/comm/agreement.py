@@ -1,0 +1,73 @@
+"""Checks every rank makes together: run one on every rank and raise on all if any failed (``agree``),
+compare a value with rank 0's (``check_same``). Built on ``all_gather_object`` (no torch.distributed here).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class Agreement:
+    """What ``Comm`` does to make every rank reach the same verdict (a mixin: it gathers with
+    the communicator's ``all_gather_object``)."""
+
+    def agree(self, fn: Callable[[], Any], share: Callable[[Any], Any] | None = None,
+              errors: tuple[type, ...] = ()) -> tuple[Any, list]:
+        """Run ``fn`` (no collectives inside) on every rank; if it raised on any rank, raise on all.
+
+        Returns ``(fn's result, [share(result) of every rank])``. One all_gather_object
+        that every rank joins whatever happened: a rank whose check failed never leaves
+        the others waiting in a later collective. The rank that failed raises its own
+        exception; the others raise the same type (``errors``, the builtin ValueError,
+        TypeError, RuntimeError, OSError family; RuntimeError otherwise) naming that rank.
+        """
+        error, result, mine = None, None, None
+        try:
+            result = fn()
+            mine = share(result) if share is not None else None
+        except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+            error = e
+        gathered = self.all_gather_object((None if error is None else (_error_class(error, errors), str(error)), mine))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failed:
+            r, (cls, msg) = failed[0]
+            raise cls(f"rank {r} failed: {msg}")
+        return result, [s for _, s in gathered]
+
+    def check_same(self, value: Any, what: str, hint: str = "") -> None:
+        """Raise ValueError on EVERY rank if any rank's ``value`` differs from rank 0's.
+
+        One all_gather_object that every rank joins, then the same comparison on the
+        same data everywhere: all ranks agree on the verdict, so none is left waiting.
+        """
+        _, values = self.agree(lambda: value, share=lambda v: v)
+        for r in range(1, len(values)):
+            diff = _first_difference(values[r], values[0], r)
+            if diff is not None:
+                raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
+
+
+def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
+    """The class other ranks raise for ``error``: one of ``extra`` or a builtin (they pickle)."""
+    for cls in type(error).__mro__:
+        if cls in extra or cls in (FileNotFoundError, FileExistsError, PermissionError, OSError, TypeError, ValueError,
+                   NotImplementedError, RuntimeError):
+            return cls
+    return RuntimeError
+
+
+def _first_difference(mine: Any, ref: Any, rank: int) -> str | None:
+    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None."""
+    if isinstance(mine, (list, tuple)) and isinstance(ref, (list, tuple)):
+        for i in range(min(len(mine), len(ref))):
+            if mine[i] != ref[i]:
+                return f"rank {rank} has entry {i} = {mine[i]!r}, rank 0 has {ref[i]!r}"
+        if len(mine) != len(ref):
+            return f"rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
+        if type(mine) is type(ref):
+            return None
+    elif mine == ref:
+        return None
+    return f"rank {rank} has {mine!r}, rank 0 has {ref!r}"
