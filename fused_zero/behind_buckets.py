@@ -220,7 +220,7 @@ def _hook(hook):
     """``hook`` kept out of torch.compile's graph (it waits and re-points p.data); a call from a compiled forward
     marks its owner ``compiled`` first, so later updates stay inside step() (placeholders would make each
     compiled forward recompile)."""
-    from .comm.gatherer import _eager_only
+    from .eager_hooks import _eager_only
 
     def mark() -> None:
         owner = hook.owner()

@@ -1,6 +1,6 @@
 """Named states of the runtime's lifecycles, and the one assertion they share.
 
-Stage 3's units (``comm/gatherer.py``: ``UnitState``) and the gatherer's pass through the model
+Stage 3's units (``comm/gather_cycle.py``: ``UnitState``) and the gatherer's pass through the model
 (``TrainingState``) move between a few named states instead of flags; ``expect`` states an invariant
 at the point that relies on it, as FSDP2's ``_assert_in_states`` does. A failed ``expect`` is a bug in
 fused_zero, never the user's: it says so. ``setting`` holds a flag at a value for the length of a block

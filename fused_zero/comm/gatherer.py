@@ -6,7 +6,8 @@ bytes and every parameter of the unit points at an empty placeholder (so a
 stray read sees a 0-element tensor, never freed memory). Gathering resizes the
 same storage back and all-gathers the shards into it; autograd's saved views of
 the parameters (a transposed weight) reference that storage, so they read the
-re-gathered values in backward.
+re-gathered values in backward. How a unit is gathered and released, and the walk
+of the schedule, are comm/gather_cycle.py's; the hooks here say when.
 
 Every rank issues the same gathers in the same order whatever its data does:
 a forward walks a fixed schedule of units (recorded on the first training
@@ -38,7 +39,6 @@ here reach the gatherer by weak reference and are removed by ``close``.
 """
 from __future__ import annotations
 
-import enum
 import functools
 import sys
 import warnings
@@ -49,83 +49,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .collectives import Handle
-from ..lifecycle import expect
+from ..eager_hooks import _eager_only
 from ..ownership import claim, release
-from ..profiling import ALL_GATHER, label
+from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
 from .secondary import SecondaryCopies
 from .model_state import ModelStateHooks
 from ..sharding.partition import Partition, Placeholders
 
 
-def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -> Callable:
-    """``hook`` kept out of torch.compile's graph: called through ``torch.compiler.disable`` while Dynamo
-    traces, directly otherwise (the wrapper's own cost, paid per module per forward, is then saved).
-    ``on_compiled``: called first on each call from compiled code (behind_buckets: the model is compiled)."""
-    if on_compiled is not None:
-        def from_compiled(*args, hook=hook):
-            on_compiled()
-            return hook(*args)
-        disabled = torch.compiler.disable(from_compiled)
-    else:
-        disabled = torch.compiler.disable(hook)
-
-    def call(*args):
-        if torch.compiler.is_compiling():
-            return disabled(*args)
-        return hook(*args)
-    return call
-
-
-class TrainingState(enum.Enum):
-    """Where the model is in its cycle, as the gatherer sees it."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-class UnitState(enum.Enum):
-    """Where a unit's full buffers are in the gather cycle."""
-
-    RELEASED = "released"  # 0 bytes; the parameters point at empty placeholders
-    GATHERING = "gathering"  # all-gathers in flight into the materialized buffers (``handles``)
-    GATHERED = "gathered"  # the parameters view the full buffers
-
-
-class _Unit:
-    """One unit's partitions and where it is in the gather cycle."""
-
-    def __init__(self, index: int, modules: tuple[nn.Module, ...], parts: list[Partition]) -> None:
-        self.index = index
-        self.modules = modules  # one, or several consecutive ones merged (sharding/units.py)
-        self.last = modules[-1]  # a forward releases the unit after this one's: model order, then as recorded
-        self.ran_last: int | None = None  # the recording forward: which of ``modules`` ran last
-        self.parts = parts
-        self.trainable = {p for part in parts for p in part.params if p.requires_grad}
-        # frozen weights are read by backward but get no gradient: such a unit is released once the gradient of
-        # its inputs is in as well (nothing of its backward is left then); without grad-requiring inputs, at the end
-        self.frozen = any(part.frozen for part in parts)
-        self.inputs_done = False
-        self.pre_backward = None  # the gatherer's pre-backward hook for this unit (made once)
-        self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
-        self.state = UnitState.RELEASED
-        self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
-        self.grads_seen: set[int] = set()  # ids of the trainable parameters whose gradient is in
-        self.backward_started = False
-        self.entered = -1  # the forward (ParamGatherer._forwards) this unit's first module last ran in
-
-    @property
-    def gathered(self) -> bool:
-        return self.state is UnitState.GATHERED
-
-    @property
-    def released(self) -> bool:
-        return self.state is UnitState.RELEASED
-
-
-class ParamGatherer(ModelStateHooks):
+class ParamGatherer(GatherCycle, ModelStateHooks):
     """The hooks that gather, prefetch and release the units of one model."""
 
     def __init__(self, root: nn.Module, modules: tuple[tuple[nn.Module, ...], ...], parts: list[list[Partition]],
@@ -224,110 +157,6 @@ class ParamGatherer(ModelStateHooks):
         others = sorted((u.nbytes for u in self.units[1:]), reverse=True)
         live = len(others) if not self.reshard_after_forward else self.max_live_units
         return self.units[0].nbytes + sum(others[:live])
-
-    # -- gather and release -------------------------------------------------
-    def _issue(self, u: _Unit) -> None:
-        if u.state is not UnitState.RELEASED:
-            return
-        if self.behind is not None:
-            self.behind.wait(u.index)  # its shards are the new ones (raises if some rank's update failed)
-        handles, copies = [], self._copies(u)
-        for part in u.parts if copies is None else ():  # an offloaded param shard: start every read first
-            part.fetch_params()
-        for k, part in enumerate(u.parts):
-            part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
-            part.materialize()
-            handles += self.sync.gather(part) if copies is None else self.secondary.gather(part, copies[k])
-        u.handles, u.state = handles, UnitState.GATHERING
-        self.live_bytes += u.nbytes
-        self._live_units += u.index > 0
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def _issue_exact(self, u: _Unit) -> None:
-        """``_issue``, the parameters as the shards hold them whatever ``param_comm`` says (a unit gathered
-        quantized, such as an eval forward's root, is gathered again)."""
-        with self.sync.exact():
-            if self.sync.codec is not None:
-                self._release(u)
-            self._issue(u)
-
-    def _wait(self, u: _Unit) -> None:
-        if u.state is not UnitState.GATHERING:
-            return
-        with label(ALL_GATHER):
-            for h in u.handles:
-                h.wait()
-        u.handles = None
-        if self.secondary is not None and self.state is TrainingState.BACKWARD:
-            self.secondary.drop(u.index)  # hpZ: the node-local copy served its one backward gather
-        for part in u.parts:
-            part.drop_fetched()  # an offloaded param shard's staged copy
-            part.point_params()
-            part.mark_synced()
-        u.state = UnitState.GATHERED
-
-    def _release(self, u: _Unit, force: bool = False) -> None:
-        self._wait(u)  # never free a buffer a collective still writes into
-        if self._holding or (u.state is UnitState.RELEASED and not force):
-            return  # (released: its parameters are placeholders, or what user code assigned since, taken in later)
-        expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
-        if self.secondary is not None and self.state is TrainingState.FORWARD and self._grad_forward \
-                and u.state is UnitState.GATHERED:
-            self.secondary.keep(u.index, u.parts)  # hpZ: this rank's slice within its node, for the backward
-        for part in u.parts:
-            placeholder = self._placeholder(part.params[0]) if part.params else None
-            part.release(lambda p: placeholder)  # a partition's parameters share dtype and device
-        self._mark_released(u)
-
-    def _copies(self, u: _Unit) -> list | None:
-        """hpZ: the node-local copy backward gathers ``u`` from (None: gather from the primary shards)."""
-        if self.secondary is None or self.state is not TrainingState.BACKWARD:
-            return None
-        return self.secondary.copies(u.index)
-
-    def _mark_released(self, u: _Unit) -> None:
-        if u.state is not UnitState.RELEASED:
-            self.live_bytes -= u.nbytes
-            self._live_units -= u.index > 0
-        u.state = UnitState.RELEASED
-
-    # -- schedule ---------------------------------------------------------
-    def _start(self, state: TrainingState, order: list[int]) -> None:
-        self.state, self._order, self._cursor = state, order, 0
-        self._place = {index: k for k, index in enumerate(order)}
-        self._forwards += state is TrainingState.FORWARD
-
-    def _require(self, u: _Unit) -> None:
-        """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
-        if self._place.get(u.index, -1) >= self._cursor:
-            while u.state is UnitState.RELEASED:
-                self._issue(self.units[self._order[self._cursor]])
-                self._cursor += 1
-        else:
-            self._issue(u)
-        self._wait(u)
-        expect(u.state, UnitState.GATHERED, what=f"stage-3 unit {u.index} about to run")
-
-    def _prefetch(self) -> None:
-        behind = self.behind
-        while self._cursor < len(self._order) and self._live_units < self.max_live_units:
-            if behind is not None and not behind.ready(self._order[self._cursor]):
-                return  # its update is still running behind the step: gathered when needed, not waited for here
-            self._issue(self.units[self._order[self._cursor]])
-            self._cursor += 1
-        ahead = self.units[self._order[self._cursor]] if self._cursor < len(self._order) else None
-        if ahead is not None and (behind is None or behind.ready(ahead.index)) and self._copies(ahead) is None:
-            for part in ahead.parts:  # offloaded param shards: read ahead
-                part.fetch_params()
-
-    def _drain(self) -> None:
-        """Issue what the schedule has left (units this rank skipped) and wait for it."""
-        rest = [self.units[i] for i in self._order[self._cursor:]]
-        self._cursor = len(self._order)
-        for u in rest:
-            self._issue(u)
-        for u in rest:
-            self._wait(u)
 
     # -- forward ----------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
