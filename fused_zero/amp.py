@@ -116,7 +116,7 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
     """What the update multiplies the gradient shards by, and its skip verdict, both on the device.
 
     ``stats``: the step's all-reduce (or the clip's); ``clip``: clip_grad_norm_ called before the step;
-    ``max_grad_norm``: clip to it here (when no clip_grad_norm_ came first). Under a GradScaler (``scaler``:
+    ``max_grad_norm``: clip to it here when no clip_grad_norm_ came first (the config's, or None). Under a GradScaler (``scaler``:
     its state, or the attribute protocol's ``found_inf``) a non-finite gradient on any rank skips the step,
     and the verdict goes into the scaler's ``found_inf_per_device`` for ``scaler.update()``; ranks that
     disagree (``stats.disagree``) skip it too. The factor is the scaler's inverse scale times the clip

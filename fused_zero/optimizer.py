@@ -468,10 +468,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         else:
             stats = self._stats(with_norm=need_norm or amp, site="step")
             agreed = self._stats_agreed
-        grad_scale, skip = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm if need_norm else None)
+        grad_scale, skip = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm)
         if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
-            device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
-            skip = torch.ones((), device=device) if skip is None else torch.ones_like(skip)
+            skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
         self._last_update = agreed
         # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
         self._update(stats.has_grad, grad_scale, skip, hypers)
@@ -536,13 +535,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         behind = self._stage.behind
         if behind is None:
             with label(UPDATE):
-                update_all(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                           self.config.adam_w_mode, hypers)
+                update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers)
             self._stage.after_update(self.partitions, has_grad)
             return
         with label(UPDATE):
-            plan = plan_update(self.partitions, self.param_groups, self.state, has_grad, grad_scale, skip,
-                               self.config.adam_w_mode, hypers)
+            plan = plan_update(self.partitions, self.state, has_grad, grad_scale, skip, hypers)
         self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
         self._stage.start_behind(self.partitions, plan, has_grad)
 

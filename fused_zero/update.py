@@ -8,8 +8,9 @@ same range, where the states live). A store that fails midway (a full disk)
 rolls back: the states, the step counts and the narrow param shards stay as before the step;
 only when every partition succeeded do the stores commit.
 
-Two halves: ``plan_update`` runs where the optimizer's Python state lives (it advances the counts,
-creates states, reads the param groups) and hands out one ``PartitionJob`` per partition;
+Two halves: ``plan_update`` runs where the optimizer's Python state lives (it advances the counts and
+creates states, with the hyperparameters ``read_hypers`` took from the param groups) and hands out one
+``PartitionJob`` per partition;
 ``run_job`` touches only that partition's shards, so it may run on a worker thread
 (``behind.UpdateBehind``: stage 3 with offloaded states overlaps it with the next forward).
 ``update_all`` runs both here, now.
@@ -55,11 +56,10 @@ class UpdatePlan(NamedTuple):
     advanced: list[StepCounts]
 
 
-def update_all(partitions: list[Partition], groups: list[dict], state: dict,
-               has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-               skip: torch.Tensor | None, adam_w_mode: bool, hypers=None) -> None:
+def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
+               grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers) -> None:
     """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises)."""
-    plan = plan_update(partitions, groups, state, has_grad, grad_scale, skip, adam_w_mode, hypers)
+    plan = plan_update(partitions, state, has_grad, grad_scale, skip, hypers)
     try:
         for job in plan.jobs:
             run_job(job)
@@ -69,23 +69,19 @@ def update_all(partitions: list[Partition], groups: list[dict], state: dict,
     commit(partitions)
 
 
-def plan_update(partitions: list[Partition], groups: list[dict], state: dict,
-                has_grad: tuple[tuple[bool, ...], ...], grad_scale: torch.Tensor | None,
-                skip: torch.Tensor | None, adam_w_mode: bool, hypers=None) -> UpdatePlan:
+def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
+                grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers) -> UpdatePlan:
     """Advance the step counts (in one op per partition, on the device) and decide each partition's job.
 
-    Runs where the optimizer's Python state lives (the caller's thread): it creates states and reads the
-    param groups; ``run_job`` then touches only the partition's shards. All or nothing: if it raises
-    midway, the counts it advanced are rolled back first. ``hypers``: each partition's
-    ``read_hypers`` of this step (read here when not given); ``REFUSED`` for a step this rank refuses (a
-    bad hyperparameter, found before the step's collectives): ``skip`` must then be set, so the jobs
-    keep their shape on every rank and change nothing."""
+    Runs where the optimizer's Python state lives (the caller's thread): it creates states; ``run_job``
+    then touches only the partition's shards. All or nothing: if it raises midway, the counts it advanced
+    are rolled back first. ``hypers``: each partition's ``read_hypers`` of this step (read by the caller
+    before the step's collectives), or ``REFUSED`` for a step this rank refuses (a bad hyperparameter):
+    ``skip`` must then be set, so the jobs keep their shape on every rank and change nothing."""
     advanced: list[StepCounts] = []
     jobs = []
     host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
-    if hypers is None:
-        hypers = read_hypers(partitions, groups, adam_w_mode)
-    elif hypers is REFUSED:
+    if hypers is REFUSED:
         if skip is None:
             raise RuntimeError("internal: a refused step's update must be skipped")
         hypers = [_PLACEHOLDER] * len(partitions)
