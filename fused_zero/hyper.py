@@ -48,9 +48,10 @@ def check_flags(foreach, fused, capturable, differentiable) -> None:
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if capturable:
-        raise ValueError("capturable=True is not supported: ShardedOptimizer.step() reads on the host which "
-                         "parameters got a gradient on any rank, so it cannot be captured in a CUDA graph; "
-                         "use capturable=False")
+        raise ValueError("capturable=True is not supported: ShardedOptimizer.step() keeps host bookkeeping every "
+                         "step (which parameters got a gradient on any rank, their step counts, the ranks' "
+                         "agreement, traffic counts) that a replayed CUDA graph would skip, and hands lr to its "
+                         "kernels as a number; use capturable=False (the step reads nothing on the host)")
     if differentiable:
         raise ValueError("differentiable=True is not supported: the sharded update runs outside autograd; "
                          "use differentiable=False")
