@@ -40,7 +40,10 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
         raise ValueError(f"Invalid beta parameter at index 1: {b1}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return float(b0), float(b1)
+    # as torch.optim.Adam keeps them: floats as given, tensors as 0-d tensors (read each step, so a schedule
+    # that fills them in place is followed)
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else
+                 b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
 
 
 def check_flags(foreach, fused, capturable, differentiable) -> None:
@@ -61,6 +64,31 @@ def check_group(group: dict) -> None:
     """A param group's hyperparameters, as added or edited by the user."""
     group["betas"] = check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
+
+
+def agreement_key(value):
+    """What ranks compare of a group or option value (``repr`` of it must be equal on every rank that agrees).
+
+    Exact for what the update reads: numbers and strings as their repr, tensors as dtype, shape and values (a
+    tensor on an accelerator read once, as the step reads it; never its device index, which is each rank's
+    own); containers element by element. Any other object (a callable, a user object kept in a group as
+    torch.optim allows) by its type only: its default repr holds a memory address, different on every rank.
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            values = as_float(value)
+        else:
+            values = tuple(value.flatten().tolist()) if value.device.type == "cpu" else value.device.type
+        return ("tensor", str(value.dtype), tuple(value.shape), values)
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(agreement_key(v) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple(sorted((repr(k), agreement_key(v)) for k, v in value.items()))
+    if isinstance(value, torch.device):
+        return "device", value.type
+    return "object", f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def as_float(value) -> float:

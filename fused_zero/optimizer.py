@@ -33,7 +33,7 @@ from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .hooks import HookSet, Relay
 from .deferred import DeferredFlags
-from .hyper import check_flags, check_group, check_hyperparameters, check_param
+from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, lightning_without_strategy,
                      stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
@@ -213,6 +213,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                                        Relay(self._first_forward))
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
+        self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
@@ -233,10 +234,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""
-        hyper = [tuple((k, repr(v)) for k, v in sorted(g.items()) if k not in ("params", "param_names"))
+        hyper = [tuple((k, agreement_key(v)) for k, v in sorted(g.items()) if k not in ("params", "param_names"))
                  for g in self.param_groups]
         # nvme_path is each rank's own folder (a local disk per node): the one option that may differ
-        return repr({**self.config.__dict__, "nvme_path": None}), tuple(hyper)
+        return agreement_key({**self.config.__dict__, "nvme_path": None}), tuple(hyper)
 
     def _sync_module_buffers(self) -> None:
         """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics), unless
@@ -403,6 +404,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._settle_update()
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+        self._check_layout()
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
@@ -445,6 +447,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
         refuse_unfrozen(self._stage.frozen, self._names)  # before any collective, on every rank
+        self._check_layout()
         hypers, refused = self._read_hypers()  # before the step's collectives
         # 1. reduce, and take in what user code did to the parameters since the last step
         self.grad_sync.prepare_step()
@@ -452,7 +455,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stage.before_update(self.partitions)
         # 2. update
         scaler = self._scaler(grad_scaler)
-        if self.grad_sync.grads_edited() and not scaler_unscaled(scaler):
+        if self.topology.world_size > 1 and self.grad_sync.grads_edited() and not scaler_unscaled(scaler):
             warnings.warn(STAGE1_GRADS_EDITED, stacklevel=2)
         if self._clip is None and not self._clip_warned and self.grad_sync.frees_grads \
                 and self.config.max_grad_norm is None:
@@ -478,6 +481,23 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if refused is not None:
             raise refused
         return loss
+
+    def _check_layout(self) -> None:
+        """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
+        hold at step(); here each group's parameters live in flat buffers built once)."""
+        groups = self.param_groups
+        if len(groups) == len(self._layout) and all(
+                tuple(map(id, g["params"])) == ids for g, ids in zip(groups, self._layout)):
+            return
+        if len(groups) != len(self._layout):
+            what = f"param_groups holds {len(groups)} groups, {len(self._layout)} when the optimizer laid them out"
+        else:
+            gi = next(i for i, (g, ids) in enumerate(zip(groups, self._layout)) if tuple(map(id, g["params"])) != ids)
+            what = f"param group {gi}'s 'params' were edited after the optimizer laid them out"
+        raise RuntimeError(f"{what}: ShardedOptimizer keeps each group's parameters in flat buffers laid out once. "
+                           "Add parameters with optimizer.add_param_group({'params': [...]}) (stages 1-2), or build "
+                           "a new optimizer over the new parameter list (save and load its state_dict() to keep the "
+                           "states)")
 
     def _read_hypers(self):
         """Every partition's hyperparameters for this step, checked (``update.read_hypers``), and the error of a

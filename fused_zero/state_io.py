@@ -76,6 +76,8 @@ class StateAccess:
         """
         self._check_open()
         self._settle_update()
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # as torch.optim: a hook that edits the dict leaves the caller's alone
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result

@@ -64,7 +64,67 @@ def views_of(part, index: int) -> dict[str, torch.Tensor]:
 
 def attach(state: dict, part, index: int) -> None:
     """``state[p]`` (which has a step) gets the moment views of ``p``, parameter ``index`` of ``part``."""
-    state[part.params[index]].update(views_of(part, index))
+    views = views_of(part, index)
+    state[part.params[index]].update(views)
+    if part.step_counts is not None:
+        part.step_counts.moments[index] = (views.get("exp_avg"), views.get("exp_avg_sq"), views.get("max_exp_avg_sq"))
+
+
+def _moment_kinds(part) -> tuple:
+    return tuple(k for k in MOMENT_KINDS if k in part.store.kinds)
+
+
+def reset_moments(part, index: int) -> None:
+    """Zero the moments of parameter ``index`` of ``part`` in its store (its state was taken away and starts
+    again, as torch.optim.AdamW starts a parameter without state from zero moments)."""
+    for kind in _moment_kinds(part):
+        for pc in part.pieces_of(index):
+            part.store.write(kind, pc.shard_offset, torch.zeros(pc.numel))
+
+
+def take_in_moments(state: dict, part, index: int) -> None:
+    """Moments user code put in ``state[p]`` in place of the views (``state[p]["exp_avg"] = t``): their values
+    go into the store (this rank's elements of a tensor shaped like ``p``, or a tensor as long as this rank's
+    view), and the views take their place again. A view of the store's own memory (attached by a load before
+    the first step) is only recorded."""
+    s = state[part.params[index]]
+    pieces = part.pieces_of(index)
+    mine = sum(pc.numel for pc in pieces)
+    full = part.shapes[index].numel()
+    fresh = views_of(part, index)
+    recorded = list(part.step_counts.moments[index])
+    for k, kind in enumerate(MOMENT_KINDS):
+        if kind not in part.store.kinds:
+            continue
+        t, view = s.get(kind), fresh.get(kind)
+        if t is recorded[k]:
+            continue
+        if view is not None and isinstance(t, torch.Tensor) and t.shape == view.shape \
+                and t.data_ptr() == view.data_ptr() and t.dtype == view.dtype:
+            recorded[k] = t  # the store's own view
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError(
+                f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
+                f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back a tensor (zeros to "
+                "restart it), or take away the parameter's whole state (del optimizer.state[p]) to restart it")
+        flat = t.detach().reshape(-1)
+        if flat.numel() == full:
+            for pc in pieces:
+                part.store.write(kind, pc.shard_offset, flat[pc.param_offset:pc.param_offset + pc.numel])
+        elif flat.numel() == mine and pieces:
+            part.store.write(kind, pieces[0].shard_offset, flat)
+        else:
+            raise ValueError(
+                f"optimizer.state[p][{kind!r}] was given {flat.numel()} elements; the parameter has {full} "
+                f"({tuple(part.shapes[index])}) and this rank holds {mine} of them: give a tensor shaped like "
+                "the parameter (or like the view it replaced)")
+        if view is None:  # states not in memory (NVMe): state[p] holds no views
+            del s[kind]
+        else:
+            s[kind] = view
+        recorded[k] = view
+    part.step_counts.moments[index] = tuple(recorded)
 
 
 def attach_all(state: dict, partitions) -> None:
@@ -100,6 +160,8 @@ class StepCounts:
         self.flat = torch.zeros(n, device=device)
         self.views = list(self.flat.unbind()) if n else []
         self.keys = [0] * n  # equal keys: equal counts
+        self.started = [False] * n  # had a state once: its moments may hold values
+        self.moments: list = [(None, None, None)] * n  # the moment views state[p] holds (state_views.attach)
         self._before = None
         self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
 
@@ -114,21 +176,29 @@ class StepCounts:
                 and to_host(skip, "verdict before new states"):
             return []  # as torch.optim.AdamW under a GradScaler: a skipped step creates no state
         new_keys = None
+        moments = self.moments
         for i in active:
             s = state[part.params[i]]
             count = s.get("step")
+            m = moments[i]
             if count is not views[i]:
                 new_keys = new_keys or list(self.keys)
                 if count is None:  # a new state: step 0 and its moment views
+                    if self.started[i]:  # taken away (state.clear(), del state[p], state[p] = {}): from zeros
+                        reset_moments(part, i)
+                    self.started[i] = True
                     views[i].zero_()
                     s["step"] = views[i]
                     attach(state, part, i)
                     new_keys[i] = ("new",)
-                else:
-                    value = float(count)  # host tensor: a count user code put in (a load reads from the host)
-                    views[i].fill_(value)
-                    s["step"] = views[i]
-                    new_keys[i] = ("set", value)
+                    continue
+                value = float(count)  # host tensor: a count user code put in (a load reads from the host)
+                views[i].fill_(value)
+                s["step"] = views[i]
+                new_keys[i] = ("set", value)
+                self.started[i] = True
+            if s.get("exp_avg") is not m[0] or s.get("exp_avg_sq") is not m[1] or s.get("max_exp_avg_sq") is not m[2]:
+                take_in_moments(state, part, i)
         if len(active) != len(views):  # the others did not advance: split their classes from these
             new_keys = new_keys or list(self.keys)
             for i in active:

@@ -374,3 +374,28 @@ def test_a_bad_value_on_some_ranks_raises_on_every_rank_without_hanging(stage, w
         assert r["unchanged"], r
         assert r["unchanged_next"] == (who != "all"), r
         assert r["error"] < 1e-5, r["error"]
+
+
+def _stage1_torch_clip(rank, world_size):
+    import warnings
+    from fused_zero import ShardedOptimizer
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), stage=1, **HYPER)
+    x, y = batch(0, rank)
+    loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # this rank's local norm, not the global one
+    with warnings.catch_warnings(record=True) as edited:
+        warnings.simplefilter("always")
+        opt.step()
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    with warnings.catch_warnings(record=True) as untouched:
+        warnings.simplefilter("always")
+        opt.step()
+    return [str(w.message) for w in edited], [str(w.message) for w in untouched]
+
+
+def test_stage1_torch_clip_on_local_grads_warns():
+    for edited, untouched in run_ranks(_stage1_torch_clip, 2, timeout=TIMEOUT):
+        assert any("optimizer.clip_grad_norm_" in m for m in edited), edited
+        assert not untouched

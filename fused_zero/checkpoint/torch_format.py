@@ -80,10 +80,6 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
         if missing:
             raise ValueError(f"param group {gi} of the state dict lacks the hyperparameters {missing}: pass an "
                              "AdamW state_dict()")
-        dwd = g.get("decoupled_weight_decay")
-        if dwd is not None and bool(dwd) != opt.config.adam_w_mode:
-            raise ValueError(f"param group {gi} was saved with decoupled_weight_decay={dwd}: build the "
-                             f"ShardedOptimizer with adam_w_mode={bool(dwd)}")
     index = opt.shard_index()
     kinds = {id(p): part.kinds for part in index for p in part.params}
     shapes = shapes_of(index)
@@ -112,6 +108,8 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     if bad:
         raise ValueError(f"the optimizer state does not fit the parameters: {', '.join(bad)}; pass the state dict "
                          "of an optimizer over this model, with the same param groups in the same order")
+    # How torch runs is the optimizer's own (torch.optim.AdamW keeps decoupled_weight_decay=True whatever it
+    # loads), except where a group sets the key itself: it takes the saved value, as torch.optim.Adam does
     hypers = [{k: v for k, v in group_hyper(g).items() if k not in TORCH_ONLY or k in mine}
               for g, mine in zip(saved, groups)]
     return states, hypers

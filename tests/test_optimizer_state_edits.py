@@ -1,0 +1,194 @@
+"""What user code does to ``optimizer.state`` and ``param_groups`` between steps, against torch.optim.AdamW
+(``fused=True``, the CPU update fused_zero runs: bitwise equal).
+
+- Taking a parameter's state away (``state.clear()``, ``del state[p]``, ``state = defaultdict(dict)``,
+  ``state[p] = {}``) restarts it from zero moments and step 0, as torch does; a moment replaced by a
+  tensor (``state[p]["exp_avg"] = t``) is taken in; one removed is refused.
+- Tensor betas are kept as tensors and followed when filled in place; a group's ``params`` list edited
+  after building is refused (``add_param_group`` is the way); a load pre-hook edits a copy of the dict.
+- Mixed ``decoupled_weight_decay`` groups load their own state_dict.
+- Among 2 ranks: tensor hyperparameters are compared by value (a 13% lr difference that ``repr`` hides
+  is refused), and group keys holding objects with address reprs are accepted.
+"""
+import collections
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from _models import PlainNet, batch, loss_fn
+from fused_zero import ShardedOptimizer
+
+STAGES = [1, 2, 3]
+
+
+def _build(model, stage, **kw):
+    return ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **kw)
+
+
+def _step(model, opt, t):
+    x, y = batch(t, 0)
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def _equal(model, opt, ref, stage):
+    ctx = opt.full_parameters() if stage == 3 else torch.no_grad()
+    with ctx:
+        return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _reset(how, opt, p):
+    if how == "clear":
+        opt.state.clear()
+    elif how == "del":
+        del opt.state[p]
+    elif how == "defaultdict":
+        opt.state = collections.defaultdict(dict)
+    elif how == "empty dict":
+        opt.state[p] = {}
+
+
+@pytest.mark.parametrize("how", ["clear", "del", "defaultdict", "empty dict"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_state_taken_away_restarts_from_zero_moments_as_torch(stage, how):
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(5):
+        if t == 3:
+            _reset(how, opt, next(model.parameters()))
+            _reset(how, ref_opt, next(ref.parameters()))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+    p, r = next(model.parameters()), next(ref.parameters())
+    assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(4):
+        if t == 2:  # a shape-of-the-parameter tensor (world size 1: this rank holds all of it)
+            for o, m in ((opt, model), (ref_opt, ref)):
+                w = m.layers[0].weight
+                o.state[w]["exp_avg"] = torch.full(tuple(o.state[w]["exp_avg"].shape), 1e-3)
+                o.state[w]["exp_avg_sq"] = torch.zeros_like(o.state[w]["exp_avg_sq"])
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+    w = model.layers[0].weight
+    kept = opt.state[w]["exp_avg"]  # the view is back in place: it follows the next steps
+    _step(model, opt, 4)
+    _step(ref, ref_opt, 4)
+    assert torch.equal(kept, ref_opt.state[ref.layers[0].weight]["exp_avg"])
+    del opt.state[w]["exp_avg"]
+    with pytest.raises(RuntimeError, match="exp_avg"):
+        _step(model, opt, 5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_tensor_betas_are_kept_and_followed_when_filled(stage):
+    model, ref = PlainNet(), PlainNet()
+    betas, ref_betas = (torch.tensor(0.9), torch.tensor(0.999)), (torch.tensor(0.9), torch.tensor(0.999))
+    opt = _build(model, stage, lr=1e-2, betas=betas)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=ref_betas, fused=True)
+    assert opt.param_groups[0]["betas"][0] is betas[0]
+    for t in range(4):
+        if t == 2:
+            betas[0].fill_(0.5)
+            ref_betas[0].fill_(0.5)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+
+
+@pytest.mark.parametrize("edit", ["append", "remove", "new group"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_params_edited_after_building_are_refused_before_anything_changes(stage, edit):
+    model = PlainNet()
+    params = list(model.parameters())
+    opt = _build(model, stage, lr=1e-2)
+    _step(model, opt, 0)
+    extra = nn.Parameter(torch.zeros(3))
+    if edit == "append":
+        opt.param_groups[0]["params"].append(extra)
+    elif edit == "remove":
+        opt.param_groups[0]["params"].pop()
+    else:
+        opt.param_groups.append({**opt.param_groups[0], "params": [extra]})
+    x, y = batch(1, 0)
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.clip_grad_norm_(1.0)
+    assert float(opt.state[params[0]]["step"]) == 1.0
+
+
+def test_a_load_pre_hook_edits_a_copy_of_the_dict():
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), stage=2)
+    _step(model, opt, 0)
+    sd = opt.state_dict()
+    sd["mine"] = 1
+    opt.register_load_state_dict_pre_hook(lambda o, d: d.pop("mine") and None)
+    opt.load_state_dict(sd)
+    assert sd["mine"] == 1
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_mixed_decoupled_weight_decay_loads_its_own_state_dict(adam_w_mode):
+    model, ref = PlainNet(), PlainNet()
+
+    def groups(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:3], "decoupled_weight_decay": False, "weight_decay": 0.1},
+                {"params": ps[3:], "decoupled_weight_decay": True, "weight_decay": 0.1}]
+    opt = ShardedOptimizer(groups(model), lr=1e-2, stage=2, adam_w_mode=adam_w_mode)
+    ref_opt = torch.optim.Adam(groups(ref), lr=1e-2, fused=True)
+    for t in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    opt.load_state_dict(opt.state_dict())
+    assert [g["decoupled_weight_decay"] for g in opt.param_groups] == [False, True]
+    for t in range(2, 4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, 2)
+
+
+# -- among ranks -------------------------------------------------------------------------------------
+
+def _scale(x, k):
+    return x * k
+
+
+def _agreement_rank(rank, world_size, case):
+    model = PlainNet()
+    if case == "tensor lr":  # repr(tensor(3.4e-4)) == repr(tensor(3.0e-4)) == 'tensor(0.0003)'
+        kw = dict(lr=torch.tensor(3e-4 if rank == 0 else 3.4e-4))
+        groups = model.parameters()
+    else:  # a group key whose repr holds an address (a partial of a function), the same on every rank
+        ps = list(model.parameters())
+        groups = [{"params": ps[:2], "lr_fn": functools.partial(_scale, k=0.5)}, {"params": ps[2:]}]
+        kw = {}
+    try:
+        opt = ShardedOptimizer(groups, stage=2, **kw)
+    except ValueError as error:
+        return f"refused: {error}"
+    _step(model, opt, 0)
+    return "built"
+
+
+def test_tensor_lr_is_compared_by_value_and_object_keys_are_accepted():
+    refused = run_ranks(_agreement_rank, 2, "tensor lr")
+    assert all(r.startswith("refused") and "differ across ranks" in r for r in refused), refused
+    assert run_ranks(_agreement_rank, 2, "object key") == ["built", "built"]
