@@ -12,6 +12,7 @@ rebuilt or is garbage-collected.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -66,3 +67,63 @@ class HookSet:
         for h in handles:
             h.remove()
         handles.clear()
+
+
+# -- hooks on the user's model, and what a copy of the model gets instead ------------------------------
+def inert_hook(*args, **kwargs) -> None:
+    """What a copy of the model has where fused_zero's hooks were: nothing happens."""
+    return None
+
+
+def _same(value):
+    return value
+
+
+class ModelHook(functools.partial):
+    """A hook fused_zero registers on the user's model (``ModelHook(fn, *args)`` calls ``fn(*args, *hook's arguments)``;
+    a ``functools.partial``, so the call adds no Python frame).
+
+    ``copy.deepcopy(model)`` (an EMA copy, ``swa_utils.AveragedModel``) and pickling it (``torch.save(model)``)
+    copy a module's hooks with it; a copy of this one is ``copied`` instead (by default ``inert_hook``), so the
+    copy is a plain model that reaches nothing of the optimizer's (no gather, no collective on a copy's forward).
+    """
+
+    def __new__(cls, fn: Callable, *args, copied: Callable = inert_hook):
+        self = super().__new__(cls, fn, *args)
+        self.copied = copied
+        return self
+
+    def __deepcopy__(self, memo):
+        return self.copied
+
+    def __reduce__(self):
+        return _same, (self.copied,)
+
+
+class ReleasedCopyCheck:
+    """Stage 3, in a copy of the model: a module whose parameters were copied while released (empty placeholders
+    in place of ``shapes``, ((name, numel), ...)) refuses to run, naming the fix, instead of failing in torch's
+    shape checks or computing with nothing."""
+
+    __slots__ = ("numels",)
+
+    def __init__(self, numels: tuple) -> None:
+        self.numels = numels
+
+    def __call__(self, module, args) -> None:
+        for name, numel in self.numels:
+            p = module._parameters.get(name)
+            if p is not None and p.numel() == 0 and numel > 0:
+                raise RuntimeError(
+                    f"this module is a copy (copy.deepcopy, swa_utils.AveragedModel, torch.save(model)) of a ZeRO "
+                    f"stage-3 model made while its parameters were released: parameter {name!r} is an empty "
+                    "placeholder. Make the copy inside `with optimizer.full_parameters():` (every rank enters it)")
+        return None
+
+    def __reduce__(self):
+        return ReleasedCopyCheck, (self.numels,)
+
+
+def call_only(fn: Callable, *hook_args) -> None:
+    """``ModelHook(call_only, fn)``: a module hook that calls ``fn()`` whatever the hook is given."""
+    fn()

@@ -31,7 +31,7 @@ from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
-from .hooks import HookSet, Relay
+from .hooks import HookSet, ModelHook, Relay, call_only
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, lightning_without_strategy,
@@ -230,7 +230,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._buffers and self.config.broadcast_buffers:
             # collectives inside: kept out of torch.compile's graph, as stage 3's gathers are
             hook = torch.compiler.disable(self._hooks.relay(self._before_forward))
-            self._hooks.add(self.module.register_forward_pre_hook(lambda module, args: hook(), prepend=True))
+            self._hooks.add(self.module.register_forward_pre_hook(ModelHook(call_only, hook), prepend=True))
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..eager_hooks import _eager_only
+from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook
 from ..ownership import claim, release
 from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
@@ -93,15 +94,36 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._handles = []
         # The hooks resize storages and re-point p.data: torch.compile must never trace them. (Wrapped
         # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
+        # A copy of the model (deepcopy, AveragedModel, torch.save) gets inert hooks in their place (ModelHook), and a
+        # check that its parameters were not copied released (ReleasedCopyCheck).
+        numel_of = {id(p): s.numel() for u in self.units for part in u.parts for p, s in zip(part.params, part.shapes)}
+
+        def copy_check(m: nn.Module):
+            numels = tuple((n, numel_of[id(p)]) for n, p in m._parameters.items() if p is not None and id(p) in numel_of)
+            return ReleasedCopyCheck(numels) if numels else inert_hook
+
         pre, post = _eager_only(self._pre_forward), _eager_only(self._post_forward)
+        post = ModelHook(post)
+        in_units = {id(m) for u in self.units for m in u.modules}
         for u in self.units:
             for m in u.modules:
-                self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+                self._handles.append(m.register_forward_pre_hook(ModelHook(pre, copied=copy_check(m)), prepend=True))
                 self._handles.append(m.register_forward_hook(post, always_call=True))
+        # modules that hold parameters without being a unit's own (a Linear inside a unit's block, a small model
+        # folded into the root, an embedding outside the units): called directly, outside the model's forward,
+        # they gather the units that hold their parameters
+        unit_of_param = {id(p): u for u in self.units for part in u.parts for p in part.params}
+        direct = _eager_only(self._direct_call)
+        for m in root.modules():
+            owners = tuple({id(unit_of_param[id(p)]): unit_of_param[id(p)] for p in m._parameters.values()
+                            if p is not None and id(p) in unit_of_param}.values())
+            if id(m) not in in_units and owners:
+                self._handles.append(m.register_forward_pre_hook(ModelHook(direct, owners, copied=copy_check(m)),
+                                                                 prepend=True))
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
-        self._handles.append(root.register_state_dict_post_hook(functools.partial(self._check_state_dict)))
-        self._handles.append(root.register_load_state_dict_pre_hook(self._before_load))
-        self._handles.append(root.register_load_state_dict_post_hook(self._after_load))
+        self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict)))
+        self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
+        self._handles.append(root.register_load_state_dict_post_hook(ModelHook(self._after_load)))
         self._load_prefix = ""
         self._unit_of = {id(m): u for u in self.units for m in u.modules}
         self._unit_of_param = {id(p): u for u in self.units for p in u.trainable}  # by id: no Tensor.__hash__ call
@@ -159,8 +181,34 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         return self.units[0].nbytes + sum(others[:live])
 
     # -- forward ----------------------------------------------------------
+    def _direct_call(self, owners: tuple, module: nn.Module, args) -> None:
+        """A module that is not a unit's own, called outside the model's forward (``model.head(x)``,
+        ``block.attn(x)`` between steps; every rank calls it, as a unit's module): the ``owners`` of its
+        parameters are gathered for it, as a unit's module gathers its unit. Without gradients they are
+        released after the call; with them they stay gathered for their backward, until the step."""
+        if self.state is not TrainingState.IDLE or self._holding or self._closed:
+            return
+        todo = [u for u in owners if u.state is not UnitState.GATHERED]
+        if not todo:
+            return
+        for u in todo:
+            self._issue(u)
+        for u in todo:
+            self._wait(u)
+        if not torch.is_grad_enabled():
+            handle = None
+
+            def release(module, args, output):
+                handle.remove()
+                if self.state is TrainingState.IDLE and not self._holding:
+                    for u in todo:
+                        self._release(u)
+            handle = module.register_forward_hook(release, always_call=True)
+
     def _pre_forward(self, module: nn.Module, args) -> None:
-        u = self._unit_of[id(module)]
+        u = self._unit_of.get(id(module))
+        if u is None:  # a shallow copy of one of the model's modules (copy.copy): a plain module
+            return
         if u.entered == self._forwards and u.state is UnitState.GATHERED and self.state is TrainingState.FORWARD \
                 and self._record is None:
             return  # a later module of a merged unit in this forward: its first gathered it and prefetched
@@ -194,7 +242,9 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             self._release(u)
 
     def _post_forward(self, module: nn.Module, args, output):
-        u = self._unit_of[id(module)]
+        u = self._unit_of.get(id(module))
+        if u is None:
+            return
         if sys.exc_info()[0] is not None:
             if u.index == 0:
                 self._abort()

@@ -1,0 +1,161 @@
+"""The user's model after the optimizer hooked it: copies of it, and its modules called on their own.
+
+- ``copy.deepcopy(model)``, ``swa_utils.AveragedModel(model)`` and ``torch.save(model)`` give a plain model:
+  fused_zero's hooks come along as inert ones, so a copy's forward gathers nothing and joins no collective
+  (at stage 2 with the model given, the buffer broadcast stays the original's). At stage 3 a copy taken
+  inside ``full_parameters()`` computes what the model does; one taken while the parameters were released
+  refuses to run, naming the fix.
+- Stage 3: a module that is not a unit's own (a Linear inside a unit's block, a small model folded into
+  the root, an embedding outside the units) called directly between steps gathers the units that hold its
+  parameters, as a unit's module gathers its unit, with and without gradients; training then goes on
+  equal to a run without those calls.
+"""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from _dist import run_ranks
+from _models import PlainNet, batch, loss_fn
+from fused_zero import ShardedOptimizer
+
+
+def _step(model, opt, t, rank=0):
+    x, y = batch(t, rank)
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def _copies(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "AveragedModel": AveragedModel(model),
+            "torch.save": torch.load(buf, weights_only=False)}
+
+
+@pytest.mark.parametrize("units", [None, "per module"])
+def test_stage3_copies_inside_full_parameters_are_plain_models(units):
+    model, ref = PlainNet(), PlainNet()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **({"min_unit_numel": 0} if units else {}))
+    ref_opt = ShardedOptimizer(ref, stage=3, lr=1e-2, **({"min_unit_numel": 0} if units else {}))
+    for t in range(2):
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    x, _ = batch(5, 0)
+    with opt.full_parameters():
+        expected = model(x)
+        copies = _copies(model)
+    for name, c in copies.items():
+        with torch.no_grad():
+            assert torch.equal(c(x), expected), name
+        # the copy trains on its own, as any module: a torch optimizer over it
+        c_opt = torch.optim.SGD(c.parameters(), lr=0.1)
+        loss_fn(c(x), batch(5, 0)[1]).backward()
+        c_opt.step()
+    for t in range(2, 4):  # the model trains on, untouched by its copies
+        _step(model, opt, t)
+        _step(ref, ref_opt, t)
+    with opt.full_parameters(), ref_opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_stage3_copy_of_released_parameters_refuses_to_run():
+    model = PlainNet()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2)
+    _step(model, opt, 0)
+    x, _ = batch(1, 0)
+    for name, c in _copies(model).items():
+        with pytest.raises(RuntimeError, match="full_parameters"):
+            c(x)
+
+
+class Embedded(nn.Module):
+    """An embedding and a head outside the units (``units=[nn.Sequential]``): both held by the root."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb = nn.Linear(16, 32)
+            self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+            self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x))).mean(dim=1)
+
+
+class Folded(nn.Module):
+    """Two small Linears: their default units merge into one, which the root then holds (no unit hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x))).mean(dim=1)
+
+
+#: the module called directly: a Linear inside a unit's Sequential (PlainNet), one of a model folded into the
+#: root, and one the root holds beside explicit units
+MODELS = {"unit's child": (PlainNet, {}, lambda m: m.layers[0]), "folded": (Folded, {}, lambda m: m.emb),
+          "root-held": (Embedded, {"units": [nn.Sequential]}, lambda m: m.emb)}
+
+
+def _direct_calls_rank(rank, world_size, model_name):
+    cls, kw, pick = MODELS[model_name]
+    model, ref = cls(), cls()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **kw)
+    ref_opt = ShardedOptimizer(ref, stage=3, lr=1e-2, **kw)
+    first, ref_first = pick(model), pick(ref)
+    x, _ = batch(9, rank)
+    out = {}
+    for t in range(4):
+        _step(model, opt, t, rank)
+        _step(ref, ref_opt, t, rank)
+        with torch.no_grad():
+            direct = first(x)
+        with ref_opt.full_parameters():
+            expected = ref_first(x)
+        out[f"no_grad_{t}"] = torch.equal(direct, expected)
+        out[f"released_{t}"] = all(p.numel() == 0 for p in first.parameters())
+        if t == 2:  # with gradients: a loss through the module alone, its backward, then a normal step
+            opt.zero_grad()
+            first(x).square().mean().backward()
+            out["grads_reduced"] = opt.clip_grad_norm_(1e9).item() > 0
+    with opt.full_parameters(), ref_opt.full_parameters():
+        out["equal"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_stage3_module_called_directly(model_name, world_size):
+    for out in run_ranks(_direct_calls_rank, world_size, model_name):
+        assert all(out.values()), out
+
+
+def _stage2_copy_rank(rank, world_size):
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+    opt = ShardedOptimizer(model, stage=2, lr=1e-2)  # given the model: broadcasts rank 0's buffers
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    if rank == 0:  # a copy evaluated on one rank only: no collective may hide in its forward
+        ema = copy.deepcopy(model)
+        ema(x)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_stage2_copy_forward_on_one_rank_joins_no_collective():
+    a, b = run_ranks(_stage2_copy_rank, 2, timeout=60)  # (a collective in the copy's forward: a hang)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
