@@ -319,3 +319,21 @@ def test_stage1_torch_clip_alone_is_exact_and_silent():
             warnings.simplefilter("error")
             o.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_3_consume_the_gradients_at_step(stage):
+    """The README's row on skipping zero_grad(): each step() consumes the shards' gradients, so a second step()
+    with no backward changes nothing and no step count moves (torch would step again with the kept .grad)."""
+    model = PlainNet()
+    opt = _build(model, stage)
+    x, y = batch(0, 0)
+    loss_fn(model(x), y).backward()
+    opt.step()
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
