@@ -101,9 +101,9 @@ class ModelHook(functools.partial):
 
 
 class ReleasedCopyCheck:
-    """Stage 3, in a copy of the model: a module whose parameters were copied while released (empty placeholders
-    in place of ``shapes``, ((name, numel), ...)) refuses to run, naming the fix, instead of failing in torch's
-    shape checks or computing with nothing."""
+    """Stage 3, in a copy of the model: a unit's module whose parameters were copied while released (empty
+    placeholders in place of ``numels``, ((name below the module, numel), ...)) refuses to run, naming the fix,
+    instead of failing in torch's shape checks or computing with nothing."""
 
     __slots__ = ("numels",)
 
@@ -111,9 +111,9 @@ class ReleasedCopyCheck:
         self.numels = numels
 
     def __call__(self, module, args) -> None:
-        for name, numel in self.numels:
-            p = module._parameters.get(name)
-            if p is not None and p.numel() == 0 and numel > 0:
+        numels = dict(self.numels)
+        for name, p in module.named_parameters():
+            if p.numel() == 0 and numels.get(name, 0) > 0:
                 raise RuntimeError(
                     f"this module is a copy (copy.deepcopy, swa_utils.AveragedModel, torch.save(model)) of a ZeRO "
                     f"stage-3 model made while its parameters were released: parameter {name!r} is an empty "

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -50,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..eager_hooks import _eager_only
-from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook
+from ..hooks import ModelHook, Relay, ReleasedCopyCheck, inert_hook
 from ..ownership import claim, release
 from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
@@ -94,12 +95,12 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._handles = []
         # The hooks resize storages and re-point p.data: torch.compile must never trace them. (Wrapped
         # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
-        # A copy of the model (deepcopy, AveragedModel, torch.save) gets inert hooks in their place (ModelHook), and a
-        # check that its parameters were not copied released (ReleasedCopyCheck).
+        # A copy of the model (deepcopy, AveragedModel, torch.save) gets inert hooks in their place (ModelHook), and
+        # at each unit's module a check that no parameter below it was copied released (ReleasedCopyCheck).
         numel_of = {id(p): s.numel() for u in self.units for part in u.parts for p, s in zip(part.params, part.shapes)}
 
         def copy_check(m: nn.Module):
-            numels = tuple((n, numel_of[id(p)]) for n, p in m._parameters.items() if p is not None and id(p) in numel_of)
+            numels = tuple((n, numel_of[id(p)]) for n, p in m.named_parameters() if id(p) in numel_of)
             return ReleasedCopyCheck(numels) if numels else inert_hook
 
         pre, post = _eager_only(self._pre_forward), _eager_only(self._post_forward)
@@ -109,17 +110,20 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             for m in u.modules:
                 self._handles.append(m.register_forward_pre_hook(ModelHook(pre, copied=copy_check(m)), prepend=True))
                 self._handles.append(m.register_forward_hook(post, always_call=True))
-        # modules that hold parameters without being a unit's own (a Linear inside a unit's block, a small model
-        # folded into the root, an embedding outside the units): called directly, outside the model's forward,
-        # they gather the units that hold their parameters
+        # Modules that hold parameters without being a unit's own (a Linear inside a unit's block, a small model
+        # folded into the root, an embedding beside the units), called directly outside the model's forward,
+        # gather the units holding their parameters. One process-wide pre-hook serves them, registered only
+        # while the model is idle (between its forwards): inside a forward none of them pays for a hook.
         unit_of_param = {id(p): u for u in self.units for part in u.parts for p in part.params}
-        direct = _eager_only(self._direct_call)
+        self._direct = {}  # id(module) -> (module, the units holding its parameters)
         for m in root.modules():
             owners = tuple({id(unit_of_param[id(p)]): unit_of_param[id(p)] for p in m._parameters.values()
                             if p is not None and id(p) in unit_of_param}.values())
             if id(m) not in in_units and owners:
-                self._handles.append(m.register_forward_pre_hook(ModelHook(direct, owners, copied=copy_check(m)),
-                                                                 prepend=True))
+                self._direct[id(m)] = (m, owners)
+        self._idle_hook = [None]  # the process-wide hook's handle while registered (removed on collection too)
+        self._direct_hook = _eager_only(Relay(self._direct_call))
+        weakref.finalize(self, _remove_idle_hook, self._idle_hook)
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
         self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict)))
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
@@ -137,6 +141,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         for u in self.units:
             u.pre_backward = functools.partial(self._pre_backward, u.index)
             self._release(u, force=True)  # the parameters still hold their full values: placeholders now
+        self._arm_direct_calls()
 
     def owns(self, p: nn.Parameter) -> bool:
         return not self._closed and id(p) in self._param_ids
@@ -165,6 +170,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._disarm_direct_calls()
         self._closed = True
         release(self, self._params)
 
@@ -181,14 +187,23 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         return self.units[0].nbytes + sum(others[:live])
 
     # -- forward ----------------------------------------------------------
-    def _direct_call(self, owners: tuple, module: nn.Module, args) -> None:
+    def _arm_direct_calls(self) -> None:
+        """The model is idle: its modules called directly gather what they need (``_direct_call``)."""
+        if self._direct and self._idle_hook[0] is None and not self._closed:
+            self._idle_hook[0] = torch.nn.modules.module.register_module_forward_pre_hook(self._direct_hook)
+
+    def _disarm_direct_calls(self) -> None:
+        _remove_idle_hook(self._idle_hook)
+
+    def _direct_call(self, module: nn.Module, args) -> None:
         """A module that is not a unit's own, called outside the model's forward (``model.head(x)``,
-        ``block.attn(x)`` between steps; every rank calls it, as a unit's module): the ``owners`` of its
+        ``block.attn(x)`` between steps; every rank calls it, as a unit's module): the units holding its
         parameters are gathered for it, as a unit's module gathers its unit. Without gradients they are
         released after the call; with them they stay gathered for their backward, until the step."""
-        if self.state is not TrainingState.IDLE or self._holding or self._closed:
+        entry = self._direct.get(id(module))
+        if entry is None or entry[0] is not module or self.state is not TrainingState.IDLE or self._holding:
             return
-        todo = [u for u in owners if u.state is not UnitState.GATHERED]
+        todo = [u for u in entry[1] if u.state is not UnitState.GATHERED]
         if not todo:
             return
         for u in todo:
@@ -217,6 +232,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
                 check, self._first_forward = self._first_forward, None
                 check()
+            self._disarm_direct_calls()
             self._start(TrainingState.FORWARD, list(self.schedule))
         elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None and u.index:
             if u.index not in self._record:
@@ -296,6 +312,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if self._grad_forward and self._record is not None:
             self._agree_on_schedule()
         self.state = TrainingState.IDLE
+        self._arm_direct_calls()
 
     def _agree_on_schedule(self) -> None:
         record, self._record = self._record, None
@@ -316,6 +333,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             self._release(u)
         self._drop_copies()
         self.state = TrainingState.IDLE
+        self._arm_direct_calls()
 
     def _drop_copies(self) -> None:
         if self.secondary is not None:
@@ -354,6 +372,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             u.grads_seen.clear()
         self._drop_copies()  # (each was dropped as its gather landed; none outlives the backward)
         self.state = TrainingState.IDLE
+        self._arm_direct_calls()
 
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:
@@ -384,3 +403,9 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             for u in self.units:
                 self._release(u)
 
+
+
+def _remove_idle_hook(slot: list) -> None:
+    handle, slot[0] = slot[0], None
+    if handle is not None:
+        handle.remove()
