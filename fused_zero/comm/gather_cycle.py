@@ -144,9 +144,15 @@ class GatherCycle:
         self._forwards += state is TrainingState.FORWARD
 
     def _require(self, u: _Unit) -> None:
-        """Issue the schedule up to ``u`` (or ``u`` alone if it is not ahead), then wait for it."""
-        if self._place.get(u.index, -1) >= self._cursor:
-            while u.state is UnitState.RELEASED:
+        """Issue the schedule up to and past ``u`` (or ``u`` alone if it is not ahead), then wait for it.
+
+        The cursor moves past ``u`` even when ``u`` is already gathered (the schedule's last unit, kept from the
+        forward into backward): a rank whose data skipped that unit never requires it and passes it while
+        issuing the next one, so every rank must pass it there, or one rank would gather it again later and
+        its gathers would pair with another rank's gathers of other units."""
+        place = self._place.get(u.index, -1)
+        if place >= self._cursor:
+            while self._cursor <= place:
                 self._issue(self.units[self._order[self._cursor]])
                 self._cursor += 1
         else:
