@@ -5,6 +5,7 @@ Parity with DDP over many steps is tests/test_stage3_parity.py; here one spawn o
 ranks measures the mechanics on the example GPT, and the tests assert.
 """
 import copy
+import dataclasses
 import os
 import sys
 
@@ -542,3 +543,86 @@ def test_a_rank_skipping_the_last_unit_gathers_in_step_with_the_others(max_live_
     it: a hang, or (accumulating, the counts evening out) gathers paired with other units' and wrong weights."""
     errors = run_ranks(_skip_last_unit, 2, max_live_units, accumulate, timeout=120)
     assert max(errors) < 1e-6, errors
+
+
+def _gradient_penalty(rank, world_size, stage):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from fused_zero import ShardedOptimizer
+    model, ref = _FourBlocks(), _FourBlocks()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-2,
+                           **({"min_unit_numel": 0} if stage == 3 else {}))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            loss = F.mse_loss(m(xi), y)
+            (gx,) = torch.autograd.grad(loss, xi, create_graph=True)  # WGAN-GP / R1: the input gradient's norm
+            (loss + 0.1 * gx.pow(2).sum()).backward()
+        opt.step()
+        if world_size > 1:
+            for p in ref.parameters():  # DDP's average
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        ref_opt.step()
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        return max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_penalty_double_backward(stage, world_size):
+    """autograd.grad(create_graph=True) then backward through it: stage 3 keeps the units gathered from the
+    first backward through the second (its graph reads the parameters), instead of failing on freed storage."""
+    errors = run_ranks(_gradient_penalty, world_size, stage, timeout=120)
+    assert max(errors) < 1e-6, errors
+
+
+@dataclasses.dataclass
+class _BlockOut:
+    h: torch.Tensor
+    extra: dict
+
+
+class _DataclassBlocks(nn.Module):
+    """Blocks that return a plain (unregistered) dataclass: its tensors are found for backward's hooks."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = x + torch.tanh(self.fc(x))
+            return _BlockOut(h=h, extra={"pre": h * 0.5})
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(self.Block() for _ in range(3))
+
+    def forward(self, x):
+        out = 0
+        for b in self.blocks:
+            o = b(x)
+            x, out = o.h, out + o.extra["pre"].sum()
+        return x.square().mean() + 1e-3 * out
+
+
+def test_units_returning_a_dataclass_train_as_torch():
+    from fused_zero import ShardedOptimizer
+    model, ref = _DataclassBlocks(), _DataclassBlocks()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    with opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

@@ -39,6 +39,7 @@ here reach the gatherer by weak reference and are removed by ``close``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import weakref
@@ -79,6 +80,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._record: list[int] | None = []  # forward order being recorded (None: done)
         self.state = TrainingState.IDLE
         self._grad_forward = False
+        self._graph_backward = False  # the backward running builds a graph (create_graph=True)
+        self._graph_kept = False  # units stay gathered for a graph a create_graph backward built
         self._order: list[int] = []
         self._cursor = 0
         self._place: dict[int, int] = {}  # unit index -> its position in _order (no slice searched per unit)
@@ -247,14 +250,15 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
 
     def _hook_inputs(self, u: _Unit, args) -> None:
         u.inputs_done = False
-        inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [t for t in _tensors_in(args) if t.requires_grad]
         if inputs:
             torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._inputs_done, u.index))
 
     def _inputs_done(self, index: int, grads) -> None:
         u = self.units[index]
         u.inputs_done = True
-        if self.state is TrainingState.BACKWARD and u.index and len(u.grads_seen) == len(u.trainable):
+        if self.state is TrainingState.BACKWARD and u.index and len(u.grads_seen) == len(u.trainable) \
+                and not self._graph_kept:
             self._release(u)
 
     def _post_forward(self, module: nn.Module, args, output):
@@ -289,7 +293,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
     def _hook_outputs(self, u: _Unit, output) -> None:
         u.backward_started = False
         u.grads_seen.clear()
-        for t in (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]:  # (pytree costs µs)
+        for t in (output,) if isinstance(output, torch.Tensor) else _tensors_in(output):  # (pytree costs µs)
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 node = t.grad_fn
                 if node is not None:  # before the node that made the output runs (cheaper than a tensor hook)
@@ -345,6 +349,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if self.state is not TrainingState.BACKWARD:
             order = list(reversed(self.schedule)) if self.reshard_after_forward else []
             self._start(TrainingState.BACKWARD, order)
+            # create_graph=True (a gradient penalty's autograd.grad): the graph it builds reads the parameters
+            # in a later backward, so every unit stays gathered until a backward without it (or the step)
+            self._graph_backward = torch.is_grad_enabled()
+            self._graph_kept = self._graph_kept or self._graph_backward
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
             self._begin_backward()  # the optimizer's end-of-backward callback (it calls end_backward first)
         if not u.backward_started:
@@ -358,7 +366,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if self.state is not TrainingState.BACKWARD or u is None or u.index == 0:
             return
         u.grads_seen.add(id(p))
-        if len(u.grads_seen) == len(u.trainable) and (not u.frozen or u.inputs_done):
+        if len(u.grads_seen) == len(u.trainable) and (not u.frozen or u.inputs_done) and not self._graph_kept:
             self._release(u)
 
     def end_backward(self) -> None:
@@ -366,8 +374,11 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if self.state is not TrainingState.BACKWARD:
             return
         self._drain()
+        keep = self._graph_backward  # its graph reads the parameters in the next backward
+        self._graph_kept = keep
         for u in self.units:
-            self._release(u)
+            if not keep:
+                self._release(u)
             u.backward_started = False
             u.grads_seen.clear()
         self._drop_copies()  # (each was dropped as its gather landed; none outlives the backward)
@@ -377,6 +388,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
     # -- outside forward and backward ---------------------------------------
     def release_all(self) -> None:
         """The shards changed (a step, a load): drop every gathered copy."""
+        self._graph_kept = False
         for u in self.units:
             self._release(u)
             for part in u.parts:
@@ -409,3 +421,15 @@ def _remove_idle_hook(slot: list) -> None:
     handle, slot[0] = slot[0], None
     if handle is not None:
         handle.remove()
+
+
+def _tensors_in(value) -> list:
+    """The tensors in a module's output or inputs: pytree's leaves, and the fields of dataclasses (which pytree
+    leaves whole unless registered), at any depth."""
+    out = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return out
