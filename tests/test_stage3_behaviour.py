@@ -626,3 +626,29 @@ def test_units_returning_a_dataclass_train_as_torch():
             o.step()
     with opt.full_parameters():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _eval_on_rank0_inside_full_parameters(rank, world_size):
+    import torch.nn.functional as F
+    from fused_zero import ShardedOptimizer
+    model = _FourBlocks()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    evals = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        with opt.full_parameters():  # every rank enters; rank 0 alone evaluates: no gather inside
+            if rank == 0:
+                with torch.no_grad():
+                    evals.append(model(x).sum().item())
+    with opt.full_parameters():
+        return evals, [p.detach().clone() for p in model.parameters()]
+
+
+def test_rank0_alone_evaluates_inside_full_parameters():
+    """The README's recipe for DDP's `if rank == 0: evaluate(model)` at stage 3."""
+    (evals, a), (_, b) = run_ranks(_eval_on_rank0_inside_full_parameters, 2, timeout=60)
+    assert len(evals) == 3 and all(torch.equal(p, q) for p, q in zip(a, b))
