@@ -6,6 +6,9 @@ unchanged; options that cannot mean anything here are refused with the reason.
 """
 from __future__ import annotations
 
+import numbers
+import re
+
 import torch
 
 from .host_read import to_host
@@ -66,21 +69,28 @@ def check_group(group: dict) -> None:
     check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
 
 
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")  # what a default repr holds
+
+
 def agreement_key(value):
     """What ranks compare of a group or option value (``repr`` of it must be equal on every rank that agrees).
 
     Exact for what the update reads: numbers and strings as their repr, tensors as dtype, shape and values (a
     tensor on an accelerator read once, as the step reads it; never its device index, which is each rank's
-    own); containers element by element. Any other object (a callable, a user object kept in a group as
-    torch.optim allows) by its type only: its default repr holds a memory address, different on every rank.
+    own); containers element by element; other numbers (numpy scalars, Fraction) by value. Any other object (a
+    callable, a user object kept in a group as torch.optim allows) by its repr, unless that holds a memory
+    address (the default repr, different on every rank): then by its type only.
     """
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
+    if isinstance(value, numbers.Number):  # numpy.float32(1e-3), Fraction(1, 1000), ...
+        return type(value).__name__, repr(complex(value) if isinstance(value, numbers.Complex)
+                                          and not isinstance(value, numbers.Real) else float(value))
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
             values = as_float(value)
         else:
-            values = tuple(value.flatten().tolist()) if value.device.type == "cpu" else value.device.type
+            values = tuple(value.flatten().tolist()) if value.device.type == "cpu" else value.device.type  # host tensor
         return ("tensor", str(value.dtype), tuple(value.shape), values)
     if isinstance(value, (tuple, list)):
         return type(value).__name__, tuple(agreement_key(v) for v in value)
@@ -88,7 +98,9 @@ def agreement_key(value):
         return "dict", tuple(sorted((repr(k), agreement_key(v)) for k, v in value.items()))
     if isinstance(value, torch.device):
         return "device", value.type
-    return "object", f"{type(value).__module__}.{type(value).__qualname__}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    text = repr(value)
+    return "object", kind, None if _ADDRESS.search(text) else text
 
 
 def as_float(value) -> float:

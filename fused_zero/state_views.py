@@ -62,10 +62,56 @@ def views_of(part, index: int) -> dict[str, torch.Tensor]:
     return out
 
 
+class ParamState(dict):
+    """``optimizer.state[p]``: a dict that notes when user code edits it (``state[p]["exp_avg"] = t``), so a step
+    looks for replaced moments only then (one flag a partition, not three lookups a parameter a step). The
+    optimizer's own writes go through ``dict``'s methods. Copies and pickles are plain dicts."""
+
+    __slots__ = ("edited",)
+
+    def __init__(self, items, edited: list) -> None:
+        super().__init__(items)
+        self.edited = edited  # the partition's flag, [bool]
+
+    def __setitem__(self, key, value):
+        self.edited[0] = True
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.edited[0] = True
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.edited[0] = True
+        return super().__ior__(other)
+
+    def _edit(name):  # noqa: N805 - builds the methods below
+        def method(self, *args, **kwargs):
+            self.edited[0] = True
+            return getattr(dict, name)(self, *args, **kwargs)
+        method.__name__ = name
+        return method
+
+    pop, popitem, clear, update, setdefault = _edit("pop"), _edit("popitem"), _edit("clear"), _edit("update"), \
+        _edit("setdefault")
+    del _edit
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+def own_state(state: dict, part, p) -> ParamState:
+    """``state[p]`` as a ``ParamState`` of ``part`` (a plain dict user code or a load put there is wrapped)."""
+    s = state[p]
+    if type(s) is not ParamState:
+        s = state[p] = ParamState(s, part.state_edited)
+    return s
+
+
 def attach(state: dict, part, index: int) -> None:
     """``state[p]`` (which has a step) gets the moment views of ``p``, parameter ``index`` of ``part``."""
     views = views_of(part, index)
-    state[part.params[index]].update(views)
+    dict.update(own_state(state, part, part.params[index]), views)
     if part.step_counts is not None:
         part.step_counts.moments[index] = (views.get("exp_avg"), views.get("exp_avg_sq"), views.get("max_exp_avg_sq"))
 
@@ -120,9 +166,9 @@ def take_in_moments(state: dict, part, index: int) -> None:
                 f"({tuple(part.shapes[index])}) and this rank holds {mine} of them: give a tensor shaped like "
                 "the parameter (or like the view it replaced)")
         if view is None:  # states not in memory (NVMe): state[p] holds no views
-            del s[kind]
+            dict.__delitem__(s, kind)
         else:
-            s[kind] = view
+            dict.__setitem__(s, kind, view)
         recorded[k] = view
     part.step_counts.moments[index] = tuple(recorded)
 
@@ -176,29 +222,31 @@ class StepCounts:
                 and to_host(skip, "verdict before new states"):
             return []  # as torch.optim.AdamW under a GradScaler: a skipped step creates no state
         new_keys = None
-        moments = self.moments
         for i in active:
             s = state[part.params[i]]
             count = s.get("step")
-            m = moments[i]
             if count is not views[i]:
                 new_keys = new_keys or list(self.keys)
+                s = own_state(state, part, part.params[i])
                 if count is None:  # a new state: step 0 and its moment views
                     if self.started[i]:  # taken away (state.clear(), del state[p], state[p] = {}): from zeros
                         reset_moments(part, i)
                     self.started[i] = True
                     views[i].zero_()
-                    s["step"] = views[i]
+                    dict.__setitem__(s, "step", views[i])
                     attach(state, part, i)
                     new_keys[i] = ("new",)
                     continue
                 value = float(count)  # host tensor: a count user code put in (a load reads from the host)
                 views[i].fill_(value)
-                s["step"] = views[i]
+                dict.__setitem__(s, "step", views[i])
                 new_keys[i] = ("set", value)
                 self.started[i] = True
-            if s.get("exp_avg") is not m[0] or s.get("exp_avg_sq") is not m[1] or s.get("max_exp_avg_sq") is not m[2]:
-                take_in_moments(state, part, i)
+        if part.state_edited[0]:  # user code wrote into some state[p] since the last step: replaced moments
+            for i, p in enumerate(part.params):
+                if self.started[i] and p in state:
+                    take_in_moments(state, part, i)
+            part.state_edited[0] = False
         if len(active) != len(views):  # the others did not advance: split their classes from these
             new_keys = new_keys or list(self.keys)
             for i in active:

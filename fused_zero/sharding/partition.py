@@ -84,6 +84,7 @@ class Partition:
                            if self.grad_tier is Tier.DEVICE
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self.step_counts = None  # the parameters' step counts (update.py's StepCounts), from the first update
+        self.state_edited = [False]  # user code wrote into optimizer.state[p] of one of these (state_views.ParamState)
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
