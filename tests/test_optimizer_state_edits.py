@@ -13,6 +13,8 @@
 import collections
 import functools
 
+import numpy
+
 import pytest
 import torch
 from torch import nn
@@ -176,6 +178,9 @@ def _agreement_rank(rank, world_size, case):
     if case == "tensor lr":  # repr(tensor(3.4e-4)) == repr(tensor(3.0e-4)) == 'tensor(0.0003)'
         kw = dict(lr=torch.tensor(3e-4 if rank == 0 else 3.4e-4))
         groups = model.parameters()
+    elif case == "numpy lr":  # not a float subclass: compared by value all the same
+        kw = dict(lr=numpy.float32(1e-3 if rank == 0 else 2e-3))
+        groups = model.parameters()
     else:  # a group key whose repr holds an address (a partial of a function), the same on every rank
         ps = list(model.parameters())
         groups = [{"params": ps[:2], "lr_fn": functools.partial(_scale, k=0.5)}, {"params": ps[2:]}]
@@ -189,6 +194,7 @@ def _agreement_rank(rank, world_size, case):
 
 
 def test_tensor_lr_is_compared_by_value_and_object_keys_are_accepted():
-    refused = run_ranks(_agreement_rank, 2, "tensor lr")
-    assert all(r.startswith("refused") and "differ across ranks" in r for r in refused), refused
+    for case in ("tensor lr", "numpy lr"):
+        refused = run_ranks(_agreement_rank, 2, case)
+        assert all(r.startswith("refused") and "differ across ranks" in r for r in refused), (case, refused)
     assert run_ranks(_agreement_rank, 2, "object key") == ["built", "built"]
