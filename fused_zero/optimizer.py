@@ -27,6 +27,7 @@ from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scal
                   update_scalars)
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm
+from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
@@ -211,6 +212,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
                                                        Relay(self._begin_backward), self.partitions,
                                                        Relay(self._first_forward))
+        gatherer = getattr(self._stage, "gatherer", None)
+        if gatherer is not None and self._rendezvous is not None:
+            gatherer.meet_eval = Relay(self._meet_eval)
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
@@ -342,6 +346,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._in_backward = False
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
         self.grad_sync.close_round()
+
+    def _meet_eval(self) -> None:
+        """Stage 3, a forward without gradients (evaluation): every rank runs it, so they meet first."""
+        with self.collective_call(EVAL_FORWARD):
+            pass
 
     def _first_forward(self) -> None:
         """Stage 3, the model's first training forward, before any gather: refuse what wraps the model."""

@@ -3,8 +3,8 @@
 DDP users save with ``if rank == 0: torch.save(opt.state_dict(), path)``. Here ``state_dict()``
 is collective, so the other ranks serve it from their next step's wait: the lone call returns
 what the collective call returns, and training goes on bit for bit as without it. The other
-collective calls (load_state_dict, the checkpoint calls, stage 3's full_parameters, close)
-raise at once on the rank that made them alone, naming the call and what to write instead;
+collective calls (load_state_dict, the checkpoint calls, stage 3's full_parameters, close, and a
+stage-3 forward without gradients: DDP's ``if rank == 0: evaluate(model)``) raise at once on the rank that made them alone, naming the call and what to write instead;
 nothing is disturbed, so training goes on and the call works once every rank makes it. A
 caller whose error ends its process takes the others down with its reason
 (tests/_exit_launcher.py, cases ``lone``).
@@ -89,7 +89,16 @@ def _lone(opt, model, call, folder):
             with opt.full_parameters():
                 pass
         return enter
+    if call == "evaluate":  # DDP's `if rank == 0: evaluate(model)` at stage 3
+        def evaluate():
+            with torch.no_grad():
+                model(batch(9, 0)[0])
+        return evaluate
     raise AssertionError(call)
+
+
+#: how each call names itself in the error
+_NAMES = {"evaluate": "a stage-3 forward without gradients"}
 
 
 def _lone_call_raises(rank, world_size, stage, call, folder, alone):
@@ -112,12 +121,13 @@ def _lone_call_raises(rank, world_size, stage, call, folder, alone):
 
 
 @pytest.mark.parametrize("call,stage", [("load_state_dict", 2), ("checkpoint.save", 1), ("checkpoint.load", 2),
-                                        ("full_parameters", 3), ("load_state_dict", 3)])
+                                        ("full_parameters", 3), ("load_state_dict", 3), ("evaluate", 3)])
 def test_lone_call_raises_on_its_rank_and_training_goes_on(call, stage, tmp_path):
     got = run_ranks(_lone_call_raises, 2, stage, call, str(tmp_path / "a"), True, timeout=TIMEOUT)
     ref = run_ranks(_lone_call_raises, 2, stage, call, str(tmp_path / "b"), False, timeout=TIMEOUT)
     error, took, _ = got[0]
-    assert error is not None and f"{call}() is collective" in error and "every rank" in error, error
+    name = _NAMES.get(call, f"{call}()")
+    assert error is not None and f"{name} is collective" in error and "every rank" in error, error
     assert "rank(s) [1]" in error and "next collective" in error
     assert took < 60
     assert got[1][0] is None

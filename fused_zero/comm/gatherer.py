@@ -141,6 +141,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._param_ids = {id(p) for p in self._params}
         self._closed = False
         self.behind = None  # the host update running behind the last step (behind.py), set by Stage3
+        # a forward without gradients first meets every rank through the store (the optimizer's collective_call):
+        # a rank evaluating alone raises, naming the fix, instead of waiting in a gather no peer makes
+        self.meet_eval: Callable[[], None] | None = None
+        self._eval_met = False  # met since the last training forward or step: the next evaluation forwards do not
         # The model (through these hooks) outlives a dropped optimizer: a new optimizer over the
         # model finds this gatherer here and closes it, giving the parameters back first.
         claim(self, self._params)
@@ -239,6 +243,11 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             return  # a later module of a merged unit in this forward: its first gathered it and prefetched
         if u.index == 0 and self.state is TrainingState.IDLE:
             self._grad_forward = torch.is_grad_enabled()
+            if self._grad_forward:
+                self._eval_met = False
+            elif not self._eval_met and not self._holding and self.meet_eval is not None:
+                self.meet_eval()  # every rank runs it (before any gather): DDP's rank-0-only eval is refused
+                self._eval_met = True  # the forwards without gradients that follow, until the next training
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
                 check, self._first_forward = self._first_forward, None
                 check()
@@ -396,6 +405,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
     def release_all(self) -> None:
         """The shards changed (a step, a load): drop every gathered copy."""
         self._graph_kept = False
+        self._eval_met = False
         for u in self.units:
             self._release(u)
             for part in u.parts:

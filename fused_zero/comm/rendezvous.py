@@ -38,6 +38,9 @@ import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
+#: the name a stage-3 forward without gradients meets the other ranks under (optimizer._meet_eval)
+EVAL_FORWARD = "a stage-3 forward without gradients"
+
 #: Seconds a collective call waits for the other ranks before it warns that they have not called it.
 WARN_S = float(os.environ.get("FUSED_ZERO_COLLECTIVE_WARN_S", "30"))
 
@@ -57,6 +60,11 @@ _WHAT_INSTEAD = {
     "checkpoint.save()": "call fused_zero.checkpoint.save(dir, model, optimizer) on every rank; each writes its shard",
     "checkpoint.load()": "call fused_zero.checkpoint.load(dir, model, optimizer) on every rank",
     "close()": "call optimizer.close() on every rank",
+    EVAL_FORWARD: "at stage 3 every rank runs every forward, evaluation included (its "
+                                            "gathers need every rank); to evaluate on one rank, enter "
+                                            "`with optimizer.full_parameters():` on every rank and evaluate inside "
+                                            "it on that one (`if rank == 0: evaluate(model)`): nothing is gathered "
+                                            "there",
 }
 
 
