@@ -190,6 +190,13 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("clip_grad_norm_ got only part of a ShardedOptimizer's parameters: it clips the global "
                              "norm of all of them together (the gradients live as shards inside the optimizer); "
                              "pass model.parameters()")
+        stray = [p for p in params if p.grad is not None and self._owner(p) is None]
+        if stray:  # torch would count their gradients in the norm; the optimizer's norm cannot
+            raise ValueError(f"clip_grad_norm_ got {len(stray)} parameters with a gradient that the ShardedOptimizer "
+                             "does not hold (shapes " + ", ".join(str(tuple(p.shape)) for p in stray[:4]) + "): its "
+                             "norm covers the optimizer's gradients only, and no DDP averages theirs across ranks. "
+                             "Pass the optimizer's parameters only, or freeze the others (requires_grad_(False)) "
+                             "before backward")
         self.unscale_gradients()
         return opt.clip_grad_norm_(max_norm, norm_type)
 

@@ -154,3 +154,30 @@ def test_clip_of_part_of_the_parameters_is_refused():
     """torch clips the norm of what it is given; the optimizer can only clip all of its gradients together."""
     results = run_ranks(_clip_a_subset, 2, timeout=120)
     assert all(r is not None and "model.parameters()" in r for r in results), results
+
+
+def _clip_with_unheld_gradients(rank, world_size):
+    launcher_env(rank, world_size)
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model[2].parameters(), lr=1e-2)  # the head only; the body still requires grad
+    acc = ZeroAccelerator(cpu=True, zero=ZeroConfig(stage=2))
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 8)).square().mean())
+    try:
+        acc.clip_grad_norm_(model.parameters(), 0.1)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return error, float(acc.clip_grad_norm_(model[2].parameters(), 0.1))  # the optimizer's own: the usual clip
+
+
+def test_clip_with_gradients_the_optimizer_does_not_hold_is_refused():
+    """torch (and plain Accelerate) counts every given gradient in the norm; the optimizer's norm covers its
+    own only, so a body that still requires grad outside the optimizer is refused, not left out."""
+    for error, norm in run_ranks(_clip_with_unheld_gradients, 2, timeout=120):
+        assert error is not None and "does not hold" in error, error
+        assert norm > 0
