@@ -462,6 +462,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
+        for part in self.partitions:
+            part.pending_master = None  # masters load_state_dict kept for weights that never came
         # 2. update
         scaler = self._scaler(grad_scaler)
         if self.topology.world_size > 1 and self.grad_sync.grads_edited() and not scaler_unscaled(scaler):

@@ -127,6 +127,8 @@ def load_state_dict(opt, sd) -> None:
                 return piece_of(p, piece)
             return opt.read_shard(k, "master", piece.shard_offset, piece.shard_offset + piece.numel)
 
+        pending: dict = {}  # partition -> {(param index, offset): saved master}: what the parameters do not hold yet
+
         def source(k, piece, p, kind):
             if kind != "master":
                 full = states[p].get(kind)
@@ -136,14 +138,17 @@ def load_state_dict(opt, sd) -> None:
             if saved is None:
                 return cur
             saved = piece_of(saved, piece)
-            return torch.where(saved.to(p.dtype) == cur.to(p.dtype), saved, cur)
+            holds = saved.to(p.dtype) == cur.to(p.dtype)
+            if not bool(holds.all()):  # loaded before the model's weights: kept until they arrive (or the step)
+                pending.setdefault(k, {})[(piece.param_index, piece.param_offset)] = saved.float().clone()
+            return torch.where(holds, saved, cur)
 
         staged = slice_into_shards(index, lambda part: part.kinds, source)
         steps = {p: float(s["step"]) for p, s in states.items() if "step" in s}
         extras = {p: {k: v for k, v in s.items() if k not in OWN_KEYS} for p, s in states.items()}
-        return index, staged, steps, hypers, extras
+        return index, staged, steps, hypers, extras, pending
 
-    (index, staged, steps, hypers, extras), _ = comm.agree(prepare, errors=(CheckpointError,))
+    (index, staged, steps, hypers, extras, pending), _ = comm.agree(prepare, errors=(CheckpointError,))
     for part in index:
         for p in part.params:
             opt.state.pop(p, None)
@@ -154,4 +159,6 @@ def load_state_dict(opt, sd) -> None:
     for group, hyper in zip(opt.param_groups, hypers):
         group.update(hyper)
     opt.load_shards(staged)
+    for k, part in enumerate(opt.partitions):
+        part.pending_master = pending.get(k)
 

@@ -85,6 +85,9 @@ class Partition:
                            else host_buffer(n, reduce_dtype, pinned=self.device.type == "cuda"))
         self.step_counts = None  # the parameters' step counts (update.py's StepCounts), from the first update
         self.state_edited = [False]  # user code wrote into optimizer.state[p] of one of these (state_views.ParamState)
+        # load_state_dict's saved masters the parameters did not round to yet ({(param index, offset): fp32}): the
+        # model's weights loaded after the optimizer's state take them in (_reload_master); dropped at the step
+        self.pending_master: dict | None = None
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
@@ -233,12 +236,20 @@ class Partition:
             f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
 
     def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
-        """The master (and narrow param shard) of the parameters ``indices`` <- their given values."""
+        """The master (and narrow param shard) of the parameters ``indices`` <- their given values; where a
+        master ``load_state_dict`` kept aside rounds to them (the model's weights loaded after the optimizer's
+        state), that master."""
         wanted = set(indices)
+        pending = self.pending_master
         for piece in self.pieces:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
-                self.store.write("master", piece.shard_offset, v.to(device=self.device, dtype=torch.float32))
+                v32 = v.to(device=self.device, dtype=torch.float32)
+                saved = None if pending is None else pending.pop((piece.param_index, piece.param_offset), None)
+                if saved is not None:
+                    saved = saved.to(self.device)
+                    v32 = torch.where(saved.to(v.dtype) == v.to(self.device), saved, v32)
+                self.store.write("master", piece.shard_offset, v32)
                 if self.pshard is not None and not self.pshard.is_params:  # own slices hold v already
                     self.pshard.write(piece.shard_offset, v)
 
