@@ -2,9 +2,11 @@
 (``plan/``) share: the planner predicts ``memory_bytes()`` from these without importing the runtime."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy
 import torch
 
 #: Every parameter starts at a multiple of this many elements in its flat
@@ -162,12 +164,29 @@ class ZeroConfig:
                              "both: use dataclasses.replace(config, ...) to change a config")
         return config
 
+    def _flag(self, name: str) -> None:
+        """A True/False option: a bool (numpy's too), never a truthy string such as "False" from a config file."""
+        value = getattr(self, name)
+        if isinstance(value, numpy.bool_):
+            object.__setattr__(self, name, bool(value))
+        elif not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+    def _whole(self, name: str) -> bool:
+        """Whether an integer option is a whole number (numpy's too, never a bool); it is kept as an int."""
+        value = getattr(self, name)
+        if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral):
+            return False
+        object.__setattr__(self, name, int(value))
+        return True
+
     def __post_init__(self) -> None:
-        if not isinstance(self.broadcast_buffers, bool):
-            raise TypeError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
-        if self.stage not in (1, 2, 3):
+        for flag in ("adam_w_mode", "overlap", "reshard_after_forward", "broadcast_buffers", "nvme_direct",
+                     "update_behind"):
+            self._flag(flag)
+        if not self._whole("stage") or self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
-        if not isinstance(self.bucket_numel, int) or self.bucket_numel < 1:
+        if not self._whole("bucket_numel") or self.bucket_numel < 1:
             raise ValueError(
                 f"bucket_numel must be a positive int, got {self.bucket_numel!r}"
             )
@@ -176,10 +195,9 @@ class ZeroConfig:
                 "reduce_dtype must be None, torch.float32, torch.bfloat16 or "
                 f"torch.float16, got {self.reduce_dtype!r}"
             )
-        if not isinstance(self.max_live_units, int) or self.max_live_units < 1:
+        if not self._whole("max_live_units") or self.max_live_units < 1:
             raise ValueError(f"max_live_units must be an int >= 1, got {self.max_live_units!r}")
-        if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) \
-                or self.min_unit_numel < 0:
+        if not self._whole("min_unit_numel") or self.min_unit_numel < 0:
             raise ValueError(f"min_unit_numel must be an int >= 0 (0: one stage-3 unit per module), "
                              f"got {self.min_unit_numel!r}")
         self._check_secondary_shard()
@@ -194,21 +212,20 @@ class ZeroConfig:
         for option in ("offload_optimizer", "offload_params"):
             if getattr(self, option) == "nvme" and self.nvme_path is None:
                 raise ValueError(f'{option}="nvme" needs nvme_path=, a folder on a fast local disk')
-        if not isinstance(self.nvme_direct, bool):
-            raise TypeError(f"nvme_direct must be True or False, got {self.nvme_direct!r}")
         if self.nvme_direct and self.offload_optimizer != "nvme":
             raise ValueError('nvme_direct=True applies to offload_optimizer="nvme" (the state files); got '
                              f"offload_optimizer={self.offload_optimizer!r}: pass offload_optimizer=\"nvme\", "
                              "or drop nvme_direct")
-        if not isinstance(self.update_behind, bool):
-            raise TypeError(f"update_behind must be True or False, got {self.update_behind!r}")
         if self.update_behind and (self.stage == 3 or self.offload_optimizer is None):
             raise ValueError("update_behind=True runs stages 1-2's offloaded update behind step(): it needs "
                              f'stage 1 or 2 and offload_optimizer="cpu" or "nvme" (got stage={self.stage}, '
                              f"offload_optimizer={self.offload_optimizer!r}; stage 3 overlaps by itself)")
-        if not isinstance(self.offload_chunk_numel, int) or self.offload_chunk_numel < 1:
+        if not self._whole("offload_chunk_numel") or self.offload_chunk_numel < 1:
             raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
         self._check_codecs()
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
+                                               or not isinstance(self.max_grad_norm, numbers.Real)):
+            raise TypeError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(
                 f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
@@ -219,8 +236,9 @@ class ZeroConfig:
         s = self.secondary_shard
         if s is None:
             return
-        if isinstance(s, bool) or not isinstance(s, int):
+        if not self._whole("secondary_shard"):
             raise TypeError(f"secondary_shard must be an int (ranks per node, e.g. 8) or None, got {s!r}")
+        s = self.secondary_shard
         if s < 2:
             raise ValueError(f"secondary_shard must be >= 2 (the ranks of one node), got {s}: pass None to turn "
                              "hierarchical partitioning off")
@@ -245,6 +263,6 @@ class ZeroConfig:
         if self.grad_comm not in (None, "int8", "int4"):
             raise ValueError(f'grad_comm must be None, "int8" or "int4" (qgZ), got {self.grad_comm!r}')
         block = self.quant_block
-        if isinstance(block, bool) or not isinstance(block, int) or not 32 <= block <= 8192 or block & (block - 1):
+        if not self._whole("quant_block") or not 32 <= self.quant_block <= 8192 or block & (block - 1):
             raise ValueError(f"quant_block must be a power of two from 32 to 8192 (values per fp32 scale), "
                              f"got {block!r}")

@@ -143,3 +143,25 @@ def test_params_on_different_devices():
 def test_empty_parameter_list_raises_like_torch():
     with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
         ShardedOptimizer([])
+
+
+@pytest.mark.parametrize("option,value,error", [
+    ("adam_w_mode", "False", TypeError),  # a string from a YAML or CLI config: truthy, was taken as True
+    ("overlap", "no", TypeError),
+    ("reshard_after_forward", 0, TypeError),
+    ("stage", True, ValueError),
+    ("bucket_numel", True, ValueError),
+    ("max_live_units", 2.0, ValueError),
+    ("max_grad_norm", "1.0", TypeError),
+])
+def test_options_of_the_wrong_type_are_refused(option, value, error):
+    with pytest.raises(error, match=option):
+        ShardedOptimizer(list(TinyNet().parameters()), **{option: value})
+
+
+def test_numpy_options_are_taken_as_python_values():
+    import numpy
+    opt = ShardedOptimizer(list(TinyNet().parameters()), bucket_numel=numpy.int64(4096), overlap=numpy.bool_(False),
+                           stage=numpy.int32(2))
+    assert (opt.config.bucket_numel, opt.config.overlap, opt.config.stage) == (4096, False, 2)
+    assert type(opt.config.bucket_numel) is int and type(opt.config.overlap) is bool
