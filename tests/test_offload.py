@@ -262,3 +262,37 @@ def test_nvme_direct_refuses_a_file_system_without_o_direct(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="does not take O_DIRECT.*nvme_direct=False"):
         ShardedOptimizer(PlainNet().parameters(), offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_direct=True)
     assert os.listdir(tmp_path) == []  # the probe is gone too
+
+
+class _WithEmpty(torch.nn.Module):
+    """A model with a 0-element parameter (a zero-width adapter, a pruned head): at stage 3 the root holds only
+    it, and at stages 1-2 it is a param group of its own, so some partition holds 0 elements."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(8, 8)
+            self.empty = torch.nn.Parameter(torch.empty(0))
+
+    def forward(self, x):
+        return self.a(x).square().mean() + self.empty.sum()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_partition_of_zero_elements_offloads(stage, tier, tmp_path):
+    """torch.frombuffer refuses a count of 0: building an offloaded store for an empty partition crashed."""
+    def run(**kw):
+        m = _WithEmpty()
+        params = m if stage == 3 else [{"params": [m.a.weight, m.a.bias]}, {"params": [m.empty], "lr": 0.1}]
+        opt = ShardedOptimizer(params, lr=1e-2, stage=stage, **kw)
+        for t in range(3):
+            opt.zero_grad()
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(t))).backward()
+            opt.step()
+        with opt.full_parameters() if stage == 3 else torch.no_grad():
+            return [p.detach().clone() for p in m.parameters()]
+    extra = {"offload_params": tier} if stage == 3 else {}
+    got = run(offload_optimizer=tier, nvme_path=str(tmp_path), **extra)
+    assert all(torch.equal(a, b) for a, b in zip(got, run()))

@@ -86,6 +86,8 @@ def _mapped(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
     """A tensor of zeros over anonymous memory of its own, and that mapping (alive while any view is)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     mapping = mmap.mmap(-1, max(1, numel) * itemsize)
+    if numel == 0:  # (torch.frombuffer refuses a count of 0): a partition of 0-element parameters
+        return torch.empty(0, dtype=dtype), mapping
     return torch.frombuffer(mapping, dtype=dtype, count=numel), mapping
 
 
