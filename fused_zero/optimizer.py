@@ -174,6 +174,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             check_group(group)
             for p in group["params"]:
                 self._check_param(p)
+            self._check_disjoint()
         except (TypeError, ValueError, RuntimeError):
             self.param_groups.pop()
             raise
@@ -183,6 +184,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 raise RuntimeError("stage 3 lays out every parameter of the model at construction; pass all "
                                    "param groups to ShardedOptimizer(..., module=model) instead of add_param_group")
             self._build()
+
+    def _check_disjoint(self) -> None:
+        """Parameters that are views of one memory (``nn.Parameter(w.data[:4])`` beside ``w``) are refused: each
+        gets a slot of its own in the flat buffers, so they would stop sharing it and drift apart silently (torch
+        keeps them aliased). One Parameter used in two places (tied weights) is fine."""
+        spans = []
+        for g in self.param_groups:
+            for q in g["params"]:
+                if q.numel():
+                    extent = 1 + sum((n - 1) * st for n, st in zip(q.shape, q.stride()))
+                    spans.append((q.data_ptr(), q.data_ptr() + extent * q.element_size(), q))
+        spans.sort(key=lambda span: span[0])
+        for (a0, a1, p), (b0, _, q) in zip(spans, spans[1:]):
+            if b0 < a1 and p is not q:
+                raise ValueError(f"parameters {self._names.get(p, tuple(p.shape))} and {self._names.get(q, tuple(q.shape))} "
+                                 "share memory (views of one tensor): ShardedOptimizer lays each parameter out on its "
+                                 "own, so they would stop sharing it. Tie them as one nn.Parameter used in both "
+                                 "places, or make them separate (clone the data)")
 
     def _check_param(self, p: torch.Tensor) -> None:
         first = next(q for g in self.param_groups for q in g["params"])

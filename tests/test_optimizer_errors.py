@@ -165,3 +165,16 @@ def test_numpy_options_are_taken_as_python_values():
                            stage=numpy.int32(2))
     assert (opt.config.bucket_numel, opt.config.overlap, opt.config.stage) == (4096, False, 2)
     assert type(opt.config.bucket_numel) is int and type(opt.config.overlap) is bool
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_sharing_memory_are_refused(stage):
+    """torch steps views of one tensor in place, aliased; flat buffers would split them apart silently."""
+    w = nn.Parameter(torch.randn(8))
+    part = nn.Parameter(w.data[:4])
+    with pytest.raises(ValueError, match="share memory"):
+        ShardedOptimizer([w, part], stage=stage)
+    with pytest.raises(ValueError, match="share memory"):
+        ShardedOptimizer([{"params": [w]}, {"params": [part], "lr": 0.1}], stage=stage)
+    pieces = torch.randn(8).split(4)  # disjoint views of one tensor: fine
+    ShardedOptimizer([nn.Parameter(pieces[0]), nn.Parameter(pieces[1])], stage=stage)
