@@ -93,9 +93,9 @@ def agreement_key(value):
             values = tuple(value.flatten().tolist()) if value.device.type == "cpu" else value.device.type  # host tensor
         return ("tensor", str(value.dtype), tuple(value.shape), values)
     if isinstance(value, (tuple, list)):
-        return type(value).__name__, tuple(agreement_key(v) for v in value)
-    if isinstance(value, dict):
-        return "dict", tuple(sorted((repr(k), agreement_key(v)) for k, v in value.items()))
+        return tuple(agreement_key(v) for v in value)
+    if isinstance(value, dict):  # (quoted name, value) pairs: a difference is reported by name
+        return tuple(sorted((repr(k), agreement_key(v)) for k, v in value.items()))
     if isinstance(value, torch.device):
         return "device", value.type
     kind = f"{type(value).__module__}.{type(value).__qualname__}"

@@ -257,10 +257,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""
-        hyper = [tuple((k, agreement_key(v)) for k, v in sorted(g.items()) if k not in ("params", "param_names"))
-                 for g in self.param_groups]
         # nvme_path is each rank's own folder (a local disk per node): the one option that may differ
-        return agreement_key({**self.config.__dict__, "nvme_path": None}), tuple(hyper)
+        shared = {"option": {**self.config.__dict__, "nvme_path": None}}
+        for gi, g in enumerate(self.param_groups):
+            shared[f"param group {gi}"] = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        return agreement_key(shared)  # (name, value) pairs: a difference is reported by name
 
     def _sync_module_buffers(self) -> None:
         """As DDP does when built: every rank takes rank 0's module buffers (BatchNorm statistics), unless

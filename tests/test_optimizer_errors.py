@@ -178,3 +178,16 @@ def test_parameters_sharing_memory_are_refused(stage):
         ShardedOptimizer([{"params": [w]}, {"params": [part], "lr": 0.1}], stage=stage)
     pieces = torch.randn(8).split(4)  # disjoint views of one tensor: fine
     ShardedOptimizer([nn.Parameter(pieces[0]), nn.Parameter(pieces[1])], stage=stage)
+
+
+def _one_option_differs(rank, ws):
+    try:
+        ShardedOptimizer(list(TinyNet().parameters()), stage=2, max_live_units=1 + rank, lr=1e-3 * (1 + rank % 1))
+    except ValueError as e:
+        return str(e)
+
+
+def test_an_option_that_differs_across_ranks_is_named():
+    """The refusal names the option and both values, not two whole option dicts."""
+    for message in run_ranks(_one_option_differs, 2, timeout=60):
+        assert "max_live_units = 2, rank 0 has 1" in message and len(message) < 400, message

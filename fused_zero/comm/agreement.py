@@ -58,16 +58,36 @@ def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
     return RuntimeError
 
 
-def _first_difference(mine: Any, ref: Any, rank: int) -> str | None:
-    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None."""
+def _first_difference(mine: Any, ref: Any, rank: int, path: tuple = ()) -> str | None:
+    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None. Nested lists and
+    tuples are entered where the differing entry is too long to show, and a (quoted name, value) pair (an
+    option or hyperparameter, as ``hyper.agreement_key`` writes a dict) is named by its name."""
     if isinstance(mine, (list, tuple)) and isinstance(ref, (list, tuple)):
+        if len(mine) == len(ref) == 2 and _named(mine) and mine[0] == ref[0] and mine[1] != ref[1]:
+            return _first_difference(mine[1], ref[1], rank, path + (mine[0].strip("'\""),))
         for i in range(min(len(mine), len(ref))):
             if mine[i] != ref[i]:
-                return f"rank {rank} has entry {i} = {mine[i]!r}, rank 0 has {ref[i]!r}"
+                a, b = mine[i], ref[i]
+                if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+                    if len(a) == len(b) == 2 and _named(a):  # a named entry: its name says where
+                        return _first_difference(a, b, rank, path)
+                    if len(repr(a)) > 120:
+                        return _first_difference(a, b, rank, path + (i,))
+                return f"{_where(path)}rank {rank} has entry {i} = {a!r}, rank 0 has {b!r}"
         if len(mine) != len(ref):
-            return f"rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
+            return f"{_where(path)}rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
         if type(mine) is type(ref):
             return None
     elif mine == ref:
         return None
-    return f"rank {rank} has {mine!r}, rank 0 has {ref!r}"
+    if path and isinstance(path[-1], str):
+        return f"{_where(path[:-1])}rank {rank} has {path[-1]} = {mine!r}, rank 0 has {ref!r}"
+    return f"{_where(path)}rank {rank} has {mine!r}, rank 0 has {ref!r}"
+
+
+def _named(pair) -> bool:
+    return isinstance(pair[0], str) and pair[0][:1] in "'\""
+
+
+def _where(path: tuple) -> str:
+    return "" if not path else "at " + " > ".join(f"entry {p}" if isinstance(p, int) else p for p in path) + ": "
