@@ -585,8 +585,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         (behind.py, behind_buckets.py)."""
         behind = self._stage.behind
         if behind is None:
+            # a store that can fail (a disk): every rank learns whether every rank's update succeeded before any commits
+            fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
+            agree = self.topology.agree if fallible and self.topology.world_size > 1 else None
             with label(UPDATE):
-                update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers)
+                update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers, agree)
             self._stage.after_update(self.partitions, has_grad)
             return
         with label(UPDATE):

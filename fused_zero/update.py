@@ -57,12 +57,22 @@ class UpdatePlan(NamedTuple):
 
 
 def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
-               grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers) -> None:
-    """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises)."""
+               grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers, agree=None) -> None:
+    """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises).
+
+    ``agree`` (``Topology.agree``, where a store can fail: NVMe): the ranks agree on whether every rank's update
+    succeeded before any commits, so a full disk on one rank rolls the step back on all and raises on all (the
+    failing rank its OSError), instead of leaving the others a step ahead or waiting in the gather."""
     plan = plan_update(partitions, state, has_grad, grad_scale, skip, hypers)
-    try:
+
+    def run() -> None:
         for job in plan.jobs:
             run_job(job)
+    try:
+        if agree is None:
+            run()
+        else:
+            agree(run)
     except BaseException:
         rollback(partitions, plan.advanced)
         raise

@@ -296,3 +296,45 @@ def test_a_partition_of_zero_elements_offloads(stage, tier, tmp_path):
     extra = {"offload_params": tier} if stage == 3 else {}
     got = run(offload_optimizer=tier, nvme_path=str(tmp_path), **extra)
     assert all(torch.equal(a, b) for a, b in zip(got, run()))
+
+
+def _disk_full_on_one_rank(rank, world_size, stage, folder):
+    model = TinyNet()
+    os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
+    opt = _build(model, stage, os.path.join(folder, str(rank)), **TIERS[2])
+    real, errors = os.pwritev, []
+    for i, t in enumerate([0, 1, 1, 2, 3]):  # the failed step's batch is retried
+        if i == 1 and rank == 1:
+            os.pwritev = full_disk_after(real, 2)
+        try:
+            _step(model, opt, t, rank)
+        except OSError as e:
+            errors.append((i, str(e)))
+        finally:
+            os.pwritev = real
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        return errors, [p.detach().clone() for p in model.parameters()]
+
+
+def _clean_run(rank, world_size, stage, folder):
+    model = TinyNet()
+    os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
+    opt = _build(model, stage, os.path.join(folder, str(rank)), **TIERS[2])
+    for t in range(4):
+        _step(model, opt, t, rank)
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_full_disk_on_one_rank_undoes_the_step_on_every_rank(stage, tmp_path):
+    """The ranks agree on every rank's update before any commits: rank 1's full disk raises its OSError there
+    and 'rank 1 failed' on rank 0, the step is undone on both, and the retried step trains as if nothing
+    happened (before: rank 0 waited in the gather, or at stage 3 went a step ahead, silently)."""
+    got = run_ranks(_disk_full_on_one_rank, 2, stage, str(tmp_path / "a"), timeout=180)
+    want = run_ranks(_clean_run, 2, stage, str(tmp_path / "b"), timeout=180)
+    (errors0, params0), (errors1, params1) = got
+    assert [i for i, _ in errors0] == [i for i, _ in errors1] == [1], (errors0, errors1)
+    assert "No space left" in errors1[0][1] and "rank 1 failed" in errors0[0][1]
+    for params, ref in zip((params0, params1), want):
+        assert all(torch.equal(a, b) for a, b in zip(params, ref))

@@ -214,9 +214,16 @@ class ReduceAtStep(GradSync):
             self._accumulated = True
 
     def close_round(self) -> None:
-        """The end of a backward: remember each kept .grad's version counter (see grads_edited)."""
+        """The end of a backward: remember each kept .grad's version counter (see grads_edited). A reduction
+        made since the last step (clip_grad_norm_, or a step that failed) no longer holds what .grad does."""
         for part, versions in zip(self.partitions, self._grad_versions):
             versions[:] = [None if p.grad is None else p.grad._version for p in part.params]
+        self._forget()
+
+    def _forget(self) -> None:
+        """.grad changed or was zeroed: the shards are reduced from it again at the next step."""
+        if self.state is RoundState.REDUCED:
+            self.state = RoundState.EMPTY
 
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
