@@ -365,3 +365,11 @@ def test_errors_say_what_to_change(kwargs, error, words):
     params = kwargs.pop("params", None)
     with pytest.raises(error, match=words.replace("(", r"\(")):
         estimate(params, **kwargs)
+
+
+def test_a_plan_of_too_many_buckets_is_refused_at_once():
+    """The plan lays out every bucket: 1e14 parameters in 2**24-element buckets (6e6 buckets) took minutes and
+    gigabytes before; now it is refused, naming the bucket size that would do."""
+    with pytest.raises(ValueError, match="bucket_numel"):
+        estimate(params=1e14)
+    estimate(params=7e9)  # 418 buckets: planned as usual

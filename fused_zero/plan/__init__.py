@@ -88,6 +88,10 @@ def _size(name: str, value) -> int | None:
     return _count(name, value, minimum=0, optional=True)
 
 
+#: the most buckets a plan lays out (at 2**24 elements a bucket, 1.7e12 parameters)
+MAX_BUCKETS = 100_000
+
+
 def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, param_dtype=None,
              reduce_dtype=None, bucket_numel: int = _DEFAULTS.bucket_numel, gpu_memory=None,
              headroom: float = 0.1, activations=None, seq_len=None, micro_batch=None, hidden=None,
@@ -132,6 +136,12 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
         count = flat_count(_count("params", params), pdt or "bf16")
     else:
         count = count_module(model, type(model).__name__, pdt, units, job.min_unit_numel)
+    total = sum(s.numel for s in count.params)
+    if total // job.bucket_numel > MAX_BUCKETS:  # the plan lays out every bucket, as the optimizer would
+        raise ValueError(f"{total:.3g} parameters in buckets of {job.bucket_numel} elements make "
+                         f"{total // job.bucket_numel:.3g} buckets, more than {MAX_BUCKETS:.0e} (the optimizer keeps "
+                         "Python state and launches a collective per bucket): pass a larger bucket_numel "
+                         f"(at least {-(-total // MAX_BUCKETS)}), or check the parameter count")
     gpu_memory = _size("gpu_memory", gpu_memory)
     if gpu_memory == 0:
         raise ValueError("gpu_memory must be positive (bytes), e.g. 80 * 2**30 for 80 GiB")
