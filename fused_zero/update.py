@@ -136,7 +136,8 @@ class Hyper(NamedTuple):
 
 def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device) -> Hyper:
     hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
-                 beta2=as_float(group["betas"][1]), eps=group["eps"], weight_decay=group["weight_decay"],
+                 beta2=as_float(group["betas"][1]), eps=as_float(group["eps"]),
+                 weight_decay=as_float(group["weight_decay"]),
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
     hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],

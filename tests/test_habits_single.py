@@ -204,7 +204,8 @@ def test_adamw_flags_accepted_or_refused_with_the_reason():
 
 def test_tensor_hyperparameters_match_torch():
     model, ref = PlainNet(), PlainNet()
-    kw = dict(lr=torch.tensor(2e-3), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1)
+    kw = dict(lr=torch.tensor(2e-3), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=torch.tensor(0.1),
+              eps=torch.tensor(1e-6))
     opt = ShardedOptimizer(model.parameters(), **kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
     _train(model, opt, 3)
