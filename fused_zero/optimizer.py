@@ -134,7 +134,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.config = config
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
         self.comm = self.topology.shard
-        self._rendezvous = self.comm.rendezvous()  # None alone; see comm/rendezvous.py
+        self._rendezvous = self.topology.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
         self._stage = make_stage(self.topology, config)
         self.partitions: list[Partition] = []

@@ -262,3 +262,58 @@ def test_hsdp_equals_ddp_over_every_rank(stage, offload, tmp_path):
     for name, value in saved.items():
         assert torch.equal(model_sd[name], value), name
     assert optim_sd["state"].keys() == state["state"].keys()
+
+
+def _lone_calls_under_hsdp(rank, world_size, shape, call, folder):
+    from fused_zero import checkpoint
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = MLP()
+    opt = ShardedOptimizer(_groups(model), module=model, stage=2, mesh=mesh)
+
+    def step(t):
+        opt.zero_grad()
+        x, y = _batch(t, rank, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    step(0)
+    sd = opt.state_dict()
+    checkpoint.save(folder, model, opt, tag="first")
+    step(1)
+    error = None
+    if rank == 0:  # one rank alone: one replica group of a (4, 1) mesh, half of one of a (2, 2) mesh
+        try:
+            {"load_state_dict": lambda: opt.load_state_dict(sd),
+             "checkpoint.save": lambda: checkpoint.save(folder, model, opt, tag="lone"),
+             "checkpoint.load": lambda: checkpoint.load(folder, model, opt, tag="first")}[call]()
+        except RuntimeError as e:
+            error = str(e)
+    step(2)  # nothing was disturbed: the replicas stay identical
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(params) for _ in range(world_size)]
+    dist.all_gather(everyone, params)
+    return error, all(torch.equal(everyone[0], e) for e in everyone)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2)])
+@pytest.mark.parametrize("call", ["load_state_dict", "checkpoint.save", "checkpoint.load"])
+def test_hsdp_lone_calls_are_refused_and_replicas_stay_identical(shape, call, tmp_path):
+    """The collective calls meet over every rank of the mesh, not one shard group: under a (4, 1) mesh (shard
+    groups of one rank) rank 0's lone load_state_dict() was taken alone and left the replicas apart."""
+    results = run_ranks(_lone_calls_under_hsdp, 4, shape, call, str(tmp_path), timeout=180)
+    assert results[0][0] is not None and f"{call}() is collective" in results[0][0], results[0][0]
+    assert all(same for _, same in results)
+
+
+def _mesh_without_this_rank(rank, world_size):
+    mesh = DeviceMesh("cpu", [0, 1])
+    try:
+        ShardedOptimizer(MLP().parameters(), mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_mesh_without_this_rank_is_refused_there():
+    results = run_ranks(_mesh_without_this_rank, 4, timeout=120)
+    assert results[:2] == [None, None]
+    assert all(r is not None and "not this rank" in r for r in results[2:]), results

@@ -77,6 +77,11 @@ def _keep_pins_at_exit() -> None:
         time.sleep(EXIT_GRACE_S)
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def is_device_mesh(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh`` (comm/topology.py reads it)."""
     try:
@@ -184,15 +189,25 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         work = collective(*aliases, group=self.group, async_op=True, **kwargs)
         return _Watched(work) if self.backend == "gloo" else work
 
-    def rendezvous(self) -> "rendezvous.Rendezvous | None":
-        """The store-based meeting point of one optimizer's collective calls (every rank builds it); None alone."""
+    def rendezvous(self, ranks: list[int] | None = None) -> "rendezvous.Rendezvous | None":
+        """The store-based meeting point of one optimizer's collective calls (every rank builds it); None alone.
+
+        ``ranks``: the global ranks it spans when that is more than this group (HSDP: every rank of the mesh,
+        so that a call made by one replica group alone is seen)."""
+        timeout = _group_timeout(self.group)
+        timeout = None if timeout is None else timeout.total_seconds()
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        if ranks is not None:
+            ranks = sorted(ranks)
+            if len(ranks) == 1:
+                return None
+            key = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+            return rendezvous.Rendezvous(store, ranks.index(dist.get_rank()), len(ranks), timeout, key)
         if self._local:
             return None
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         key = "world" if self.group is None else hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
-        timeout = _group_timeout(self.group)
-        return rendezvous.Rendezvous(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
-                                     None if timeout is None else timeout.total_seconds(), key)
+        return rendezvous.Rendezvous(store, self.rank, self.world_size, timeout, key)
 
     # ---- tensor collectives -------------------------------------------------
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,

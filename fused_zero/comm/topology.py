@@ -23,7 +23,7 @@ builds process groups.
 """
 from __future__ import annotations
 
-from .collectives import Comm, is_device_mesh
+from .collectives import Comm, global_rank, is_device_mesh
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -75,6 +75,11 @@ class Topology:
         if not is_device_mesh(mesh):
             raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
         names = tuple(mesh.mesh_dim_names or ())
+        ranks = mesh.mesh.flatten().tolist()  # host tensor: the mesh's table of global ranks
+        if global_rank() not in ranks:
+            raise ValueError(f"mesh spans ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''}, not this rank "
+                             f"({global_rank()}): build the optimizer on the ranks of its mesh only (each rank "
+                             "passes the mesh it belongs to)")
         if mesh.ndim == 1:
             return mesh.get_group()
         if mesh.ndim == 2 and names == HSDP_DIMS:
@@ -116,6 +121,14 @@ class Topology:
     def own_group(self, backend: str | None = None) -> Comm:
         """A new group over the shard group's ranks, for work of its own (every rank must call it)."""
         return self.shard.duplicate(backend)
+
+    def rendezvous(self):
+        """The meeting point of the optimizer's collective calls (comm/rendezvous.py) over every rank of both levels:
+        with HSDP, a call made on one replica group alone (rank 0's load_state_dict()) is refused there instead of
+        leaving the replicas apart; None alone."""
+        if self.replicate is None:
+            return self.shard.rendezvous()
+        return self.shard.rendezvous(self.mesh.mesh.flatten().tolist())  # host tensor: the mesh's table of ranks
 
     def everyone(self, backend: str | None = None) -> Comm:
         """A new group over every rank of the topology (both levels), for verdicts all of them must share."""
