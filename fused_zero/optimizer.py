@@ -434,6 +434,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if norm_type != 2.0:
             raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
         self._check_layout()
+        if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
+            raise RuntimeError(
+                "clip_grad_norm_() inside optimizer.no_sync(), while gradients still accumulate: it clips the global "
+                "norm of the whole step's averaged gradients, which exist only after the last micro-batch's "
+                "backward. Clip once, after that backward and before step() (with Accelerate: under `if "
+                "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)

@@ -338,3 +338,20 @@ def test_stages_2_3_consume_the_gradients_at_step(stage):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_inside_no_sync_is_refused_and_after_it_works(stage):
+    """clip_grad_norm_ on every micro-batch (an unguarded accumulation loop): DDP clips each rank's partial local
+    gradient in place, which the optimizer cannot hold; refused naming the guard (it was silently different at
+    stage 1, and named the wrong cause at stage 2)."""
+    model = PlainNet()
+    opt = _build(model, stage)
+    x, y = batch(0, 0)
+    with opt.no_sync():
+        loss_fn(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="sync_gradients"):
+            opt.clip_grad_norm_(1.0)
+    loss_fn(model(x), y).backward()
+    assert opt.clip_grad_norm_(1.0) > 0
+    opt.step()

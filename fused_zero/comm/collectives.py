@@ -194,17 +194,15 @@ class Comm(TensorChecks, TrafficCount, Agreement):
 
         ``ranks``: the global ranks it spans when that is more than this group (HSDP: every rank of the mesh,
         so that a call made by one replica group alone is seen)."""
+        if (self._local if ranks is None else len(ranks) == 1):
+            return None
         timeout = _group_timeout(self.group)
         timeout = None if timeout is None else timeout.total_seconds()
-        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        store = dist.distributed_c10d._get_default_store()
         if ranks is not None:
             ranks = sorted(ranks)
-            if len(ranks) == 1:
-                return None
             key = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
             return rendezvous.Rendezvous(store, ranks.index(dist.get_rank()), len(ranks), timeout, key)
-        if self._local:
-            return None
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         key = "world" if self.group is None else hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
         return rendezvous.Rendezvous(store, self.rank, self.world_size, timeout, key)
