@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -209,6 +210,9 @@ class ZeroConfig:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1-2 keep every "
                              f"parameter whole on every rank; got stage={self.stage}): pass stage=3 and the model, "
                              'or offload_optimizer="cpu"/"nvme" to move the optimizer states at this stage')
+        path = self.nvme_path
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes)):
+            raise TypeError(f"nvme_path must be a folder given as a str or pathlib.Path, got {path!r}")
         for option in ("offload_optimizer", "offload_params"):
             if getattr(self, option) == "nvme" and self.nvme_path is None:
                 raise ValueError(f'{option}="nvme" needs nvme_path=, a folder on a fast local disk')

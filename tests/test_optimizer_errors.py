@@ -153,6 +153,7 @@ def test_empty_parameter_list_raises_like_torch():
     ("bucket_numel", True, ValueError),
     ("max_live_units", 2.0, ValueError),
     ("max_grad_norm", "1.0", TypeError),
+    ("nvme_path", b"/tmp", TypeError),  # bytes: "Can't mix strings and bytes" from os.path.join before
 ])
 def test_options_of_the_wrong_type_are_refused(option, value, error):
     with pytest.raises(error, match=option):
