@@ -110,10 +110,7 @@ def own_state(state: dict, part, p) -> ParamState:
 
 def attach(state: dict, part, index: int) -> None:
     """``state[p]`` (which has a step) gets the moment views of ``p``, parameter ``index`` of ``part``."""
-    views = views_of(part, index)
-    dict.update(own_state(state, part, part.params[index]), views)
-    if part.step_counts is not None:
-        part.step_counts.moments[index] = (views.get("exp_avg"), views.get("exp_avg_sq"), views.get("max_exp_avg_sq"))
+    dict.update(own_state(state, part, part.params[index]), views_of(part, index))
 
 
 def _moment_kinds(part) -> tuple:
@@ -131,24 +128,20 @@ def reset_moments(part, index: int) -> None:
 def take_in_moments(state: dict, part, index: int) -> None:
     """Moments user code put in ``state[p]`` in place of the views (``state[p]["exp_avg"] = t``): their values
     go into the store (this rank's elements of a tensor shaped like ``p``, or a tensor as long as this rank's
-    view), and the views take their place again. A view of the store's own memory (attached by a load before
-    the first step) is only recorded."""
+    view), and the views take their place again. A tensor over the store's own memory (the view itself) is
+    left as it is."""
     s = state[part.params[index]]
     pieces = part.pieces_of(index)
     mine = sum(pc.numel for pc in pieces)
     full = part.shapes[index].numel()
     fresh = views_of(part, index)
-    recorded = list(part.step_counts.moments[index])
-    for k, kind in enumerate(MOMENT_KINDS):
-        if kind not in part.store.kinds:
-            continue
+    for kind in _moment_kinds(part):
         t, view = s.get(kind), fresh.get(kind)
-        if t is recorded[k]:
+        if t is None and view is None:  # states not in memory (NVMe): state[p] holds no views
             continue
         if view is not None and isinstance(t, torch.Tensor) and t.shape == view.shape \
                 and t.data_ptr() == view.data_ptr() and t.dtype == view.dtype:
-            recorded[k] = t  # the store's own view
-            continue
+            continue  # the store's own view
         if not isinstance(t, torch.Tensor):
             raise RuntimeError(
                 f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
@@ -169,8 +162,6 @@ def take_in_moments(state: dict, part, index: int) -> None:
             dict.__delitem__(s, kind)
         else:
             dict.__setitem__(s, kind, view)
-        recorded[k] = view
-    part.step_counts.moments[index] = tuple(recorded)
 
 
 def attach_all(state: dict, partitions) -> None:
@@ -207,7 +198,6 @@ class StepCounts:
         self.views = list(self.flat.unbind()) if n else []
         self.keys = [0] * n  # equal keys: equal counts
         self.started = [False] * n  # had a state once: its moments may hold values
-        self.moments: list = [(None, None, None)] * n  # the moment views state[p] holds (state_views.attach)
         self._before = None
         self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
 
