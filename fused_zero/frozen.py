@@ -32,10 +32,14 @@ def refuse_unfrozen(frozen, names: dict) -> None:
     parameter; every rank runs it before step()'s first collective."""
     late = [p for p in frozen if p.requires_grad or p.grad is not None]
     if late:
-        shown = [names.get(p, f"of shape {tuple(p.shape)}") for p in late[:3]]
+        shown = [repr(names[p]) if p in names else f"of shape {tuple(p.shape)}" for p in late[:3]]
+        what = ("now requires a gradient" if any(p.requires_grad for p in late) else
+                f"now {'hold' if len(late) > 1 else 'holds'} a .grad (assigned by hand; torch.optim steps a tensor "
+                "that holds one, but here a tensor that required no gradient when the optimizer was built is frozen)")
         raise RuntimeError(
-            f"parameter {', '.join(map(str, shown))}{' and more' if len(late) > 3 else ''} was frozen "
-            "(requires_grad=False) when ShardedOptimizer was built and now requires a gradient: the optimizer "
+            f"{'parameters' if len(late) > 1 else 'parameter'} {'; '.join(shown)}"
+            f"{' and more' if len(late) > 3 else ''} {'were' if len(late) > 1 else 'was'} frozen "
+            f"(requires_grad=False) when ShardedOptimizer was built and {what}: the optimizer "
             "keeps no state, gradient buffer or reduction for it and would not train it. Set requires_grad "
             "before building, or rebuild to take it in: sd = opt.state_dict(); opt = ShardedOptimizer(<the same "
             "groups or model>, ...); opt.load_state_dict(sd) (its state starts at its first step, as torch's "

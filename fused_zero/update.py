@@ -31,7 +31,7 @@ import torch
 
 from . import ops
 from .host_read import host_copy
-from .hyper import as_float
+from .hyper import as_float, check_flags
 from .sharding.partition import Partition
 from .state_views import StepCounts
 from .tiers.store import AMSGRAD_KIND
@@ -135,6 +135,8 @@ class Hyper(NamedTuple):
 
 
 def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device) -> Hyper:
+    # flags set in the group after building (add_param_group and the constructor check them there)
+    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
     hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
                  beta2=as_float(group["betas"][1]), eps=as_float(group["eps"]),
                  weight_decay=as_float(group["weight_decay"]),

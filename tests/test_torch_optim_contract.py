@@ -129,3 +129,82 @@ def test_add_param_group_and_zero_grad_to_zero_match_torch():
             _loss(m, t).backward()
             o.step()
     assert _max_err(model, ref) < TOL
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_under_keys_that_are_no_parameter_round_trips_as_torch(stage):
+    """torch.optim keeps state entries whose key is not a parameter (a counter a hook keeps, an index that matches
+    no parameter) through state_dict() and load_state_dict(), as they are; torch's own state-dict hook tests
+    rely on it."""
+    model, ref = PlainNet(), PlainNet()
+    opt = ShardedOptimizer(model, stage=stage) if stage == 3 else ShardedOptimizer(model.parameters(), stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for o in (opt, ref_opt):
+        o.register_state_dict_pre_hook(lambda o: o.state.__setitem__("hook_calls", o.state.get("hook_calls", 0) + 1))
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    opt.state["epoch"], ref_opt.state["epoch"] = 7, 7
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["state"]["epoch"] == ref_sd["state"]["epoch"] == 7
+    assert sd["state"]["hook_calls"] == ref_sd["state"]["hook_calls"] == 1
+    assert sorted(map(str, sd["state"])) == sorted(map(str, ref_sd["state"]))
+    # a loaded dict replaces them: its own are taken as they are, the optimizer's others go (as torch)
+    opt.state["stale"] = ref_opt.state["stale"] = True
+    for o, d in ((opt, ref_sd), (ref_opt, ref_sd)):
+        o.load_state_dict({**d, "state": {**d["state"], "epoch": 9, 99: {"note": "no parameter 99"}}})
+    for o in (opt, ref_opt):
+        assert o.state["epoch"] == 9 and o.state[99] == {"note": "no parameter 99"} and "stale" not in o.state
+    _train(model, opt, 2, start=2)
+    _train(ref, ref_opt, 2, start=2)
+    if stage == 3:
+        with opt.full_parameters():
+            assert _max_err(model, ref) < TOL
+    else:
+        assert _max_err(model, ref) < TOL
+
+
+def test_param_groups_in_state_dict_as_torch_orders_them_and_loaded_names_replace():
+    model, ref = PlainNet(), PlainNet()
+    named = list(model.named_parameters())
+
+    def groups(named):
+        return [{"weight_decay": 0.0, "name": "first", "params": named[:1]}, {"params": named[1:]}]
+    opt = ShardedOptimizer(groups(named))
+    ref_opt = torch.optim.AdamW(groups(list(ref.named_parameters())))
+    _train(model, opt, 1)
+    _train(ref, ref_opt, 1)
+    ours, theirs = opt.state_dict()["param_groups"], ref_opt.state_dict()["param_groups"]
+    assert [list(g) for g in ours] == [list(g) for g in theirs]
+    assert ours == theirs
+    renamed = ref_opt.state_dict()
+    for g in renamed["param_groups"]:
+        g["param_names"] = ["renamed." + n for n in g["param_names"]]
+    opt.load_state_dict(renamed)
+    ref_opt.load_state_dict(renamed)
+    assert [g["param_names"] for g in opt.param_groups] == [g["param_names"] for g in ref_opt.param_groups]
+    assert opt.param_groups[0]["param_names"][0].startswith("renamed.")
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_flags_refused_at_build_are_refused_when_set_in_a_group_later(flag):
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters())
+    _train(model, opt, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][flag] = True
+    with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
+        _train(model, opt, 1, start=1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # refused before any change
+
+
+def test_tensors_without_requires_grad_given_a_grad_by_hand_are_refused_saying_so():
+    """torch's own tests step plain tensors (requires_grad=False) holding a hand-made .grad; here a tensor that
+    requires no gradient when the optimizer is built is frozen, so that is refused, and the message says what
+    happened (they hold a .grad), not that they require one."""
+    ps = [torch.randn(4, 3), torch.randn(5)]
+    opt = ShardedOptimizer(ps)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"parameters of shape \(4, 3\); of shape \(5,\) were frozen .* now hold "
+                                           r"a \.grad"):
+        opt.step()

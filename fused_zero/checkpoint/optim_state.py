@@ -17,7 +17,6 @@ from ..host_read import host_copy
 from .errors import CheckpointError
 from .reshard import numel_of
 from .torch_format import check_torch_state, piece_of, shapes_of, slice_into_shards, torch_param_groups
-from .view import group_hyper
 
 GATHER_NUMEL = 1 << 20  # shard elements per all-gather: world_size x 4 MiB of fp32 in flight
 #: optimizer.state keys the shards hold (gathered, or sliced back in); any other key is user state
@@ -93,11 +92,21 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     for g in opt.param_groups:
         members.append(range(start, start + len(g["params"])))
         start += len(g["params"])
-    groups = torch_param_groups([group_hyper(g) for g in opt.param_groups], members, opt.config.adam_w_mode)
-    for g, mine in zip(groups, opt.param_groups):
-        if "param_names" in mine:  # torch's named param groups keep their names in the state dict
-            g["param_names"] = list(mine["param_names"])
+    for k, v in opt.state.items():  # state kept under a key that is no parameter: packed as it is, as torch does
+        if not isinstance(k, torch.Tensor):
+            state.setdefault(k, v)
+    # torch's named param groups keep their names ("param_names") in the state dict, where the group has them
+    groups = torch_param_groups([{k: list(v) if k == "param_names" else v for k, v in g.items() if k != "params"}
+                                 for g in opt.param_groups], members, opt.config.adam_w_mode)
     return {"state": state, "param_groups": groups}
+
+
+def unowned_state(sd) -> dict:
+    """The entries of torch state dict ``sd``'s "state" under keys that are no parameter's index (torch keeps
+    them through state_dict() and load_state_dict(), as they are)."""
+    ids = {i for g in sd["param_groups"] for i in g["params"]}
+    ids |= {str(i) for i in ids}  # indices as strings: a state dict that went through JSON
+    return {k: v for k, v in sd["state"].items() if k not in ids}
 
 
 def _kind_order(kind: str) -> tuple:
@@ -156,8 +165,14 @@ def load_state_dict(opt, sd) -> None:
                 opt.state[p]["step"] = torch.tensor(steps[p])
             if extras.get(p):  # what a state-dict hook added, as torch's load keeps it
                 opt.state[p].update(extras[p])
-    for group, hyper in zip(opt.param_groups, hypers):
+    # state under keys that are no parameter's index: replaced by the loaded ones, copied as they are (torch)
+    for k in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
+        del opt.state[k]
+    opt.state.update(unowned_state(sd))
+    for group, hyper, saved in zip(opt.param_groups, hypers, sd["param_groups"]):
         group.update(hyper)
+        if "param_names" in saved:  # the loaded names replace the group's, as torch's load_state_dict does
+            group["param_names"] = list(saved["param_names"])
     opt.load_shards(staged)
     for k, part in enumerate(opt.partitions):
         part.pending_master = pending.get(k)

@@ -24,11 +24,13 @@ REQUIRED = ("lr", "betas", "eps", "weight_decay")  # hyperparameters every saved
 
 
 def torch_param_groups(hypers, members, adam_w_mode: bool) -> list[dict]:
-    """param_groups as torch.optim.AdamW(groups).state_dict() has them: its defaults, then ours."""
+    """param_groups as torch.optim.AdamW(groups).state_dict() has them: each group's own keys in its order (as
+    torch packs a group), then torch's defaults it lacks, then "params"."""
     defaults = group_hyper(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
     if "decoupled_weight_decay" in defaults:  # torch >= 2.6: AdamW is Adam with this flag
         defaults["decoupled_weight_decay"] = adam_w_mode
-    return [{**defaults, **hyper, "params": list(ids)} for hyper, ids in zip(hypers, members)]
+    return [{**hyper, **{k: v for k, v in defaults.items() if k not in hyper}, "params": list(ids)}
+            for hyper, ids in zip(hypers, members)]
 
 
 def adamw_state_dict(meta: dict, moments: Mapping[str, Mapping[str, torch.Tensor]]) -> dict:
