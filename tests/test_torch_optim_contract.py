@@ -208,3 +208,48 @@ def test_tensors_without_requires_grad_given_a_grad_by_hand_are_refused_saying_s
     with pytest.raises(RuntimeError, match=r"parameters of shape \(4, 3\); of shape \(5,\) were frozen .* now hold "
                                            r"a \.grad"):
         opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_loading_a_torch_adam_state_dict_keeps_adamw_as_torch_adamw_does(stage):
+    """torch.optim.AdamW stays AdamW whatever it loads (its __setstate__ forces decoupled_weight_decay=True); an
+    Adam group (built with decoupled_weight_decay=False) takes the saved value, as torch.optim.Adam does."""
+    src = PlainNet()
+    adam = torch.optim.Adam(src.parameters(), weight_decay=0.1)
+    _train(src, adam, 2)
+    sd = adam.state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is False
+    model, ref = copy.deepcopy(src), copy.deepcopy(src)
+    opt = ShardedOptimizer(model, stage=stage, weight_decay=0.1) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), weight_decay=0.1)
+    opt.load_state_dict(sd)
+    ref_opt.load_state_dict(sd)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is ref_opt.param_groups[0]["decoupled_weight_decay"] is True
+    _train(model, opt, 3, start=2)
+    _train(ref, ref_opt, 3, start=2)
+    if stage == 3:
+        with opt.full_parameters():
+            assert _max_err(model, ref) < TOL
+    else:
+        assert _max_err(model, ref) < TOL
+    # an Adam group takes what it loads: an AdamW state dict turns it into AdamW, as torch.optim.Adam
+    adam_group = ShardedOptimizer([{"params": list(PlainNet().parameters()), "decoupled_weight_decay": False}])
+    torch_adam = torch.optim.Adam(PlainNet().parameters())
+    for o in (adam_group, torch_adam):
+        o.load_state_dict(ref_opt.state_dict())
+    assert adam_group.param_groups[0]["decoupled_weight_decay"] is torch_adam.param_groups[0][
+        "decoupled_weight_decay"] is True
+
+
+def test_moments_without_a_step_are_refused_at_load():
+    """torch fails at the next step (KeyError: 'step'); a silent load would run the moments from step 1."""
+    src = PlainNet()
+    ref = torch.optim.AdamW(src.parameters())
+    _train(src, ref, 1)
+    sd = ref.state_dict()
+    opt = ShardedOptimizer(PlainNet().parameters())
+    i = min(sd["state"])
+    del sd["state"][i]["step"]
+    with pytest.raises(ValueError, match=rf"state {i} .* holds \['exp_avg', 'exp_avg_sq'\] but no 'step'"):
+        opt.load_state_dict(sd)

@@ -3,7 +3,7 @@
     tag = save(directory, model, optimizer, scheduler=None, *, tag=None, extra=None)  # every rank
     extra = load(directory, model, optimizer, scheduler=None, *, tag=None)             # every rank
     model_sd, optim_sd = consolidate(directory, tag=None)     # one process: plain PyTorch
-    load_torch_state(model, optimizer, optim_sd, model_sd=None)  # a torch.optim.AdamW state in
+    load_torch_state(model, optimizer, optim_sd, model_state_dict=None)  # a torch.optim.AdamW state in
     python -m fused_zero.checkpoint consolidate DIR OUT [--tag TAG]
 
 On disk (``DIR`` on a filesystem every rank sees)::

@@ -99,6 +99,11 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
                 raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
             what = f"state {i} (parameter {name_of(p)})"
             check_kinds([k for k in s if k in OPTION_OF_KIND], kinds[id(p)], what, gi)
+            held = [k for k in s if k in (*BASE_KINDS, *OPTION_OF_KIND)]
+            if held and "step" not in s:  # torch fails at the next step (KeyError: 'step')
+                raise ValueError(f"{what} holds {held} but no 'step': a moment means nothing without the step count "
+                                 "it was built over (Adam's bias correction); pass a state dict whose states each "
+                                 "carry 'step', or leave the parameter's state out to start it fresh")
             step = s.get("step", 0.0)
             if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)):
                 raise TypeError(f"{what} has step {step!r}: a step count must be a number or a 1-element tensor")
@@ -110,11 +115,20 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     if bad:
         raise ValueError(f"the optimizer state does not fit the parameters: {', '.join(bad)}; pass the state dict "
                          "of an optimizer over this model, with the same param groups in the same order")
-    # How torch runs is the optimizer's own (torch.optim.AdamW keeps decoupled_weight_decay=True whatever it
-    # loads), except where a group sets the key itself: it takes the saved value, as torch.optim.Adam does
-    hypers = [{k: v for k, v in group_hyper(g).items() if k not in TORCH_ONLY or k in mine}
-              for g, mine in zip(saved, groups)]
+    hypers = [{k: v for k, v in group_hyper(g).items() if _takes(k, mine)} for g, mine in zip(saved, groups)]
     return states, hypers
+
+
+def _takes(key: str, group: Mapping) -> bool:
+    """Whether loading a saved group's ``key`` replaces the optimizer's group's value, as torch's load does.
+
+    torch.optim.AdamW keeps decoupled_weight_decay=True whatever it loads (its ``__setstate__`` forces it): an
+    AdamW group stays AdamW, also when a torch.optim.Adam state dict is loaded; an Adam group (built with
+    decoupled_weight_decay=False) takes the saved value, as torch.optim.Adam does. The other flags of how torch
+    runs are taken where the group holds them (torch takes every saved key)."""
+    if key == "decoupled_weight_decay":
+        return group.get(key) is False
+    return key not in TORCH_ONLY or key in group
 
 
 def slice_into_shards(index, kinds: Callable[[object], tuple], source: Callable) -> list[dict]:
