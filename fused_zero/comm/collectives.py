@@ -330,7 +330,9 @@ class Comm(TensorChecks, TrafficCount, Agreement):
             self.broadcast(flat, src=src)
             offset = 0
             for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                # through .data, as DDP's buffer sync: pure data movement, so the version counter autograd checks
+                # stays (a BatchNorm forward whose backward is still to come saved running_mean / running_var)
+                t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     # ---- object collectives (set-up and checks) ------------------------------
