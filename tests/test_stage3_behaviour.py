@@ -652,3 +652,96 @@ def test_rank0_alone_evaluates_inside_full_parameters():
     """The README's recipe for DDP's `if rank == 0: evaluate(model)` at stage 3."""
     (evals, a), (_, b) = run_ranks(_eval_on_rank0_inside_full_parameters, 2, timeout=60)
     assert len(evals) == 3 and all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+class _LoopedSequential(nn.Module):
+    """No ModuleList: blocks in an nn.Sequential that the forward loops over to keep every block's output (VGG-style
+    feature taps), or runs through checkpoint_sequential; neither runs the Sequential's own forward."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb = nn.Linear(8, 32)
+            self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+            self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.how == "loop":
+            taps = []
+            for block in self.blocks:
+                h = block(h)
+                taps.append(h.square().mean())
+            return self.head(h).square().mean() + 0.1 * sum(taps)
+        from torch.utils.checkpoint import checkpoint_sequential
+        return self.head(checkpoint_sequential(self.blocks, 2, h, use_reentrant=False)).square().mean()
+
+
+@pytest.mark.parametrize("how", ["loop", "checkpoint_sequential"])
+@pytest.mark.parametrize("min_unit_numel", [0, None])
+def test_default_units_serve_a_loop_over_a_sequential_as_torch(how, min_unit_numel):
+    from fused_zero import ShardedOptimizer
+    model, ref = _LoopedSequential(how), _LoopedSequential(how)
+    kw = {} if min_unit_numel is None else dict(min_unit_numel=min_unit_numel)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    with opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _Holder(nn.Module):
+    """A module whose own forward never runs: the root calls its layers directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+
+class _CallsIntoHolder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.holder = _Holder()
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(self.holder.l2(self.holder.l1(self.inp(x)).relu())).square().mean()
+
+
+def _calls_into_holder(rank, world_size, units):
+    from fused_zero import ShardedOptimizer
+    model = _CallsIntoHolder()
+    layers = dict(units=[model.holder.l1, model.holder.l2]) if units == "layers" else {}
+    opt = ShardedOptimizer(model, stage=3, min_unit_numel=0, **layers)
+    try:
+        model(torch.randn(4, 8)).backward()
+    except RuntimeError as e:
+        first = str(e)
+    else:
+        first = None
+    # nothing is left gathered or half-started: the same optimizer trains once the call goes through units
+    # that run (here the holder's layers called directly are fine once they are units themselves)
+    return first, opt._stage.gatherer.state.name, opt._stage.gatherer.live_bytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_unit_whose_forward_never_wraps_its_modules_is_refused_naming_units(world_size):
+    """The holder is a default unit, yet its forward never runs: its layers would compute with empty placeholders
+    (torch's shape error, naming nothing). The first training forward checks it and raises on every rank."""
+    for first, state, live in run_ranks(_calls_into_holder, world_size, None, timeout=60):
+        assert first is not None and "module 'holder.l1' (Linear) ran inside the model's forward while the unit " \
+            "holding its parameters ('holder') was not running" in first and "units=[" in first, first
+        assert state == "IDLE" and live == 0
+
+
+def test_a_module_called_directly_inside_a_running_unit_is_fine_and_units_given_as_the_layers_serve():
+    for first, state, _ in run_ranks(_calls_into_holder, 1, "layers", timeout=60):
+        assert first is None and state == "IDLE"

@@ -69,8 +69,10 @@ def test_default_without_modulelist_is_children_with_params():
                                 model.branch, model.side, model.frozen, model.head])
     flat = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Identity(), nn.LayerNorm(2))
     same(default_units(flat), [flat[0], flat[3]])
-    plain = PlainNet()  # a single Sequential child: that child is the one unit
-    same(default_units(plain), [plain.layers])
+    plain = PlainNet()  # a single Sequential child: its layers (a loop over them skips the Sequential's forward)
+    same(default_units(plain), [plain.layers[i] for i in (0, 1, 3, 5, 7)])
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Tanh(), nn.Linear(2, 2))), nn.Linear(2, 2))
+    same(default_units(nested), [nested[0][0], nested[0][1][1], nested[1]])
     bn = BNNet()
     same(default_units(bn), bn.blocks)
 

@@ -58,6 +58,7 @@ class _Unit:
         self.grads_seen: set[int] = set()  # ids of the trainable parameters whose gradient is in
         self.backward_started = False
         self.entered = -1  # the forward (ParamGatherer._forwards) this unit's first module last ran in
+        self.running = 0  # the first training forward: how many of its modules are inside their forward now
 
     @property
     def gathered(self) -> bool:

@@ -121,6 +121,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         unit_of_param = {id(p): u for u in self.units for part in u.parts for p in part.params}
         direct = _eager_only(self._direct_call)
         self._direct_hooks = []  # (the module's pre-hook dict, the hook's key, the hook)
+        self._module_names = {id(m): n for n, m in root.named_modules()}  # for messages
         for m in root.modules():
             owners = tuple({id(unit_of_param[id(p)]): unit_of_param[id(p)] for p in m._parameters.values()
                             if p is not None and id(p) in unit_of_param}.values())
@@ -130,6 +131,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 self._handles.append(handle)
                 self._direct_hooks.append((m._forward_pre_hooks, handle.id, hook))
         self._direct_armed = True
+        # The first training forward keeps those hooks in to check that every module holding a unit's parameters
+        # runs inside that unit's forward (``_check_inside``); ``running``: how many of a unit's modules are inside
+        # their forward now (kept during that forward only)
+        self._checking = False
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
         self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict)))
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
@@ -216,6 +221,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         parameters are gathered for it, as a unit's module gathers its unit. Without gradients they are
         released after the call; with them they stay gathered for their backward, until the step."""
         if self.state is not TrainingState.IDLE or self._holding or self._closed:
+            if self._checking and self.state is TrainingState.FORWARD:
+                self._check_inside(owners, module)
             return
         todo = [u for u in owners if u.state is not UnitState.GATHERED]
         if not todo:
@@ -234,10 +241,31 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                         self._release(u)
             handle = module.register_forward_hook(release, always_call=True)
 
+    def _check_inside(self, owners: tuple, module: nn.Module) -> None:
+        """The first training forward: ``module``, which holds parameters of the units ``owners`` without being
+        a unit's own module, runs inside the forward. Each owner's parameters are gathered only around that
+        unit's own forward, so one not running now means its parameters are (or may be, as prefetch goes)
+        empty placeholders here: refused, naming the units that would serve (every rank runs the same model)."""
+        idle = [u for u in owners if u.index and not u.running]
+        if not idle:
+            return
+        name = self._module_names.get(id(module), type(module).__name__)
+        units = ", ".join(repr(self._module_names.get(id(m), type(m).__name__)) for u in idle for m in u.modules)
+        raise RuntimeError(
+            f"stage 3: module {name!r} ({type(module).__name__}) ran inside the model's forward while the unit "
+            f"holding its parameters ({units}) was not running: a unit's parameters are gathered only around its "
+            "own forward, so here they are empty placeholders. That unit's forward never wrapped this call (a loop "
+            "over a module's layers, or a call into a submodule from outside it). Choose units whose forward runs "
+            f"around every use of their parameters: pass units=[...] with the modules that are called (here "
+            f"{name!r} or its callers; units=[{type(module).__name__}] takes every {type(module).__name__}), or call "
+            "the unit's module itself")
+
     def _pre_forward(self, module: nn.Module, args) -> None:
         u = self._unit_of.get(id(module))
         if u is None:  # a shallow copy of one of the model's modules (copy.copy): a plain module
             return
+        if self._checking:
+            u.running += 1
         if u.entered == self._forwards and u.state is UnitState.GATHERED and self.state is TrainingState.FORWARD \
                 and self._record is None:
             return  # a later module of a merged unit in this forward: its first gathered it and prefetched
@@ -251,7 +279,11 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
                 check, self._first_forward = self._first_forward, None
                 check()
-            self._disarm_direct_calls()
+            self._checking = self._grad_forward and self._record is not None  # the recording forward
+            if self._checking:
+                u.running = 1  # the root: its pre-hook counted before this forward began
+            else:
+                self._disarm_direct_calls()
             self._start(TrainingState.FORWARD, list(self.schedule))
         elif self.state is TrainingState.FORWARD and self._grad_forward and self._record is not None and u.index:
             if u.index not in self._record:
@@ -281,6 +313,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         u = self._unit_of.get(id(module))
         if u is None:
             return
+        if self._checking:
+            u.running -= 1
         if sys.exc_info()[0] is not None:
             if u.index == 0:
                 self._abort()
@@ -331,6 +365,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                     self._release(u)
         if self._grad_forward and self._record is not None:
             self._agree_on_schedule()
+        self._stop_checking()
         self.state = TrainingState.IDLE
         self._arm_direct_calls()
 
@@ -352,8 +387,14 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         for u in self.units:
             self._release(u)
         self._drop_copies()
+        self._stop_checking()
         self.state = TrainingState.IDLE
         self._arm_direct_calls()
+
+    def _stop_checking(self) -> None:
+        self._checking = False
+        for u in self.units:
+            u.running = 0
 
     def _drop_copies(self) -> None:
         if self.secondary is not None:

@@ -7,7 +7,9 @@ start of a training forward to the end of its backward.
 
 By default the units are the elements of every ``nn.ModuleList`` in the model
 that hold parameters (transformer blocks), outermost first; a model without a
-ModuleList gets one unit per direct child that holds parameters. ``units=``
+ModuleList gets one unit per direct child that holds parameters (the layers of a
+child that is an ``nn.Sequential``, whose own forward a loop over its layers
+skips). ``units=``
 overrides that with module classes (every instance below the root becomes a
 unit) or with the module objects themselves.
 
@@ -81,10 +83,21 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     visit(model)
     if not found:
         for child in model.children():
-            for c in (child.children() if isinstance(child, _CONTAINERS) else (child,)):
-                if _has_params(c) and not isinstance(c, _CONTAINERS):
+            for c in _layers(child):
+                if _has_params(c):
                     found.setdefault(id(c), c)
     return list(found.values())
+
+
+def _layers(m: nn.Module):
+    """``m``, or where its own forward may never run, its layers: a container's elements, and an
+    ``nn.Sequential``'s (a model may loop over a Sequential's layers to keep their outputs, VGG-style, and then
+    the Sequential's forward, around which a unit is gathered, never runs; its layers run either way)."""
+    if isinstance(m, (nn.Sequential, *_CONTAINERS)):
+        for child in m.children():
+            yield from _layers(child)
+    elif not isinstance(m, _CONTAINERS):
+        yield m
 
 
 def resolve_units(model: nn.Module, units) -> list[nn.Module]:
