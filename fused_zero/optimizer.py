@@ -400,7 +400,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with nullcontext() if lone_ok else self.collective_call("full_parameters()"), self._stage.full_parameters():
             yield
             if writeback:  # stage 3: before the gathered copies are released
-                for part in self.partitions:
+                for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
+                    part.take_in_assigned_full(self._names)
                     part.load_master_from_params()
 
     @contextmanager

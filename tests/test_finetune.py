@@ -171,3 +171,37 @@ def test_checkpoint_with_frozen_base_loads_where_more_is_trainable(tmp_path, sta
     _step(fresh, opt2, 2, 0, k=1)
     assert sorted(opt2.state_dict()["state"]) == sorted(trained + [1])
     assert float(opt2.state[fresh.block["base"].weight]["step"]) == 1  # its state started at its first step
+
+
+def _writeback(rank, ws, stage, units):
+    """Inside full_parameters(writeback=True): an in-place write to a frozen weight (peft's merge adds B @ A to
+    the base weight), and full tensors assigned with p.data = t (peft's safe merge) to a frozen and a trainable
+    parameter; then a step. Against torch AdamW on the same edits (every rank makes them)."""
+    model, ref = LoraNet(), LoraNet()
+    opt = _build(model, stage, **({"min_unit_numel": 0} if units == "per module" and stage == 3 else {}))
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HYPER, foreach=False)
+    _step(model, opt, 0, 0, k=1)
+    _step(ref, ref_opt, 0, 0, k=1)
+    t_emb = torch.full((1000, 128), 0.25)
+    t_a = torch.full((8, 128), -0.125)
+    for m, ctx in ((model, opt.full_parameters(writeback=True)), (ref, torch.no_grad())):
+        with ctx, torch.no_grad():
+            m.block["base"].weight.add_(m.block["lora_b"].weight[:28] @ m.block["lora_a"].weight)
+            m.emb.weight.data = t_emb.clone()
+            m.block["lora_a"].weight.data = t_a.clone()
+    with opt.full_parameters():
+        held = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    _step(model, opt, 1, 0, k=1)
+    _step(ref, ref_opt, 1, 0, k=1)
+    with opt.full_parameters():
+        after = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return held, after
+
+
+@pytest.mark.parametrize("stage,units,ws", [(1, "default", 1), (3, "default", 1), (3, "per module", 1),
+                                            (3, "per module", 2)])
+def test_writeback_keeps_in_place_writes_to_frozen_weights_and_assigned_tensors(stage, units, ws):
+    """Both were dropped at stage 3 when the block ended (a peft merge_and_unload() inside it undone unseen)."""
+    for held, after in run_ranks(_writeback, ws, stage, units, timeout=120):
+        assert held == 0.0, held
+        assert after < 1e-6, after

@@ -220,6 +220,22 @@ class Partition:
             self._refuse(p, shape, names, "shape", tuple(shape), tuple(p.shape), "a resize or p.data = t")
         self.check_kind(p, shape, names)
 
+    @torch.no_grad()
+    def take_in_assigned_full(self, names: dict) -> None:
+        """Gathered (or always full: stages 1-2): parameters user code assigned a full tensor (``p.data = t``, as
+        peft's safe merge writes) have it copied into the flat buffer, and view the buffer again. For a writeback
+        that reads the buffer (``full_parameters(writeback=True)``), which would otherwise miss them."""
+        for i, (p, view) in enumerate(self.views()):
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+                continue
+            self.check_kind(p, self.shapes[i], names)
+            if p.shape != view.shape:
+                raise RuntimeError(f"parameter {names.get(p, tuple(self.shapes[i]))} was assigned a tensor of shape "
+                                   f"{tuple(p.shape)} (p.data = t); it was built with shape {tuple(view.shape)}, "
+                                   "which the optimizer's flat buffers keep: assign a tensor of that shape")
+            view.copy_(p.data)
+            p.data = view
+
     def check_kind(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
         """``p`` still has the dtype and device the optimizer was built with (else the clear refusal)."""
         if p.dtype != self.dtype:
