@@ -39,6 +39,29 @@ class Relay:
         return None
 
 
+class EndOfBackward:
+    """What an owner queues for the end of a backward (``queue_callback``): ``fn`` when the backward ends.
+
+    Autograd drops a queued callback unrun when the backward raises (an out-of-memory error, a
+    KeyboardInterrupt, a failing hook), and a loop that catches it goes on (torch.optim does not care). The
+    callback then calls ``dropped`` as it is freed, wherever autograd frees it: ``dropped`` only takes note,
+    and the owner finishes the backward's bookkeeping at its next call (``ShardedOptimizer._recover_backward``).
+    """
+
+    __slots__ = ("_fn", "_dropped", "_ran")
+
+    def __init__(self, fn: Callable[[], None], dropped: Callable[[], None]) -> None:
+        self._fn, self._dropped, self._ran = fn, dropped, False
+
+    def __call__(self) -> None:
+        self._ran = True
+        self._fn()
+
+    def __del__(self) -> None:
+        if not self._ran:
+            self._dropped()
+
+
 class HookSet:
     """Hooks registered on behalf of ``owner``; ``remove()`` takes them all off."""
 

@@ -32,7 +32,7 @@ from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
-from .hooks import HookSet, ModelHook, Relay, call_only
+from .hooks import EndOfBackward, HookSet, ModelHook, Relay, call_only
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, lightning_without_strategy,
@@ -141,6 +141,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync: GradSync | None = None
         self._hooks: HookSet | None = None
         self._in_backward = False
+        self._backward_dropped = False  # a backward raised: its end-of-backward callback never ran (hooks.py)
         self._closed = False
         self._integrated = False  # a framework integration drives it (mark_integrated)
         if self._rendezvous is not None:
@@ -234,6 +235,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         gatherer = getattr(self._stage, "gatherer", None)
         if gatherer is not None and self._rendezvous is not None:
             gatherer.meet_eval = Relay(self._meet_eval)
+        if gatherer is not None:  # a forward after a backward that raised ends that backward first
+            gatherer.recover_backward = Relay(self._recover_if_dropped)
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
@@ -275,6 +278,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         before the first."""
         if self._closed:
             return
+        if self._backward_dropped:
+            self._recover_backward()
         if self._buffers_due:
             self.topology.broadcast_coalesced(self._buffers)
         self._buffers_due = torch.is_grad_enabled() and self.grad_sync.sync
@@ -331,6 +336,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return nullcontext() if self._rendezvous is None else self._rendezvous.collective(name)
 
     def _check_open(self) -> None:
+        if self._backward_dropped and not self._closed:
+            self._recover_backward()
         if self._closed:
             raise RuntimeError("this ShardedOptimizer was closed: a newer ShardedOptimizer took over its parameters "
                                "(or close() was called); step the new optimizer, or rebuild this one")
@@ -346,6 +353,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     # -- backward: one hook per parameter, one callback per backward ---------
     def _on_grad(self, p: nn.Parameter, entry) -> None:
         """The gradient hook of every trainable parameter (``entry``: its ``grad_sync.GradEntry``)."""
+        if self._backward_dropped:
+            self._recover_backward()
         if not self._in_backward:
             if not self._habits_checked:
                 self._check_habits()
@@ -360,12 +369,30 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._settle_update()  # the reductions land in the gradient shards the update reads
             self._in_backward = True
             self._backwards += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._hooks.relay(self._end_backward))
+            torch.autograd.Variable._execution_engine.queue_callback(
+                EndOfBackward(self._hooks.relay(self._end_backward), self._hooks.relay(self._note_dropped_backward)))
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
         self.grad_sync.close_round()
+
+    def _note_dropped_backward(self) -> None:
+        """The backward raised (its end-of-backward callback was dropped unrun): noted, finished at the next call."""
+        self._backward_dropped = True
+
+    def _recover_if_dropped(self) -> None:
+        if self._backward_dropped:
+            self._recover_backward()
+
+    def _recover_backward(self) -> None:
+        """A backward raised, and a loop caught it and goes on (as torch.optim allows): end that backward as
+        its callback would have, so what it produced stays as torch leaves it (the gradients that came in are
+        reduced as a finished backward's: ``zero_grad()`` drops them) and the next backward opens a round. On
+        every rank that raised alike; a rank raising alone leaves the others in their collectives, as DDP."""
+        self._backward_dropped = False
+        if self._in_backward:
+            self._end_backward()
 
     def _meet_eval(self) -> None:
         """Stage 3, a forward without gradients (evaluation): every rank runs it, so they meet first."""
@@ -412,6 +439,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._backward_dropped:
+            self._recover_backward()
         if not set_to_none:  # zeroes the gradient shards the update behind step() may still read
             self._settle_update()
         self.grad_sync.zero_grad(set_to_none)

@@ -149,6 +149,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         # a forward without gradients first meets every rank through the store (the optimizer's collective_call):
         # a rank evaluating alone raises, naming the fix, instead of waiting in a gather no peer makes
         self.meet_eval: Callable[[], None] | None = None
+        # the optimizer's: ends a backward that raised (its end-of-backward callback dropped) before a forward
+        self.recover_backward: Callable[[], None] | None = None
         self._eval_met = False  # met since the last training forward or step: the next evaluation forwards do not
         # The model (through these hooks) outlives a dropped optimizer: a new optimizer over the
         # model finds this gatherer here and closes it, giving the parameters back first.
@@ -264,6 +266,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         u = self._unit_of.get(id(module))
         if u is None:  # a shallow copy of one of the model's modules (copy.copy): a plain module
             return
+        if u.index == 0 and self.state is not TrainingState.IDLE and self.recover_backward is not None:
+            self.recover_backward()  # a no-op unless the last backward raised
         if self._checking:
             u.running += 1
         if u.entered == self._forwards and u.state is UnitState.GATHERED and self.state is TrainingState.FORWARD \
