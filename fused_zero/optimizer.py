@@ -217,13 +217,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 raise RuntimeError(message)
             if params:
                 self.topology.check_device(params[0].device)
-            for previous in claim(self, params):
-                previous.close()
+            # everything that can refuse the build, before a previous optimizer over these parameters is closed
+            # (a refused constructor leaves it as it was)
             self.topology.check_same(self.topology.describe(), "meshes", hint="pass mesh= of the same shape and "
                                  "dimension names on every rank (or process_group= on every rank)")
             self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
                                       "hyperparameters on every rank")
+            self._stage.precheck(self.module, self._units)
+            for previous in claim(self, params):
+                previous.close()
             self._sync_module_buffers()
         else:
             self.grad_sync.wait()

@@ -33,7 +33,7 @@ from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
 from .sharding.layout import build_layout
 from .sharding.partition import Partition
-from .sharding.units import plan_units
+from .sharding.units import plan_units, resolve_units
 from .behind import UpdateBehind
 from .behind_buckets import BucketsBehind
 from .tiers.factory import Tiers
@@ -154,8 +154,15 @@ class Stage1:
         return part
 
     def check_offload(self) -> None:
-        """The NVMe folder is usable on every rank (or every rank raises, before any collective)."""
-        self.tiers.check(self.topology.agree)
+        """The NVMe folder is usable on every rank (or every rank raises, before any collective); once."""
+        if not getattr(self, "_offload_checked", False):
+            self.tiers.check(self.topology.agree)
+            self._offload_checked = True
+
+    def precheck(self, module: nn.Module | None, units) -> None:
+        """What can refuse the build without touching the parameters, before a previous optimizer over them is
+        closed (a refused constructor leaves it working): the NVMe folder (stage 3: also ``units``)."""
+        self.check_offload()
 
     # -- the training loop --------------------------------------------------
     def grad_hook(self):
@@ -241,6 +248,10 @@ class Stage3(Stage2):
     def __init__(self, topology: Topology, config: ZeroConfig) -> None:
         super().__init__(topology, config)
         self.gatherer: ParamGatherer | None = None
+
+    def precheck(self, module: nn.Module | None, units) -> None:
+        super().precheck(module, units)
+        resolve_units(module, units)  # classes or submodules of the model, no container
 
     def build(self, groups, names, module, units, begin_backward, previous, first_forward=None):
         """One partition per (unit, param group, dtype); the gatherer owns the full buffers."""

@@ -192,3 +192,39 @@ def test_an_option_that_differs_across_ranks_is_named():
     """The refusal names the option and both values, not two whole option dicts."""
     for message in run_ranks(_one_option_differs, 2, timeout=60):
         assert "max_live_units = 2, rank 0 has 1" in message and len(message) < 400, message
+
+
+def _rebuild_refused(rank, world_size, stage, bad):
+    model = TinyNet()
+    ref = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(rank))
+
+    def step(m, o):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+    step(model, opt)
+    kw = {"nvme": dict(offload_optimizer="nvme", nvme_path="/nonexistent/folder"),
+          "units": dict(units=[nn.Linear(2, 2)])}[bad]
+    try:
+        ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **kw)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    step(model, opt)  # the first optimizer goes on as if nothing happened
+    if world_size == 1:
+        step(ref, ref_opt)
+        step(ref, ref_opt)
+    with opt.full_parameters():
+        return refused, max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage,bad", [(2, "nvme"), (3, "nvme"), (3, "units")])
+def test_a_refused_rebuild_leaves_the_previous_optimizer_working(stage, bad):
+    """A constructor that raises changes nothing: the NVMe folder and units= are checked before a previous
+    optimizer over the same parameters is closed (it was closed first: 'a newer ShardedOptimizer took over')."""
+    for refused, err in run_ranks(_rebuild_refused, 1, stage, bad, timeout=60):
+        assert refused is not None and ("is not a folder" in refused or "not a submodule" in refused), refused
+        assert err < 1e-6, err
