@@ -587,35 +587,55 @@ class _BlockOut:
     extra: dict
 
 
+class _PlainOut:
+    """A plain object (no dataclass, no pytree node) holding the block's tensors, one of them in a nested one."""
+
+    def __init__(self, h, pre):
+        self.h = h
+        self.extra = {"pre": _Nested(pre)}
+        self.me = self  # a cycle: followed once
+
+
+class _Nested:
+    def __init__(self, t):
+        self.t = t
+
+
 class _DataclassBlocks(nn.Module):
-    """Blocks that return a plain (unregistered) dataclass: its tensors are found for backward's hooks."""
+    """Blocks that return a plain (unregistered) dataclass or a plain object: their tensors are found for
+    backward's hooks (else a released unit's backward ran on empty placeholders)."""
 
     class Block(nn.Module):
-        def __init__(self):
+        def __init__(self, kind):
             super().__init__()
             self.fc = nn.Linear(16, 16)
+            self.kind = kind
 
         def forward(self, x):
             h = x + torch.tanh(self.fc(x))
+            if self.kind == "object":
+                return _PlainOut(h, h * 0.5)
             return _BlockOut(h=h, extra={"pre": h * 0.5})
 
-    def __init__(self):
+    def __init__(self, kind="dataclass"):
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.blocks = nn.ModuleList(self.Block() for _ in range(3))
+            self.blocks = nn.ModuleList(self.Block(kind) for _ in range(3))
 
     def forward(self, x):
         out = 0
         for b in self.blocks:
             o = b(x)
-            x, out = o.h, out + o.extra["pre"].sum()
+            pre = o.extra["pre"]
+            x, out = o.h, out + (pre.t if isinstance(pre, _Nested) else pre).sum()
         return x.square().mean() + 1e-3 * out
 
 
-def test_units_returning_a_dataclass_train_as_torch():
+@pytest.mark.parametrize("kind", ["dataclass", "object"])
+def test_units_returning_a_dataclass_or_plain_object_train_as_torch(kind):
     from fused_zero import ShardedOptimizer
-    model, ref = _DataclassBlocks(), _DataclassBlocks()
+    model, ref = _DataclassBlocks(kind), _DataclassBlocks(kind)
     opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     for step in range(3):

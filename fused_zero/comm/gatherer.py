@@ -479,13 +479,24 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
 
 
 
-def _tensors_in(value) -> list:
-    """The tensors in a module's output or inputs: pytree's leaves, and the fields of dataclasses (which pytree
-    leaves whole unless registered), at any depth."""
+_PLAIN = (str, bytes, int, float, complex, bool, type(None), type, nn.Module)
+
+
+def _tensors_in(value, seen: set | None = None) -> list:
+    """The tensors in a module's output or inputs: pytree's leaves, and inside the leaves pytree keeps whole, the
+    fields of dataclasses and the attributes of plain objects (a block returning ``Out(h)``), at any depth (each
+    object once: no cycle is followed; modules are not looked into)."""
     out = []
+    seen = set() if seen is None else seen
     for leaf in tree_flatten(value)[0]:
         if isinstance(leaf, torch.Tensor):
             out.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            out += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, _PLAIN) or callable(leaf) or id(leaf) in seen:
+            continue
+        elif dataclasses.is_dataclass(leaf):
+            seen.add(id(leaf))
+            out += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], seen)
+        elif hasattr(leaf, "__dict__"):
+            seen.add(id(leaf))
+            out += _tensors_in(list(vars(leaf).values()), seen)
     return out
