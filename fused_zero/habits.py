@@ -57,6 +57,14 @@ def torchrun_without_process_group() -> str | None:
     return None
 
 
+def group_initialised_after_build(world_size: int) -> str:
+    """The message when the default process group came up after a single-rank optimizer was built."""
+    return (f"this ShardedOptimizer was built before torch.distributed.init_process_group(), so it trains this rank "
+            f"alone, but the default process group now has {world_size} ranks: every rank would train on its own "
+            "data, unaveraged. Build the optimizer after init_process_group() (or pass process_group= explicitly, "
+            "a one-rank group to train alone on purpose)")
+
+
 def _calling_code(depth: int = 64):
     """(file, function) of each calling frame, innermost first.
 

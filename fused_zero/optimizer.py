@@ -26,7 +26,7 @@ from torch import nn
 from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler,
                   update_scalars)
 from .checkpoint.save_load import ShardOwner
-from .comm.collectives import Comm
+from .comm.collectives import Comm, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology
 from .config import ZeroConfig
@@ -35,8 +35,8 @@ from .frozen import refuse_unfrozen
 from .hooks import EndOfBackward, HookSet, ModelHook, Relay, call_only
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
-from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, lightning_without_strategy,
-                     stage3_model_wrapped, torch_clip_in_loop)
+from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
+                     lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, release
 from .sharding.partition import Partition
 from .profiling import UPDATE, label
@@ -133,6 +133,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._units = units
         self.config = config
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
+        # alone because no process group existed yet: refused at a step once one of several ranks exists
+        self._alone_by_default = process_group is None and mesh is None and self.topology.world_size == 1
         self.comm = self.topology.shard
         self._rendezvous = self.topology.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
@@ -503,6 +505,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         grad_scaler = calling_scaler(self)
         if not self._habits_checked:  # no hooked gradient seen yet (stage 1 hooks one parameter per bucket)
             self._check_habits()
+        if self._alone_by_default and default_world_size() > 1:  # every rank alike, before any collective
+            raise RuntimeError(group_initialised_after_build(default_world_size()))
         if not self._framework_checked:  # once, on every rank, before any collective
             self._framework_checked = True
             message = framework_without_integration(self)

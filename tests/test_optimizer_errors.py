@@ -228,3 +228,25 @@ def test_a_refused_rebuild_leaves_the_previous_optimizer_working(stage, bad):
     for refused, err in run_ranks(_rebuild_refused, 1, stage, bad, timeout=60):
         assert refused is not None and ("is not a folder" in refused or "not a submodule" in refused), refused
         assert err < 1e-6, err
+
+
+def _built_before_init(rank, world_size, folder, stage):
+    import torch.distributed as dist
+    dist.destroy_process_group()  # as a script that builds the optimizer first, then init_process_group()
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    model(torch.randn(2, 4, 16)).square().mean().backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_built_before_init_process_group_refuses_to_step_alone(tmp_path, stage):
+    """Built with no process group it trains its rank alone; once a group of several ranks exists, stepping
+    would silently train every rank on its own data: refused on every rank."""
+    for message in run_ranks(_built_before_init, 2, str(tmp_path), stage, timeout=60):
+        assert message is not None and "built before torch.distributed.init_process_group()" in message, message
