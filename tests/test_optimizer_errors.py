@@ -250,3 +250,28 @@ def test_an_optimizer_built_before_init_process_group_refuses_to_step_alone(tmp_
     would silently train every rank on its own data: refused on every rank."""
     for message in run_ranks(_built_before_init, 2, str(tmp_path), stage, timeout=60):
         assert message is not None and "built before torch.distributed.init_process_group()" in message, message
+
+
+def _after_destroy(rank, world_size, folder):
+    import torch.distributed as dist
+    model = TinyNet()
+    opt = ShardedOptimizer(model, stage=3, min_unit_numel=0)
+    model(torch.randn(2, 4, 16)).square().mean().backward()
+    opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+    out = []
+    for call in (lambda: model(torch.randn(2, 4, 16)), opt.close):
+        try:
+            call()
+            out.append(None)
+        except RuntimeError as e:
+            out.append(str(e))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/again", rank=rank, world_size=world_size)
+    return out
+
+
+def test_collective_calls_after_destroy_process_group_name_the_order(tmp_path):
+    """torch said 'Group <...ProcessGroup object at 0x...> is not registered'."""
+    for out in run_ranks(_after_destroy, 2, str(tmp_path), timeout=60):
+        assert all(m is not None and m.startswith("torch.distributed.destroy_process_group() ran before") for m in out)

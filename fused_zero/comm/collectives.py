@@ -82,6 +82,15 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _check_group_alive() -> None:
+    """Before a collective: torch would say "Group ... is not registered" after destroy_process_group()."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed.destroy_process_group() ran before this collective call of the "
+                           "ShardedOptimizer: its collective calls (a forward and backward at stage 3, step(), close(), "
+                           "full_parameters(), state_dict(), checkpoint.save) need the process group; make them before "
+                           "destroying it (at stage 3, close() first gives the model its full parameters back)")
+
+
 def default_world_size() -> int:
     """The default process group's size (1 without one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -189,6 +198,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
     def _launch(self, collective: Callable, *tensors: torch.Tensor, **kwargs):
         """``collective(*aliases, group=, async_op=True, **kwargs)`` on pinned aliases of ``tensors``; its Work."""
         _reap()
+        _check_group_alive()
         aliases = tuple(_alias(t) for t in tensors)
         _PINS.append(_Pin(aliases, torch.ScriptList(list(aliases))))  # before the Work can exist
         work = collective(*aliases, group=self.group, async_op=True, **kwargs)
@@ -296,6 +306,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         return handle
 
     def _global(self, rank: int) -> int:
+        _check_group_alive()
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Handle:
