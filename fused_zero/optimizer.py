@@ -154,6 +154,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
+        self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
+        if self._rendezvous is not None:
+            self._rendezvous.progress = Relay(self._steps_finished)
         self._backwards = 0  # backward passes begun (a clip's stats serve the step only if none began since)
         self._last_update = None  # what the last update used: the next stats all-reduce checks it
         self._stats_agreed = None
@@ -640,7 +643,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stage.after_update(self.partitions, has_grad)  # drops staged copies before the worker writes
         self._stage.start_behind(self.partitions, plan, has_grad)
 
+    def _steps_finished(self) -> int:
+        return self._steps_done
+
     def _end_step(self) -> None:
+        self._steps_done += 1
         self._verdicts.end_step()
         self.grad_sync.end_step()
         self._clip = None

@@ -216,3 +216,43 @@ def test_a_withdrawn_call_leaves_its_name_for_a_peer_that_saw_it():
         r0._fail("state_dict()", "rank 1 called something else")
     assert r1._other_names(1, "load_state_dict()") == "rank 0 called state_dict() at the same point"
     assert r1._named(1, 0).startswith("withdrawn:") and r1._named(1, 1) == ""
+
+
+def test_a_peer_blocked_inside_the_step_the_caller_finished_is_waited_for():
+    """A rank blocked in a wait counts as past the call (DDP's lone-call habit) only when it finished as many
+    steps as the caller: on a loaded machine a rank can block in the last collective of the step the caller
+    finished (waiting for a slow third rank), and then arrives at the call. It was refused at once ('did not
+    call it and are waiting in their next collective'), breaking a correct program."""
+    import threading
+
+    from fused_zero.comm.rendezvous import Rendezvous
+
+    store = torch.distributed.HashStore()
+    r0, r1 = (Rendezvous(store, r, 2, 30.0, "progress") for r in range(2))
+    steps = {0: 3, 1: 2}
+    r0.progress, r1.progress = (lambda: steps[0]), (lambda: steps[1])
+    r1.while_blocked()  # rank 1 is still inside its third step's collective
+    outcome = []
+
+    def call():
+        try:
+            with r0.collective("full_parameters()"):
+                outcome.append("met")
+        except RuntimeError as e:
+            outcome.append(str(e))
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(0.6)  # rank 0 looks at rank 1 after 0.2 s of waiting
+    assert outcome == [] and caller.is_alive()
+    r1.unblocked()
+    steps[1] = 3  # it finished the step, and makes the call
+    with r1.collective("full_parameters()"):
+        pass
+    caller.join(5)
+    assert outcome == ["met"]
+    # blocked after finishing as many steps as the caller: past the call, refused at once (as before)
+    steps[1] = 3
+    r1.while_blocked()
+    with pytest.raises(RuntimeError, match="waiting in their next collective"):
+        with r0.collective("full_parameters()"):
+            pass

@@ -22,6 +22,10 @@ through the c10d store the process group already has (a few store operations, no
   collective as if nothing had happened. If the caller's exception ends its process instead,
   the blocked peer's collective fails with "Connection closed by peer"; that peer then reads
   the caller's reason from the store and raises it too.
+- Blocked means blocked *past* the call: each rank publishes, with its BLOCKED state, how many steps its
+  optimizer has finished (``progress``), and each caller its own with its call. A peer blocked with fewer
+  steps finished is still inside an earlier step's collective (on a loaded machine a rank may wait there
+  for a slow third rank after the caller's side of it completed): it is waited for, and serves nothing yet.
 - A peer that neither arrives nor blocks (it is still computing, evaluating, or waiting in a
   collective fused_zero did not issue) is waited for as a collective would be, up to the
   process group's timeout, with a warning after ``WARN_S`` seconds that names the call.
@@ -100,6 +104,8 @@ class Rendezvous:
         self._published = BUSY
         self._serving = False
         self._servers: dict[str, Callable[[], Callable[[], None] | None]] = {}
+        #: how many steps the optimizer finished (set by it): where in the run a call or a blocked wait is
+        self.progress: Callable[[], int | None] = lambda: 0
         self._store.add(self._key(f"state/{rank}"), 0)
         _LIVE.add(self)
 
@@ -110,6 +116,8 @@ class Rendezvous:
     #   name/<c>/<r>       rank r's name for call c ("withdrawn:<name>" once it withdrew: never deleted, so
     #                      a peer's get never waits for a key that is gone)
     #   state/<r>          BUSY, BLOCKED or GONE
+    #   progress/<r>       rank r's steps finished when it last blocked (written before its BLOCKED)
+    #   at/<c>             the callers' steps finished when they entered call c
     #   failed/<r>         the call rank r gave up on, and why
     def _key(self, what: str) -> str:
         return f"{self._prefix}/{what}"
@@ -120,8 +128,13 @@ class Rendezvous:
     def _read(self, what: str) -> int:
         return self._store.add(self._key(what), 0)
 
+    def _steps(self) -> int:
+        return self.progress() or 0
+
     def _publish(self, state: int) -> None:
         if state != self._published:
+            if state == BLOCKED:  # first: a peer that reads BLOCKED reads where
+                self._store.set(self._key(f"progress/{self.rank}"), str(self._steps()))
             self._store.add(self._key(f"state/{self.rank}"), state - self._published)
             self._published = state
 
@@ -153,6 +166,8 @@ class Rendezvous:
     def _meet(self, name: str) -> None:
         c = self._count = self._count + 1
         st = self._store
+        mine = self._steps()
+        st.set(self._key(f"at/{c}"), str(mine))
         st.set(self._key(f"name/{c}/{self.rank}"), name)
         st.add(self._key(f"calls/{c}/{name}"), 1)
         st.add(self._key(f"calls/{c}"), 1)
@@ -171,7 +186,7 @@ class Rendezvous:
                 gone = [q for q in behind if states[q] == GONE]
                 if gone:
                     self._fail(name, f"rank(s) {gone} closed this optimizer or exited without calling it")
-                blocked = [q for q in behind if states[q] == BLOCKED]
+                blocked = [q for q in behind if states[q] == BLOCKED and self._blocked_at(q) >= mine]
                 if blocked and name not in self._servers:
                     self._fail(name, f"rank(s) {blocked} did not call it and are waiting in their next "
                                      "collective (the next step's)")
@@ -184,6 +199,10 @@ class Rendezvous:
                                   + _message(name, "they have not called it yet"), RuntimeWarning, stacklevel=4)
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
+
+    def _blocked_at(self, q: int) -> int:
+        """Rank q's steps finished when it last blocked (read after its BLOCKED state, written before it)."""
+        return int(self._store.get(self._key(f"progress/{q}")).decode())
 
     def _named(self, c: int, q: int) -> str:
         """Rank q's name for call c: "" if it has not called, ``withdrawn:<name>`` if it called and withdrew. A
@@ -220,6 +239,8 @@ class Rendezvous:
         c = self._count + 1
         if self._depth or self._read(f"calls/{c}") == 0:
             return
+        if int(self._store.get(self._key(f"at/{c}")).decode()) > self._steps():
+            return  # called after a step this rank has not finished: it is blocked inside that step, not past it
         for name, server in self._servers.items():
             run = server()
             if run is None or self._read(f"calls/{c}/{name}") == 0:
