@@ -163,10 +163,20 @@ class ZeroAccelerator(Accelerator):
 
     # -- the training loop ------------------------------------------------------
     def _sharded(self, model=None) -> list[ShardedOptimizer]:
+        """The open ShardedOptimizers prepared here (of ``model``); one a newer optimizer over the same model took
+        over is closed, and steps aside."""
         if model is None:
-            return [opt for _, opt in self._zero_pairs]
+            return [opt for _, opt in self._zero_pairs if not opt.closed]
         inner = self.unwrap_model(model, keep_torch_compile=False)
-        return [opt for m, opt in self._zero_pairs if m is inner or m is None]
+        return [opt for m, opt in self._zero_pairs if (m is inner or m is None) and not opt.closed]
+
+    def free_memory(self, *objects):
+        """Accelerate's, and fused_zero's own references to what was prepared: the next ``prepare`` starts afresh
+        (its ``save_state`` numbered the new model's checkpoint after the old one's, and ``load_state`` loaded the
+        old one into it)."""
+        self._zero_pairs.clear()
+        self._replaced.clear()
+        return super().free_memory(*objects)
 
     @contextlib.contextmanager
     def no_sync(self, model):
@@ -211,10 +221,10 @@ class ZeroAccelerator(Accelerator):
         """The model's full state dict; at stage 3 gathered, so every rank calls it (as with DeepSpeed
         ZeRO-3). ``save_model`` goes through here too."""
         stage3 = [opt for opt in self._sharded(model) if opt.config.needs_module]
-        if not stage3:
+        if not self._sharded(model):
             return super().get_state_dict(model, unwrap)
-        with stage3[0].full_parameters():
-            return {k: v.detach().clone() for k, v in super().get_state_dict(model, unwrap).items()}
+        with stage3[0].full_parameters() if stage3 else contextlib.nullcontext():
+            return _apart(super().get_state_dict(model, unwrap))
 
     # -- checkpoints ------------------------------------------------------------
     def _without_sharded(self):
@@ -238,6 +248,8 @@ class ZeroAccelerator(Accelerator):
     def _checkpoint_pairs(self):
         pairs = []
         for model, opt in self._zero_pairs:
+            if opt.closed:  # a newer optimizer over the same model took over
+                continue
             if model is None:
                 raise RuntimeError("save_state/load_state need the model of each ShardedOptimizer: pass the model "
                                    "to accelerator.prepare() together with its optimizer")
@@ -275,3 +287,17 @@ class ZeroAccelerator(Accelerator):
         names = sorted((n for n in os.listdir(folder) if n.startswith("checkpoint_")),
                        key=lambda n: int(n.split("_")[-1]))
         return os.path.join(folder, names[-1])
+
+
+def _apart(state_dict: dict) -> dict:
+    """Each tensor copied into storage of its own, tied names sharing one copy (as the model ties them). The
+    parameters of stages 1-2 are views of one flat buffer, and stage 3's are gathered and released: Accelerate's
+    ``save_model`` takes tensors sharing storage for tied weights and saved one of them only."""
+    copies: dict = {}
+    out = {}
+    for k, v in state_dict.items():
+        key = (v.data_ptr(), v.dtype, tuple(v.shape), tuple(v.stride()), v.device)
+        if key not in copies:
+            copies[key] = v.detach().clone()
+        out[k] = copies[key]
+    return out
