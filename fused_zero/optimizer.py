@@ -437,7 +437,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             if writeback:  # stage 3: before the gathered copies are released
                 for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
                     part.take_in_assigned_full(self._names)
-                    part.load_master_from_params()
+                    part.load_master_from_params(changed_only=True)
 
     @contextmanager
     def no_sync(self):

@@ -271,14 +271,22 @@ class Partition:
 
     # -- shards ------------------------------------------------------------
     @torch.no_grad()
-    def load_master_from_params(self) -> None:
+    def load_master_from_params(self, changed_only: bool = False) -> None:
         """master (and the narrow param shard) <- this rank's shard of the flat buffer.
 
         Whenever the parameters were changed outside the optimizer: step() would
-        otherwise overwrite them from the old master.
+        otherwise overwrite them from the old master. ``changed_only`` (a writeback of
+        parameters narrower than fp32): only the elements whose value no longer is their
+        master's rounding take the new value; the others keep their fp32 master (reloaded
+        whole, every master would lose what bf16 cannot hold: half a bf16 step a writeback).
         """
+        keep = changed_only and self.dtype != torch.float32 and "master" in self.store.kinds
         for b in self.layout.buckets:
-            self.store.write("master", b.shard_offset, self.bucket(self.flat, b)[self.own(b)])
+            new = self.bucket(self.flat, b)[self.own(b)]
+            if keep and new.numel():
+                old = self.store.read("master", b.shard_offset, b.shard_offset + new.numel()).to(new.device)
+                new = torch.where(new == old.to(self.dtype), old, new.float())
+            self.store.write("master", b.shard_offset, new)
         if self.pshard is not None and not self.pshard.is_params:
             for b in self.layout.buckets:
                 self.pshard.write(b.shard_offset, self.bucket(self.flat, b)[self.own(b)])
