@@ -143,6 +143,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync: GradSync | None = None
         self._hooks: HookSet | None = None
         self._in_backward = False
+        self._holding = 0  # inside full_parameters() (nested: the depth)
         self._backward_dropped = False  # a backward raised: its end-of-backward callback never ran (hooks.py)
         self._closed = False
         self._integrated = False  # a framework integration drives it (mark_integrated)
@@ -284,7 +285,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """DDP's broadcast_buffers=True, as DDP decides it: rank 0's buffers before a forward that follows
         a forward whose gradients were to be reduced (with gradients enabled, outside no_sync()), and
         before the first."""
-        if self._closed:
+        if self._closed or self._holding:  # inside full_parameters(): a forward there meets no other rank
             return
         if self._backward_dropped:
             self._recover_backward()
@@ -433,7 +434,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._check_open()
         lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here
         with nullcontext() if lone_ok else self.collective_call("full_parameters()"), self._stage.full_parameters():
-            yield
+            self._holding += 1  # a forward inside (one rank's evaluation) broadcasts no buffers: no peer joins
+            try:
+                yield
+            finally:
+                self._holding -= 1
             if writeback:  # stage 3: before the gathered copies are released
                 for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
                     part.take_in_assigned_full(self._names)

@@ -518,3 +518,32 @@ def test_a_backward_that_raises_is_skipped_as_with_torch(stage, kw, world_size):
     for (ours, torch_run), err in run_ranks(_skip_batch_on_backward_error, world_size, stage, kw, timeout=TIMEOUT):
         assert ours == torch_run == ["ok", "ok", "skipped", "skipped", "ok", "ok"]
         assert err < 1e-5, err
+
+
+def _rank0_evaluates_a_bn_model_inside_full_parameters(rank, world_size, stage):
+    import torch.distributed as dist
+    from fused_zero import ShardedOptimizer
+    model = BNNet()
+    opt = ShardedOptimizer(model, **HYPER, stage=stage)
+    out = []
+    for t in range(2):
+        _train(model, opt, t, rank)
+        opt.step()
+        with opt.full_parameters():  # the README's recipe for DDP's `if rank == 0: evaluate(model)`
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    out.append(model(batch(t, 0)[0]).sum().item())
+                model.train()
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the other ranks' next collective is not a forward's buffer broadcast
+        out.append(total.item())
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rank0_evaluation_inside_full_parameters_broadcasts_no_buffers(stage):
+    """A forward inside full_parameters() broadcast the module buffers (the first forward after a step): a
+    collective on rank 0 alone, which hung against the other ranks' next collective."""
+    r0, r1 = run_ranks(_rank0_evaluates_a_bn_model_inside_full_parameters, 2, stage, timeout=60)
+    assert len(r0) == 4 and r1 == [2.0, 2.0]

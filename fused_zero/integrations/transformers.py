@@ -44,7 +44,8 @@ from .accelerate import ZeroAccelerator  # noqa: E402  (needs accelerate, which 
 Trainer = _transformers.Trainer
 
 _TAG = "trainer"
-_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+#: the AdamW choices of TrainingArguments(optim=); "adamw_hf" only in transformers before 5 (accepted if given)
+_ADAMW = ("adamw_torch_fused", "adamw_torch", "adamw_hf")
 
 
 class ZeroTrainer(Trainer):
@@ -77,7 +78,7 @@ class ZeroTrainer(Trainer):
         optim = str(getattr(self.args.optim, "value", self.args.optim))
         if self.optimizer is None and optim not in _ADAMW:
             raise ValueError(f"ZeroTrainer trains with AdamW; TrainingArguments(optim={optim!r}) asks for another "
-                             f"optimizer: use one of {', '.join(_ADAMW)} (the default)")
+                             "optimizer: leave optim at its default (adamw_torch_fused) or pass adamw_torch")
 
     # -- what Trainer builds ---------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
