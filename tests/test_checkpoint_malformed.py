@@ -293,3 +293,20 @@ def test_one_ranks_bad_file_raises_on_every_rank(two_rank_root, tmp_path, case):
     results = run_ranks(_two_rank_case, 2, root, "load", timeout=60)
     for rank, res in enumerate(results):
         assert res is not None and res[0] == "CheckpointError" and RANK1 in res[1], (rank, res)
+
+
+@pytest.mark.parametrize("bad", ["out is a folder", "out's folder is missing", "dir is missing"])
+def test_cli_refuses_bad_paths_before_writing(pristine, tmp_path, capsys, bad):
+    """An OUT that is a folder crashed with IsADirectoryError after writing OUT.tmp in full (left behind); a
+    missing parent folder crashed in torch.save; a missing DIR was reported as a missing 'latest' file."""
+    root, out = str(pristine), str(tmp_path / "out.pt")
+    if bad == "out is a folder":
+        os.makedirs(out)
+    elif bad == "out's folder is missing":
+        out = str(tmp_path / "nowhere" / "out.pt")
+    else:
+        root = str(tmp_path / "no-such-checkpoint")
+    assert ckpt.main(["consolidate", root, out]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and ("is not a folder" in err or "must be a file path" in err), err
+    assert not os.path.exists(out + ".tmp")
