@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tag", default=None, help="the tag to consolidate (default: the one 'latest' names)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
-        print(f"error: no checkpoint at {args.directory!r}, which is not a folder: pass the checkpoint directory (the one holding 'latest', "
-              "or one tag's folder)", file=sys.stderr)
+        print(f"error: no checkpoint at {args.directory!r}, which is not a folder: pass the checkpoint directory "
+              "(the one holding 'latest', or one tag's folder)", file=sys.stderr)
         return 1
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if os.path.isdir(args.out) or not os.path.isdir(out_dir):
