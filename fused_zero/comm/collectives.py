@@ -86,9 +86,10 @@ def _check_group_alive() -> None:
     """Before a collective: torch would say "Group ... is not registered" after destroy_process_group()."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed.destroy_process_group() ran before this collective call of the "
-                           "ShardedOptimizer: its collective calls (a forward and backward at stage 3, step(), close(), "
-                           "full_parameters(), state_dict(), checkpoint.save) need the process group; make them before "
-                           "destroying it (at stage 3, close() first gives the model its full parameters back)")
+                           "ShardedOptimizer: its collective calls (a forward and backward at stage 3, step(), "
+                           "close(), full_parameters(), state_dict(), checkpoint.save) need the process group; make "
+                           "them before destroying it (at stage 3, close() first gives the model its full parameters "
+                           "back)")
 
 
 def default_world_size() -> int:
