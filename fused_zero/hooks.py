@@ -45,7 +45,7 @@ class EndOfBackward:
     Autograd drops a queued callback unrun when the backward raises (an out-of-memory error, a
     KeyboardInterrupt, a failing hook), and a loop that catches it goes on (torch.optim does not care). The
     callback then calls ``dropped`` as it is freed, wherever autograd frees it: ``dropped`` only takes note,
-    and the owner finishes the backward's bookkeeping at its next call (``ShardedOptimizer._recover_backward``).
+    and the owner finishes the backward's bookkeeping at its next call (``ShardedOptimizer._recover_if_dropped``).
     """
 
     __slots__ = ("_fn", "_dropped", "_ran")

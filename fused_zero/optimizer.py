@@ -287,8 +287,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         before the first."""
         if self._closed or self._holding:  # inside full_parameters(): a forward there meets no other rank
             return
-        if self._backward_dropped:
-            self._recover_backward()
+        self._recover_if_dropped()
         if self._buffers_due:
             self.topology.broadcast_coalesced(self._buffers)
         self._buffers_due = torch.is_grad_enabled() and self.grad_sync.sync
@@ -345,8 +344,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return nullcontext() if self._rendezvous is None else self._rendezvous.collective(name)
 
     def _check_open(self) -> None:
-        if self._backward_dropped and not self._closed:
-            self._recover_backward()
+        if not self._closed:
+            self._recover_if_dropped()
         if self._closed:
             raise RuntimeError("this ShardedOptimizer was closed: a newer ShardedOptimizer took over its parameters "
                                "(or close() was called); step the new optimizer, or rebuild this one")
@@ -362,8 +361,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     # -- backward: one hook per parameter, one callback per backward ---------
     def _on_grad(self, p: nn.Parameter, entry) -> None:
         """The gradient hook of every trainable parameter (``entry``: its ``grad_sync.GradEntry``)."""
-        if self._backward_dropped:
-            self._recover_backward()
+        if self._backward_dropped:  # (the attribute read inline: this hook runs once per parameter)
+            self._recover_if_dropped()
         if not self._in_backward:
             if not self._habits_checked:
                 self._check_habits()
@@ -391,14 +390,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._backward_dropped = True
 
     def _recover_if_dropped(self) -> None:
-        if self._backward_dropped:
-            self._recover_backward()
-
-    def _recover_backward(self) -> None:
         """A backward raised, and a loop caught it and goes on (as torch.optim allows): end that backward as
         its callback would have, so what it produced stays as torch leaves it (the gradients that came in are
         reduced as a finished backward's: ``zero_grad()`` drops them) and the next backward opens a round. On
-        every rank that raised alike; a rank raising alone leaves the others in their collectives, as DDP."""
+        every rank that raised alike; a rank raising alone leaves the others in their collectives, as DDP. A
+        no-op unless the last backward raised."""
+        if not self._backward_dropped:
+            return
         self._backward_dropped = False
         if self._in_backward:
             self._end_backward()
@@ -452,8 +450,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._backward_dropped:
-            self._recover_backward()
+        self._recover_if_dropped()
         if not set_to_none:  # zeroes the gradient shards the update behind step() may still read
             self._settle_update()
         self.grad_sync.zero_grad(set_to_none)

@@ -59,6 +59,7 @@ class Stage1:
 
     def __init__(self, topology: Topology, config: ZeroConfig) -> None:
         self.topology = topology
+        self._offload_checked = False  # check_offload ran (once: before a previous optimizer closes)
         self.comm = topology.shard
         self.config = config
         self.sync = ParamSync(self.comm)
@@ -155,7 +156,7 @@ class Stage1:
 
     def check_offload(self) -> None:
         """The NVMe folder is usable on every rank (or every rank raises, before any collective); once."""
-        if not getattr(self, "_offload_checked", False):
+        if not self._offload_checked:
             self.tiers.check(self.topology.agree)
             self._offload_checked = True
 

@@ -220,9 +220,10 @@ class ZeroAccelerator(Accelerator):
     def get_state_dict(self, model, unwrap: bool = True):
         """The model's full state dict; at stage 3 gathered, so every rank calls it (as with DeepSpeed
         ZeRO-3). ``save_model`` goes through here too."""
-        stage3 = [opt for opt in self._sharded(model) if opt.config.needs_module]
-        if not self._sharded(model):
+        sharded = self._sharded(model)
+        if not sharded:
             return super().get_state_dict(model, unwrap)
+        stage3 = [opt for opt in sharded if opt.config.needs_module]
         with stage3[0].full_parameters() if stage3 else contextlib.nullcontext():
             return _apart(super().get_state_dict(model, unwrap))
 

@@ -160,12 +160,7 @@ class Partition:
             if p.data_ptr() == self._ptrs[i] and p._version == self._versions[i]:
                 continue
             slot = self.layout.slots[i]
-            view = self.flat[slot.offset: slot.offset + slot.numel].view(self.shapes[i])
-            if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype \
-                    or p.device != view.device:
-                self._check_compatible(p, view.shape, names)
-                view.copy_(p)
-                p.data = view
+            self._bind_back(p, self.flat[slot.offset: slot.offset + slot.numel].view(self.shapes[i]), names)
             changed.append(i)
         if changed:
             self._reload_master(changed, lambda i: self.params[i].detach().reshape(-1))
@@ -225,15 +220,16 @@ class Partition:
         """Gathered (or always full: stages 1-2): parameters user code assigned a full tensor (``p.data = t``, as
         peft's safe merge writes) have it copied into the flat buffer, and view the buffer again. For a writeback
         that reads the buffer (``full_parameters(writeback=True)``), which would otherwise miss them."""
-        for i, (p, view) in enumerate(self.views()):
-            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
-                continue
-            self.check_kind(p, self.shapes[i], names)
-            if p.shape != view.shape:
-                raise RuntimeError(f"parameter {names.get(p, tuple(self.shapes[i]))} was assigned a tensor of shape "
-                                   f"{tuple(p.shape)} (p.data = t); it was built with shape {tuple(view.shape)}, "
-                                   "which the optimizer's flat buffers keep: assign a tensor of that shape")
-            view.copy_(p.data)
+        for p, view in self.views():
+            self._bind_back(p, view, names)
+
+    def _bind_back(self, p: torch.Tensor, view: torch.Tensor, names: dict) -> None:
+        """``p`` views ``view`` again: a tensor assigned to it (``p.data = t``, a ``model.to()`` that copied) is
+        copied in first, once its shape, dtype and device are checked (else the clear refusal)."""
+        if p.data_ptr() != view.data_ptr() or p.shape != view.shape or p.dtype != view.dtype \
+                or p.device != view.device:
+            self._check_compatible(p, view.shape, names)
+            view.copy_(p)
             p.data = view
 
     def check_kind(self, p: torch.Tensor, shape: torch.Size, names: dict) -> None:
