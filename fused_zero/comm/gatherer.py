@@ -311,7 +311,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         u.inputs_done = True
         if self.state is TrainingState.BACKWARD and u.index and len(u.grads_seen) == len(u.trainable) \
                 and not self._graph_kept:
-            self._release(u)
+            self._release_in_backward(u)
 
     def _post_forward(self, module: nn.Module, args, output):
         u = self._unit_of.get(id(module))
@@ -331,8 +331,12 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if u.index == 0:
             self._end_forward()
         elif self.state is TrainingState.IDLE or (module is u.last and (
-                not grad or (self.reshard_after_forward and not self._kept(u)))):
-            self._release(u)  # a merged unit: after its last module (one skipped: the end of the forward releases)
+                not self._grad_forward or (self.reshard_after_forward and not self._kept(u)))):
+            # a merged unit: after its last module (one skipped: the end of the forward releases). Whether a training
+            # forward keeps a unit never depends on the grad mode inside it: reentrant activation checkpointing runs
+            # the unit under no_grad on the ranks that call it, and every rank must agree on what is gathered when
+            # backward starts (a rank that skipped the unit keeps it, as the schedule's last)
+            self._release(u)
 
     def _gathered_into_backward(self, u: _Unit) -> bool:
         """Whether ``u`` stays gathered from its forward into backward (kept, or nothing is resharded): its
@@ -428,7 +432,15 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             return
         u.grads_seen.add(id(p))
         if len(u.grads_seen) == len(u.trainable) and (not u.frozen or u.inputs_done) and not self._graph_kept:
-            self._release(u)
+            self._release_in_backward(u)
+
+    def _release_in_backward(self, u: _Unit) -> None:
+        """Every gradient of ``u`` is in: release it, and count anew. Reentrant activation checkpointing that calls
+        the unit in several checkpointed segments recomputes each segment in a backward of its own, which gathers
+        the unit again and accumulates its gradients again; the unit is released after each."""
+        self._release(u)
+        u.grads_seen.clear()
+        u.inputs_done = False
 
     def end_backward(self) -> None:
         """The end of a backward (the optimizer's callback): release every unit."""

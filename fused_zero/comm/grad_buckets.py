@@ -92,12 +92,19 @@ class GradBucket:
         # a bucket of frozen parameters is never reduced (the same decision on every rank)
         self.trainable = any(p.requires_grad for p in self.params)
         self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
+        # params this bucket holds part of whose last bucket comes later: their .grad moves to ``pipe.held`` once
+        # packed here, so a gradient accumulated after (a late one, grad_sync) arrives in a .grad of its own
+        self.partial: list[torch.nn.Parameter] = []
+        self.order = 0  # its place in the launch order (grad_sync)
         self._plan = None  # the pack plan: its device table serves every step (kernels/pack.py)
         self.remaining = 0  # stages 2-3: trainable parameters whose gradient this round still waits for
 
-    def start(self, present, accumulate: bool, free_grads: bool, block: bool) -> bool:
+    def start(self, present, accumulate: bool, free_grads: bool, block: bool, late: dict | None = None) -> bool:
         """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands);
         the parameters that held a gradient are marked in ``present`` (a ``grad_sync.Presence``).
+
+        ``late`` (by parameter id): pack these gradients instead of ``.grad`` (zeros for the parameters not in
+        it) and free nothing: a second reduction of this bucket in one round (grad_sync's late gradients).
 
         Returns False, launching nothing, when no pool buffer is free and not ``block``."""
         if not self.trainable:
@@ -114,8 +121,16 @@ class GradBucket:
             buf = base[: b.numel]
         tensors = []
         flags = present.flags[self.pi]
+        held = pipe.held
         for s in self.segments:
-            g = None if s.param is None else s.param.grad
+            if s.param is None:
+                g = None
+            elif late is not None:
+                g = late.get(id(s.param))
+            elif s.whole or not held:
+                g = s.param.grad
+            else:  # part of a parameter that an earlier bucket packed part of
+                g = held.get(id(s.param), s.param.grad)
             if g is not None:
                 flags[s.index] = True
                 if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
@@ -130,7 +145,7 @@ class GradBucket:
             ops.pack_checked_(self._plan, tensors, buf, scale=1.0 / n if n > 1 else None,
                               accumulate=direct and accumulate)
         if direct:
-            self._free(free_grads)
+            self._free(free_grads and late is None)
             return True
         acc = down = None
         if part.grad_tier is Tier.HOST and (pipe.copy_down or dst.device != buf.device):  # reduce in place, copy down
@@ -148,13 +163,20 @@ class GradBucket:
             handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True) if pipe.codec is None \
                 else pipe.codec.reduce_scatter(pipe.comm, out, buf)
         pipe.pending.append(_Inflight(self, handle, base, out, acc, down))
-        self._free(free_grads)
+        self._free(free_grads and late is None)
         return True
 
     def _free(self, free_grads: bool) -> None:
         if free_grads:
+            held = self.pipe.held
             for p in self.frees:
                 p.grad = None
+                if held:
+                    held.pop(id(p), None)
+            for p in self.partial:
+                if p.grad is not None and id(p) not in held:
+                    held[id(p)] = p.grad  # what its later buckets pack
+                    p.grad = None
 
     def finish(self, f: _Inflight) -> None:
         """Land this bucket's reduction ``f`` (the oldest in flight) in the gradient shard. HSDP: first launch
@@ -200,6 +222,9 @@ class BucketPipe:
         self.pending: deque[_Inflight] = deque()
         self.replicating: deque = deque()  # HSDP: (reduction, its all-reduce over the replicas) not yet landed
         self.landing: deque[_Landing] = deque()  # host tier: copies down not yet settled
+        # by parameter id: the .grad of a parameter spread over several buckets, between the pack of its first
+        # bucket and of its last (GradBucket.partial)
+        self.held: dict[int, torch.Tensor] = {}
         self.copies = transfers(partitions[0].flat.device) if partitions else None
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
         self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands

@@ -116,8 +116,13 @@ class GradSync:
             self.pipe.count(bucket)
             for p in bucket.params:
                 self.buckets_of.setdefault(p, []).append(bucket)
+        for k, bucket in enumerate(self.buckets):
+            bucket.order = k
         for p, buckets in self.buckets_of.items():
             buckets[-1].frees.append(p)  # its .grad can go once its last bucket in the order is packed
+            for bucket in buckets[:-1]:
+                if p.requires_grad:
+                    bucket.partial.append(p)
         self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())), tuple(part.shapes[j]), part.dtype,
                                      part.device)
                         for pi, part in enumerate(partitions) for j, p in enumerate(part.params)}
@@ -267,6 +272,11 @@ class ReduceInBackward(GradSync):
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
         self._seen = Presence([len(part.params) for part in partitions])  # got a gradient this round
+        # late gradients (by parameter id): a parameter's gradient accumulated again after its buckets were counted
+        # complete this round (reentrant activation checkpointing that runs its module in two checkpointed
+        # segments: each segment's backward accumulates into .grad); reduced again at the end of the round
+        self._late: dict[int, torch.Tensor] = {}
+        self._late_buckets: dict[int, GradBucket] = {}
         # per bucket (launch order), its trainable parameters: what each round counts down (GradBucket.remaining)
         self._trainable = [sum(1 for p in bucket.params if p.requires_grad) for bucket in self.buckets]
         self._next = 0
@@ -284,6 +294,8 @@ class ReduceInBackward(GradSync):
             self._open_round()
         seen = self._seen.flags[entry.pi]
         if seen[entry.index]:
+            if g is not None and any(b.remaining <= 0 for b in entry.buckets):
+                self._late_grad(p, g, entry)
             return
         seen[entry.index] = True
         if not entry.buckets:  # zero elements: in no bucket, nothing to reduce; it still got a gradient
@@ -294,6 +306,19 @@ class ReduceInBackward(GradSync):
             bucket.remaining -= 1
         if self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
             self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
+
+    def _late_grad(self, p: torch.nn.Parameter, g: torch.Tensor, entry: GradEntry) -> None:
+        """``p``'s gradient was accumulated again after a bucket holding it was counted complete: the bucket may
+        have been packed already (that decision is the same on every rank that runs the same model; whether it
+        was packed yet depends on timing). What ``.grad`` holds now, and everything that comes after, is reduced
+        by a second reduction of each of ``p``'s buckets at the end of the round (every other parameter counting
+        as zeros there); a bucket not packed yet packs no ``.grad`` of ``p``, which is gone."""
+        p.grad = None
+        key = id(p)
+        prev = self._late.get(key)
+        self._late[key] = g if prev is None else prev.add_(g)
+        for bucket in entry.buckets:
+            self._late_buckets[bucket.order] = bucket
 
     def _open_round(self) -> None:
         expect(self.state, RoundState.EMPTY, RoundState.REDUCED, what="the gradient shards, as a backward starts,")
@@ -308,6 +333,11 @@ class ReduceInBackward(GradSync):
         if self.state not in (RoundState.OPEN, RoundState.ADDING):
             return
         self._start_ready(flush=True)
+        if self._late:  # in the launch order, after every bucket's first reduction (on every rank alike)
+            late, buckets = self._late, self._late_buckets
+            self._late, self._late_buckets = {}, {}
+            for k in sorted(buckets):
+                buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
         self.state = RoundState.REDUCED
         self._seen.clear()
 
