@@ -126,14 +126,16 @@ class ModelHook(functools.partial):
 class ReleasedCopyCheck:
     """Stage 3, in a copy of the model: a unit's module whose parameters were copied while released (empty
     placeholders in place of ``numels``, ((name below the module, numel), ...)) refuses to run, naming the fix,
-    instead of failing in torch's shape checks or computing with nothing."""
+    instead of failing in torch's shape checks or computing with nothing. At the copy's root it is also the
+    state-dict hook: ``best = copy.deepcopy(model); torch.save(best.state_dict(), ...)`` would save 0-element
+    tensors (a forward pre-hook takes ``(module, args)``, a state-dict post-hook four arguments)."""
 
     __slots__ = ("numels",)
 
     def __init__(self, numels: tuple) -> None:
         self.numels = numels
 
-    def __call__(self, module, args) -> None:
+    def __call__(self, module, *args) -> None:
         numels = dict(self.numels)
         for name, p in module.named_parameters():
             if p.numel() == 0 and numels.get(name, 0) > 0:

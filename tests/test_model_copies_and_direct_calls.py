@@ -72,6 +72,13 @@ def test_stage3_copy_of_released_parameters_refuses_to_run():
     for name, c in _copies(model).items():
         with pytest.raises(RuntimeError, match="full_parameters"):
             c(x)
+        # `best = copy.deepcopy(model); torch.save(best.state_dict(), ...)` would save 0-element tensors
+        with pytest.raises(RuntimeError, match="made while its parameters were released"):
+            c.state_dict()
+    with opt.full_parameters():
+        kept = _copies(model)
+    for name, c in kept.items():  # copied whole: a plain model's state dict
+        assert all(t.numel() > 0 for t in c.state_dict().values()), name
 
 
 class Embedded(nn.Module):

@@ -136,7 +136,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         # their forward now (kept during that forward only)
         self._checking = False
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
-        self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict)))
+        self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict,
+                                                                          copied=copy_check(root))))
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
         self._handles.append(root.register_load_state_dict_post_hook(ModelHook(self._after_load)))
         self._load_prefix = ""

@@ -112,6 +112,14 @@ def _is_value_clipping(algorithm) -> bool:
     return str(getattr(algorithm, "value", algorithm)).lower() == "value"
 
 
+def _averages_weights(callback) -> bool:
+    """Lightning's weight-averaging callbacks (EMAWeightAveraging, StochasticWeightAveraging, and subclasses)."""
+    from lightning.pytorch import callbacks
+    kinds = tuple(getattr(callbacks, name) for name in ("WeightAveraging", "StochasticWeightAveraging")
+                  if hasattr(callbacks, name))
+    return isinstance(callback, kinds)
+
+
 _PLUGIN_CLASSES: dict[type, type] = {}
 
 
@@ -186,6 +194,15 @@ class ZeroStrategy(DDPStrategy):
     def _check_trainer(self, trainer) -> None:
         if trainer.gradient_clip_val and _is_value_clipping(trainer.gradient_clip_algorithm):
             raise ValueError(_VALUE_CLIP)
+        averaging = [type(cb).__name__ for cb in trainer.callbacks if _averages_weights(cb)]
+        if averaging and self.stage == 3:
+            raise RuntimeError(
+                f"ZeroStrategy(stage=3) cannot serve Lightning's {', '.join(averaging)} callback: it copies the model "
+                "and averages its parameters into the copy after every step, and stage 3 holds only a shard of each "
+                "parameter between steps (the copy would be made of, or averaged with, empty placeholders). Use "
+                "ZeroStrategy(stage=2), which keeps every parameter whole on every rank, or keep the average "
+                "yourself inside `with trainer.strategy.zero_optimizer.full_parameters():` (every rank enters it; "
+                "fused_zero's README, 'Habits that differ')")
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel: the ShardedOptimizer reduces the gradients itself."""

@@ -218,6 +218,33 @@ def test_misuse_raises_naming_the_fix():
         ZeroStrategy(stage=4)
 
 
+def _weight_averaging(rank, world, which, stage):
+    from lightning.pytorch import callbacks
+    from fused_zero.integrations.lightning import ZeroStrategy
+
+    _lightning_env(rank, world)
+    callback = callbacks.EMAWeightAveraging(decay=0.9) if which == "ema" else \
+        callbacks.StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=world, max_steps=2,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False, callbacks=[callback])
+    try:
+        trainer.fit(LitGPT())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("which", ["ema", "swa"])
+def test_weight_averaging_callbacks_are_refused_at_stage_3_and_run_at_stage_2(which):
+    """Lightning's EMA/SWA callbacks copy the model and average into the copy after each step: at stage 3 the
+    copy or the average would be of empty placeholders (torch's shape error, naming nothing). Refused at set-up."""
+    (msg,) = run_ranks(_weight_averaging, 1, which, 3, timeout=180)
+    name = "EMAWeightAveraging" if which == "ema" else "StochasticWeightAveraging"
+    assert msg is not None and f"cannot serve Lightning's {name} callback" in msg and "stage=2" in msg, msg
+    assert run_ranks(_weight_averaging, 1, which, 2, timeout=180) == [None]
+
+
 def test_single_device_trainer_refuses_sharded_optimizer():
     """Lightning without ZeroStrategy on one device: refused when built, naming the integration."""
     run_ranks(_single_device, 1, timeout=120)
