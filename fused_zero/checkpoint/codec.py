@@ -20,20 +20,27 @@ class NotJSON(TypeError):
 _TENSOR_JSON_MAX = 64  # larger tensors go to a weights_only torch file instead
 
 
-def encode(obj: Any) -> Any:
-    """A JSON-able form of ``obj``: tuples, small tensors, inf/nan and non-str dict keys are tagged."""
+def encode(obj: Any, exact: bool = False) -> Any:
+    """A JSON-able form of ``obj``: tuples, small tensors, inf/nan and non-str dict keys are tagged.
+
+    ``exact``: refuse (NotJSON) a container that would come back as another type: a subclass of dict, list or
+    tuple (``collections.Counter`` in MultiStepLR's milestones, an OrderedDict, a NamedTuple), whose methods the
+    loader calls. (A number stays a number: a numpy float, as ReduceLROnPlateau keeps a metric, comes back a
+    Python float.)"""
     if obj is None or isinstance(obj, (bool, str, int)):
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if exact and isinstance(obj, (tuple, list, dict)) and type(obj) not in (tuple, list, dict):
+        raise NotJSON(f"{type(obj).__name__} would come back as a plain {type(obj).__mro__[-2].__name__}")
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode(v) for v in obj]}
+        return {"__tuple__": [encode(v, exact) for v in obj]}
     if isinstance(obj, list):
-        return [encode(v) for v in obj]
+        return [encode(v, exact) for v in obj]
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: encode(v) for k, v in obj.items()}
-        return {"__dict__": [[encode(k), encode(v)] for k, v in obj.items()]}
+            return {k: encode(v, exact) for k, v in obj.items()}
+        return {"__dict__": [[encode(k, exact), encode(v, exact)] for k, v in obj.items()]}
     if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() <= _TENSOR_JSON_MAX
             and obj.layout == torch.strided and not obj.is_complex() and not obj.requires_grad):
         return {"__tensor__": encode(obj.tolist()), "dtype": str(obj.dtype).removeprefix("torch."),  # host tensor
@@ -62,23 +69,29 @@ def _hashable(k: Any) -> Any:
 
 
 def json_ok(obj: Any) -> bool:
-    """Whether ``encode`` represents ``obj`` (so that ``decode(encode(obj))`` rebuilds it)."""
+    """Whether ``encode`` represents ``obj`` exactly (so that ``decode(encode(obj))`` rebuilds it, types included)."""
     try:
-        encode(obj)
+        encode(obj, exact=True)
     except NotJSON:
         return False
     return True
 
 
 def to_blob(obj: Any, stem: str, what: str) -> tuple[str, bytes]:
-    """(file name, bytes): ``obj`` as JSON, or else a torch file that torch.load(weights_only=True) reads."""
+    """(file name, bytes): ``obj`` as JSON, or else a torch file that torch.load(weights_only=True) reads (which
+    keeps a Counter or an OrderedDict what it is), or else as JSON with such containers made plain (a
+    ``defaultdict``, which torch does not load, comes back a dict)."""
     if json_ok(obj):
-        return stem + ".json", json.dumps(encode(obj)).encode()
+        return stem + ".json", json.dumps(encode(obj, exact=True)).encode()
     buf = io.BytesIO()
     try:
         torch.save(obj, buf)
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
+        try:
+            return stem + ".json", json.dumps(encode(obj)).encode()
+        except NotJSON:
+            pass
         raise TypeError(f"{what} holds objects that neither JSON nor torch.load(weights_only=True) can restore "
                         f"({str(e).splitlines()[0]}); keep it to tensors, numbers, strings, lists, tuples and dicts"
                         ) from None
