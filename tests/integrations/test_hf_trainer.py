@@ -212,12 +212,14 @@ def _with_eval(rank, world_size, stage, out, extra):
 
 
 def test_eval_best_model_checkpointing_and_compile(tmp_path):
-    """Evaluation between steps and load_best_model_at_end at stage 3 with activation checkpointing,
-    and Trainer's torch_compile at stage 2 (the aot_eager backend on CPU), train the same model."""
+    """Evaluation between steps and load_best_model_at_end at stage 3 with activation checkpointing (reentrant, as
+    transformers 4 defaulted to, and not), and Trainer's torch_compile at stage 2 (the aot_eager backend on CPU), train the same model."""
     plain = run_ranks(_with_eval, 2, 3, str(tmp_path / "a"), {}, timeout=300)
     ckpt = run_ranks(_with_eval, 2, 3, str(tmp_path / "b"), {"gradient_checkpointing": True}, timeout=300)
+    reentrant = run_ranks(_with_eval, 2, 3, str(tmp_path / "r"), {
+        "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, timeout=300)
     compiled = run_ranks(_with_eval, 2, 2, str(tmp_path / "c"),
                          {"torch_compile": True, "torch_compile_backend": "aot_eager"}, timeout=300)
-    for results in (ckpt, compiled):
+    for results in (ckpt, reentrant, compiled):
         for (loss, ev), (ref_loss, ref_ev) in zip(results, plain):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and ev == pytest.approx(ref_ev, rel=1e-5)
