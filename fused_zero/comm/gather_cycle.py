@@ -118,6 +118,9 @@ class GatherCycle:
         if self._holding or (u.state is UnitState.RELEASED and not force):
             return  # (released: its parameters are placeholders, or what user code assigned since, taken in later)
         expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
+        if u.state is UnitState.GATHERED:
+            for part in u.parts:  # written in place while gathered (Embedding(max_norm=...)): into the masters
+                part.take_in_written(self.names)
         if self.secondary is not None and self.state is TrainingState.FORWARD and self._grad_forward \
                 and u.state is UnitState.GATHERED:
             self.secondary.keep(u.index, u.parts)  # hpZ: this rank's slice within its node, for the backward

@@ -167,6 +167,17 @@ class Partition:
         self.mark_synced()
 
     @torch.no_grad()
+    def take_in_written(self, names: dict) -> None:
+        """Stage 3, gathered, about to be released: parameters written in place since the gather (an
+        ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up inside its forward; a ``clamp_`` of a
+        weight in forward) have this rank's shard of the new values taken into the master, as stages 1-2 take
+        such writes in at step() (``adopt_outside_changes``): the update steps from them, and the next gather
+        (this backward's, the next forward's) holds them. Where ranks wrote different values, each rank's shard
+        comes from its own, as at stages 1-2. One bulk comparison of the version counters when nothing changed."""
+        if [p._version for p in self.params] != self._versions:
+            self.adopt_outside_changes(names)
+
+    @torch.no_grad()
     def adopt_assigned(self, names: dict, placeholder: Callable[[torch.Tensor], torch.Tensor],
                        skip: frozenset = frozenset()) -> bool:
         """Stage 3, released: take in full values user code assigned to the placeholders.
