@@ -111,6 +111,7 @@ def as_float(value) -> float:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FROZEN_ONLY = (torch.float64,)  # besides the integer types: kept, never updated (frozen.py)
 
 
 def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
@@ -120,9 +121,11 @@ def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
     if p.is_complex():
         raise TypeError(f"parameter {name} is complex ({p.dtype}); ShardedOptimizer supports float32, "
                         "bfloat16 and float16: pass torch.view_as_real(p) as a real parameter")
-    if p.dtype not in _DTYPES:
-        raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer supports float32, "
-                        "bfloat16 and float16 parameters")
+    if p.dtype not in _DTYPES and (p.requires_grad or p.is_floating_point() and p.dtype not in _FROZEN_ONLY):
+        raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer trains float32, bfloat16 and "
+                        "float16 parameters (a frozen one, requires_grad=False, may also be float64 or an integer "
+                        "type, as a quantized base model's weights): convert it (model.float()), or freeze it "
+                        "before building the optimizer")
     if p.device.type == "meta":
         raise ValueError(f"parameter {name} is on the meta device: materialize the model (model.to_empty("
                          "device=...) and initialise it) before building the optimizer")

@@ -232,3 +232,71 @@ def test_bf16_writeback_keeps_the_fp32_masters_of_what_it_did_not_change(stage):
     assert all(torch.equal(before[i], after[i]) for i in (0, 1, 3))
     assert torch.equal(after[2][1:], before[2][1:])  # the rows left alone keep their fp32 master
     assert torch.equal(after[2][0], edited[0])  # the edited row is what the block wrote
+
+
+class _QuantBlock(torch.nn.Module):
+    """A frozen base weight stored as uint8 (a quantized model's, as bitsandbytes keeps them) or float64, and a
+    trainable adapter beside it."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.q = torch.nn.Parameter(torch.randint(0, 255, (16, 16)).to(dtype), requires_grad=False)
+        self.adapter = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(x @ (self.q.float() / 255) + self.adapter(x))
+
+
+class _QuantNet(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList(_QuantBlock(dtype) for _ in range(3))
+            self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).square().mean()
+
+
+def _frozen_kinds(rank, world_size, stage, dtype, ckdir):
+    import contextlib
+    model, ref = _QuantNet(dtype), _QuantNet(dtype)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
+
+    def build(m):  # stage 3 takes the model; stages 1-2 the trainable parameters (the frozen base as well: refused
+        # before, whatever its dtype, though torch's AdamW takes it and skips it)
+        return ShardedOptimizer(m, lr=1e-2, stage=3, min_unit_numel=0) if stage == 3 else \
+            ShardedOptimizer(m.parameters(), lr=1e-2, stage=stage)
+    opt = build(model)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in ((model, opt), (ddp, ref_opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    checkpoint.save(ckdir, model, opt)
+    again = _QuantNet(dtype)
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    again_opt = build(again)
+    checkpoint.load(ckdir, again, again_opt)
+    full = (lambda o: o.full_parameters()) if stage == 3 else (lambda o: contextlib.nullcontext())
+    with full(opt):
+        diffs = [(a.double() - b.double()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())]
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    with full(again_opt):
+        got = again.state_dict()
+        same = all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in want.items())
+    return diffs, same
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float64])
+def test_a_frozen_integer_or_float64_base_trains_as_ddp_and_checkpoints(tmp_path, stage, dtype):
+    for diffs, same in run_ranks(_frozen_kinds, 2, stage, dtype, str(tmp_path), timeout=120):
+        assert max(diffs) == 0.0 and same, diffs

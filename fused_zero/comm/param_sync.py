@@ -57,7 +57,8 @@ class ParamSync:
     def _launch(self, part: Partition, buckets: Iterable[int] | None) -> list[Handle]:
         layout = part.layout
         ks = range(len(layout.buckets)) if buckets is None else buckets
-        if self.codec is not None and not self._exact:
+        if self.codec is not None and not self._exact and part.flat.is_floating_point() \
+                and part.flat.dtype.itemsize <= 4:  # (a frozen float64 or integer weight travels as it is)
             return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
                                           part.gather_source(layout.buckets[k]), seed=self.seed(k)) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),
