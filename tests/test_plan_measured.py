@@ -77,7 +77,25 @@ def lora() -> nn.Module:
     return LoraNet()
 
 
-MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net, "lora": lora}  # lora: 98.5% frozen (issue 24)
+class QuantBase(nn.Module):
+    """A frozen base stored as uint8 (a quantized model's weights) and float64, with trainable adapters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.ParameterList([nn.Parameter(torch.zeros(64, 16, dtype=torch.uint8), requires_grad=False),
+                                   nn.Parameter(torch.zeros(64, 8, dtype=torch.float64), requires_grad=False)])
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        h = x @ self.q[0].float().t() / 255
+        return None, F.mse_loss(self.head(h) + h @ self.q[1].float(), y)
+
+
+MODELS = {"gpt": gpt, "gpt_bf16": gpt_bf16, "mixed": mixed_net, "lora": lora,  # lora: 98.5% frozen (issue 24)
+          "quant_base": QuantBase}
 # (model, stage, bucket_numel, reduce dtype)
 CONFIGS = [(m, s, b, r) for m in MODELS for s in (1, 2, 3) for b, r in ((1000, None), (1 << 24, torch.float32))]
 

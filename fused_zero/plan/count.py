@@ -21,6 +21,10 @@ from fused_zero.sharding.units import plan_units
 #: dtype names the planner accepts, and their torch dtypes (what ShardedOptimizer supports).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}
+#: dtypes a frozen parameter may also have (kept, never updated: a quantized base's integer weights, float64)
+FROZEN_DTYPES = {"fp64": torch.float64, "u8": torch.uint8, "i8": torch.int8, "i16": torch.int16,
+                 "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+FROZEN_NAMES = {v: k for k, v in FROZEN_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class ParamSpec:
     """One parameter as the optimizer lays it out."""
 
     numel: int
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of DTYPES (of FROZEN_DTYPES for a frozen parameter)
     trainable: bool
     unit: int  # the stage 3 unit that owns it (0: the root)
 
@@ -83,9 +87,13 @@ def count_module(model: nn.Module, source: str, dtype: str | None = None, units=
     unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
     specs = []
     for name, p in model.named_parameters():
-        if p.dtype not in NAMES:
+        if p.dtype not in NAMES and (p.requires_grad or p.dtype not in FROZEN_NAMES):
             raise TypeError(f"parameter {name} of {source} has dtype {p.dtype}; ShardedOptimizer supports "
-                            "float32, bfloat16 and float16 parameters (pass --param-dtype to cast them)")
+                            "float32, bfloat16 and float16 parameters (pass --param-dtype to cast them; a frozen "
+                            "one may also be float64 or an integer type)")
+        if p.dtype in FROZEN_NAMES:  # frozen, kept as it is: never cast
+            specs.append(ParamSpec(p.numel(), FROZEN_NAMES[p.dtype], False, unit_of[p]))
+            continue
         specs.append(ParamSpec(p.numel(), dtype or NAMES[p.dtype], p.requires_grad, unit_of[p]))
     if not specs:
         raise ValueError(f"{source} has no parameters: there is nothing to plan")

@@ -72,7 +72,8 @@ from fused_zero.tiers.tier import Tier
 
 from .count import ModelCount, ParamSpec
 
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4,  # and what frozen parameters may be (count.FROZEN_DTYPES)
+         "fp64": 8, "u8": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "bool": 1}
 #: offload option value -> the memory_bytes() key its bytes go under (the tier's name)
 WHERE = {option: Tier.of(option).value for option in ("cpu", "nvme")}
 
