@@ -425,7 +425,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """Inside, every parameter of the model holds its full value (all ranks must enter).
 
         For export or evaluation under stage 3: ``model.state_dict()`` inside the
-        block reads full tensors (clone what you keep). ``writeback=True`` copies
+        block gives full tensors, copies that stay valid after it (other tensors taken from the
+        parameters inside, ``p.detach()``, are views of memory the block gives back: clone what you keep). ``writeback=True`` copies
         changes made inside back into the master weights. Stages 1 and 2 always
         hold full parameters; there it only applies ``writeback``.
         """
@@ -441,6 +442,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
                     part.take_in_assigned_full(self._names)
                     part.load_master_from_params(changed_only=True)
+
+    def _state_dict_views(self):
+        """Stage 3: ``model.state_dict()`` inside gives views of the gathered parameters, not copies (the
+        integrations that save inside ``full_parameters()``); at stages 1-2 nothing changes."""
+        gatherer = getattr(self._stage, "gatherer", None)
+        return nullcontext() if gatherer is None else gatherer.state_dict_views()
 
     @contextmanager
     def no_sync(self):

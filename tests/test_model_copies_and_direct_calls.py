@@ -166,3 +166,48 @@ def _stage2_copy_rank(rank, world_size):
 def test_stage2_copy_forward_on_one_rank_joins_no_collective():
     a, b = run_ranks(_stage2_copy_rank, 2, timeout=60)  # (a collective in the copy's forward: a hang)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight  # tied
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(h).square().mean()
+
+
+def test_stage3_state_dict_taken_inside_full_parameters_stays_valid_after():
+    """`with opt.full_parameters(): sd = model.state_dict()`, then save or load sd after the block: the entries
+    were views of buffers the block gives back (reading them crashed the process). Now each parameter's entry
+    is a copy, tied names sharing one, and loads into a plain model as torch's does."""
+    model, ref = _Tied(), _Tied()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(2):
+        ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(t))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(ids).backward()
+            o.step()
+    with opt.full_parameters():
+        sd = model.state_dict()
+    want = ref.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    assert sd["emb.weight"] is sd["head.weight"]  # tied: one copy
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    plain = _Tied()
+    plain.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), ref.parameters()))
+    with opt.full_parameters():  # the next step's gathers leave the copies alone
+        pass
+    assert all(torch.equal(sd[k], want[k]) for k in want)

@@ -71,6 +71,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self.secondary = secondary  # hpZ: node-local copies of the units released after forward, for backward
         self.names = names
         self._holding = False  # inside full_parameters(): nothing is released
+        self._views_ok = False  # model.state_dict() gives views of the gathered parameters (model_state.py)
         self.comm = sync.comm
         self.units = [_Unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, parts))]
         self.max_live_units = max_live_units

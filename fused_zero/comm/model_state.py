@@ -8,6 +8,8 @@ then writes each rank's shard of what was loaded into the masters.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -31,6 +33,30 @@ class ModelStateHooks:
                 f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
                 "model.state_dict() here would return 0-element tensors. Read it inside "
                 "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
+        # The gathered parameters view buffers whose memory goes back when their unit is released (leaving
+        # full_parameters(), the end of a backward): a state dict holding those views would point at freed
+        # memory (reading it crashed). Each parameter's entry is a copy (torch's are views), one per parameter
+        # (tied names share it, as they share the parameter), as FSDP's full state dict clones; the
+        # integrations that consume the dict inside full_parameters() skip it (``state_dict_views``).
+        if self._views_ok:
+            return
+        copies: dict = {}
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            t = state_dict.get(name)
+            if t is not None and id(p) in self._param_ids and t.numel():
+                if id(p) not in copies:
+                    copies[id(p)] = t.detach().clone().requires_grad_(t.requires_grad)
+                state_dict[name] = copies[id(p)]
+
+    @contextmanager
+    def state_dict_views(self):
+        """``model.state_dict()`` inside gives views of the gathered parameters, not copies: for a caller that is
+        done with the dict before the units are released (a save inside ``full_parameters()``)."""
+        self._views_ok, before = True, self._views_ok
+        try:
+            yield
+        finally:
+            self._views_ok = before
 
     def _before_load(self, module, state_dict, prefix, *args) -> None:
         """model.load_state_dict between steps: give released parameters full-size memory to load into."""

@@ -224,8 +224,9 @@ class ZeroAccelerator(Accelerator):
         if not sharded:
             return super().get_state_dict(model, unwrap)
         stage3 = [opt for opt in sharded if opt.config.needs_module]
-        with stage3[0].full_parameters() if stage3 else contextlib.nullcontext():
-            return _apart(super().get_state_dict(model, unwrap))
+        with stage3[0].full_parameters() if stage3 else contextlib.nullcontext(), \
+                stage3[0]._state_dict_views() if stage3 else contextlib.nullcontext():
+            return _apart(super().get_state_dict(model, unwrap))  # (copies made once, by _apart)
 
     # -- checkpoints ------------------------------------------------------------
     def _without_sharded(self):

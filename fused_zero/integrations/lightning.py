@@ -37,7 +37,6 @@ from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
-import torch
 from torch import nn
 
 from . import require
@@ -259,9 +258,8 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         if opt is None or not opt.config.needs_module or opt.closed:  # closed after fit: full parameters again
             return module.state_dict()
-        with opt.full_parameters():
-            return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in module.state_dict().items()}
+        with opt.full_parameters():  # the parameters' entries are copies (they outlive the block)
+            return module.state_dict()
 
     def optimizer_state(self, optimizer) -> dict:
         """``optimizer.state_dict()``: torch AdamW's format, whole, on every rank (collective)."""

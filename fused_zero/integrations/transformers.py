@@ -141,6 +141,6 @@ class ZeroTrainer(Trainer):
         opt = self.sharded_optimizer
         if opt is None or not opt.config.needs_module:
             return super().save_model(output_dir, _internal_call)
-        with opt.full_parameters():
+        with opt.full_parameters(), opt._state_dict_views():  # saved inside: no copy of the model needed
             super().save_model(output_dir, _internal_call)
 
