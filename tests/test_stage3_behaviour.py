@@ -821,3 +821,26 @@ def test_in_place_writes_inside_forward_are_kept_as_torch(world_size, min_unit_n
         # the flat shard and over each parameter the lanes differ, and these values hit one such case at stage 1
         # too, where nothing is gathered); the lost writes were off by 9.5
         assert got == pytest.approx(want, rel=1e-6) and max(diffs) < 1e-8, (got, want, diffs)
+
+
+def test_writes_inside_full_parameters_without_writeback_are_dropped():
+    """What a unit's release takes in (writes inside a forward) is not what leaving full_parameters() takes in:
+    without writeback=True the block's writes go, as documented; with it they stay."""
+    from fused_zero import ShardedOptimizer
+    model = _WritesInForward()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    ids = torch.randint(0, 32, (4, 3), generator=torch.Generator().manual_seed(0))
+    model(ids).backward()
+    opt.step()
+    with opt.full_parameters():
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    with opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with opt.full_parameters(writeback=True), torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with opt.full_parameters():
+        assert all(torch.equal(p, q + 1.0) for p, q in zip(model.parameters(), before))

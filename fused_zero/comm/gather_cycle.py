@@ -129,6 +129,13 @@ class GatherCycle:
             part.release(lambda p: placeholder)  # a partition's parameters share dtype and device
         self._mark_released(u)
 
+    def _drop_writes(self, u: _Unit) -> None:
+        """The release that follows does not take in what was written to ``u``'s gathered parameters (leaving
+        ``full_parameters()``, whose writeback decides; after a step, whose shards are newer)."""
+        if u.state is UnitState.GATHERED:
+            for part in u.parts:
+                part.mark_synced()
+
     def _copies(self, u: _Unit) -> list | None:
         """hpZ: the node-local copy backward gathers ``u`` from (None: gather from the primary shards)."""
         if self.secondary is None or self.state is not TrainingState.BACKWARD:

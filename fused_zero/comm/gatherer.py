@@ -466,6 +466,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._graph_kept = False
         self._eval_met = False
         for u in self.units:
+            self._drop_writes(u)  # the shards are newer than anything written to a unit still gathered
             self._release(u)
             for part in u.parts:
                 part.drop_fetched()  # read ahead before the shards changed
@@ -489,6 +490,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         finally:
             self._holding = False
             for u in self.units:
+                self._drop_writes(u)  # writes inside are the writeback's to take (the optimizer's), else dropped
                 self._release(u)
 
 
