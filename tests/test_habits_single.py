@@ -355,3 +355,41 @@ def test_clip_inside_no_sync_is_refused_and_after_it_works(stage):
     loss_fn(model(x), y).backward()
     assert opt.clip_grad_norm_(1.0) > 0
     opt.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_user_post_accumulate_grad_hooks_see_and_edit_every_gradient(stage, when):
+    """A hook registered on each parameter (a per-parameter clamp, an 'optimizer in backward') sees its .grad
+    and its in-place edit is what gets reduced, whether registered before or after the optimizer. Registered
+    after, it ran after fused_zero's own hook, which had packed and freed .grad for the parameter that
+    completed each bucket: those hooks saw None, and a guarded clamp skipped them silently."""
+    model, ref = PlainNet(), PlainNet()
+    saw_none = []
+
+    def clamp(p):
+        if p.grad is None:
+            saw_none.append(tuple(p.shape))
+        else:
+            p.grad.clamp_(-1e-3, 1e-3)
+
+    def hook_all(m):
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(clamp)
+    hook_all(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1.0, fused=True)
+    if when == "before":
+        hook_all(model)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, eps=1.0, bucket_numel=300, min_unit_numel=0) if stage == 3 \
+        else ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, eps=1.0, bucket_numel=300)
+    if when == "after":
+        hook_all(model)
+    for t in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            x, y = batch(t, 0)
+            loss_fn(m(x), y).backward()
+            o.step()
+    assert saw_none == []
+    with opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))

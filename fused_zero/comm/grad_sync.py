@@ -282,8 +282,10 @@ class ReduceInBackward(GradSync):
         self._next = 0
 
     def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
-        # every parameter's hook: the checks a .grad passes before it is packed (by this hook or a later
-        # one), then one count down per bucket; a bucket starts once its count is 0 and those before it started
+        # every parameter's hook: the checks a .grad passes before it is packed (by a later hook), then one count
+        # down per bucket; a bucket starts at the first hook after its count reached 0 (and those before it
+        # started), or at the end of backward. Not in the hook that completed it: hooks the user registered on
+        # that parameter after this one run next, and must see (and may edit) its .grad, which the pack frees.
         g = p.grad
         if g is not None and not grad_ok(g, entry):
             _check_grad(p, entry.part)
@@ -292,6 +294,8 @@ class ReduceInBackward(GradSync):
             return
         if self.state is not RoundState.OPEN and self.state is not RoundState.ADDING:
             self._open_round()
+        elif self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
+            self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
         seen = self._seen.flags[entry.pi]
         if seen[entry.index]:
             if g is not None and any(b.remaining <= 0 for b in entry.buckets):
@@ -304,8 +308,6 @@ class ReduceInBackward(GradSync):
             return
         for bucket in entry.buckets:
             bucket.remaining -= 1
-        if self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
-            self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
 
     def _late_grad(self, p: torch.nn.Parameter, g: torch.Tensor, entry: GradEntry) -> None:
         """``p``'s gradient was accumulated again after a bucket holding it was counted complete: the bucket may
