@@ -32,7 +32,7 @@ from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
-from .hooks import EndOfBackward, HookSet, ModelHook, Relay, call_only
+from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
@@ -512,6 +512,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         ``fused_zero.checkpoint.save`` before they write anything. Hyperparameters changed between
         ``clip_grad_norm_()`` and ``step()`` are checked one step later.
         """
+        if torch.compiler.is_compiling():  # torch.compile(opt.step), or a compiled training step: run eagerly
+            return _eagerly(type(self).step, self, closure)
         self._check_open()
         self._settle_update()
         grad_scaler = calling_scaler(self)

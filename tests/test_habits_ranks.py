@@ -547,3 +547,53 @@ def test_rank0_evaluation_inside_full_parameters_broadcasts_no_buffers(stage):
     collective on rank 0 alone, which hung against the other ranks' next collective."""
     r0, r1 = run_ranks(_rank0_evaluates_a_bn_model_inside_full_parameters, 2, stage, timeout=60)
     assert len(r0) == 4 and r1 == [2.0, 2.0]
+
+
+def _compiled_steps(rank, world_size, stage, how):
+    """Three steps of ``how``: eager, a compiled function holding forward + backward (the step eager), a compiled
+    whole training step (zero_grad, forward, backward, step), or a compiled opt.step."""
+    import torch._dynamo
+
+    from fused_zero import ShardedOptimizer
+    torch._dynamo.reset()
+    model = TinyNet()
+    opt = ShardedOptimizer(model, stage=3, **HYPER) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, **HYPER)
+
+    def fwd_bwd(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    def whole(x, y):
+        opt.zero_grad()
+        loss = fwd_bwd(x, y)
+        opt.step()
+        return loss
+
+    compiled = {"fwd_bwd": torch.compile(fwd_bwd, backend="eager"), "whole": torch.compile(whole, backend="eager"),
+                "step": torch.compile(opt.step, backend="eager")}
+    losses = []
+    for t in range(3):
+        x, y = batch(t, rank)
+        if how == "whole":
+            losses.append(compiled["whole"](x, y).item())
+            continue
+        opt.zero_grad()
+        losses.append((compiled["fwd_bwd"] if how == "fwd_bwd" else fwd_bwd)(x, y).item())
+        compiled["step"]() if how == "step" else opt.step()
+    with opt.full_parameters():
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_backward_and_step_inside_compiled_functions_train_as_eager(stage):
+    """A backward inside a compiled function, a compiled whole training step, and torch.compile(opt.step): the
+    optimizer's gradient hooks, end-of-backward callback and step() run eagerly, out of Dynamo's trace. Before,
+    Dynamo compiled the hooks (InternalTorchDynamoError at 2 ranks), and traced step() saw the param groups
+    with capturable=True (refused as capturable)."""
+    want = run_ranks(_compiled_steps, 2, stage, "eager", timeout=240)
+    for how in ("fwd_bwd", "whole", "step"):
+        got = run_ranks(_compiled_steps, 2, stage, how, timeout=240)
+        for (losses, params), (ref_losses, ref_params) in zip(got, want):
+            assert losses == ref_losses and all(torch.equal(p, q) for p, q in zip(params, ref_params)), how
