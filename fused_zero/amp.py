@@ -132,6 +132,8 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
     coef = None
     if clip is not None:
         coef = clip.coef(scaler)
+        if max_grad_norm is not None:  # the config's clip, every step, of what clip_grad_norm_ left
+            coef = coef * torch.clamp(max_grad_norm / (clip.total * coef + 1e-6), max=1.0)
     elif max_grad_norm is not None:
         total = stats.total_norm(scaler.inv_scale)
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)

@@ -16,6 +16,7 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -43,6 +44,7 @@ from .profiling import UPDATE, label
 from .stages import make_stage
 from .state_io import StateAccess
 from .state_views import attach_all
+from .host_read import to_host
 from .stats import StepStats, all_reduce_stats, checksum
 from .tiers.tier import Tier
 from .update import REFUSED, plan_update, read_hypers, update_all
@@ -377,8 +379,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._settle_update()  # the reductions land in the gradient shards the update reads
             self._in_backward = True
             self._backwards += 1
+            if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
+                self._apply_clip(during_backward=True)
             torch.autograd.Variable._execution_engine.queue_callback(
                 EndOfBackward(self._hooks.relay(self._end_backward), self._hooks.relay(self._note_dropped_backward)))
+
+    def _apply_clip(self, during_backward: bool) -> None:
+        """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward
+        begins, or another clip_grad_norm_ reads the norm (torch clips ``.grad`` in place at once, so a backward
+        after it adds unclipped gradients to clipped ones, and a second clip sees the first one's result).
+        Device work, no host read; the usual clip-then-step pays nothing (the update applies the factor)."""
+        clip, self._clip = self._clip, None
+        self.grad_sync.apply_clip(clip.coef(ScalerInputs(None, None, None)), during_backward)
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -465,7 +477,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip the global gradient norm in the next step(); return the norm.
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged
@@ -475,11 +488,19 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         stay scaled, so the norm is unscaled with the scaler's scale. On the very
         first step the scaler is not known yet; the returned tensor then holds
         the right value from ``scaler.step(opt)`` on (read it after the step).
+
+        Called again before ``step()``, it measures what the first call left, and a backward after it adds
+        unclipped gradients to clipped ones, as torch's. ``error_if_nonfinite=True`` reads the norm on the
+        host (one sync) and raises on every rank, as torch's; ``foreach`` is accepted and has no effect (one
+        fused pass either way). Only the 2-norm is served.
         """
         self._check_open()
         self._settle_update()
         if norm_type != 2.0:
-            raise ValueError(f"only the 2-norm is supported, got norm_type={norm_type}")
+            raise ValueError(f"only the 2-norm is supported (norm_type=2.0, the default), got norm_type={norm_type}: "
+                             "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
+                             "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
+                             "and measure it yourself")
         self._check_layout()
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(
@@ -489,10 +510,17 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
+        if self._clip is not None:  # a second clip in this step: it measures what the first one left
+            self._apply_clip(during_backward=False)
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         stats = self._stats(with_norm=True, site="clip_grad_norm_")
         total = stats.total_norm(inv_scale)
+        if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
+            raise RuntimeError(  # torch's words; the same on every rank (the global norm)
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`")
         self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None, backwards=self._backwards)
         return total
 
@@ -611,6 +639,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         every rank must agree on now, how it got here, and what the last update used; the verdict stays
         on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
         self._stats_agreed = self._agreed()
+        self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
         check = checksum((self._stats_agreed, with_norm, site, self._last_update), self.topology.world_size)
         stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check,
                                  self.topology.replicate)

@@ -182,6 +182,17 @@ class GradSync:
     def _forget(self) -> None:
         """zero_grad: what the shards hold is no longer a gradient to add to."""
 
+    def apply_clip(self, coef: torch.Tensor, during_backward: bool) -> None:
+        """A clip factor (0-d, on the device) applied to the gradients so far, as torch's clip_grad_norm_
+        scales ``.grad`` in place: here the reduced shards (stages 2-3: a backward's round adds to them)."""
+        self.wait()
+        for part in self.partitions:
+            part.grad_shard.mul_(coef.to(part.grad_shard.device))
+
+    def clear_if_empty(self) -> None:
+        """Nothing reduced since the last step or zero_grad(): the shards hold the last step's values, which a
+        norm must not see (stages 2-3; stage 1 reduces ``.grad`` afresh)."""
+
     def no_sync(self):
         return setting(self, "sync", False)
 
@@ -201,6 +212,7 @@ class ReduceAtStep(GradSync):
         super().__init__(partitions, positions, comm, overlap)
         # .grad's version counter when backward left it, per partition and position (None: not seen)
         self._grad_versions = [[None] * len(part.params) for part in partitions]
+        self._carry: list[torch.Tensor] | None = None  # per partition: a clip's share, added after the reduction
 
     def hooked(self, params) -> list[torch.nn.Parameter]:
         """One hook per bucket: nothing is reduced in backward, a hook only has to see that a backward runs
@@ -230,6 +242,26 @@ class ReduceAtStep(GradSync):
         if self.state is RoundState.REDUCED:
             self.state = RoundState.EMPTY
 
+    def apply_clip(self, coef: torch.Tensor, during_backward: bool) -> None:
+        """Stage 1 keeps ``.grad`` and reduces it again at step() after a further backward. Between backwards the
+        shards and ``.grad`` are both scaled (as torch scales ``.grad``). When a backward begins, some ``.grad``
+        already hold its gradients (this hook runs after accumulation), so ``.grad`` stays as it is and the
+        shards keep ``(coef - 1)`` times what they hold now: added after the next reduction, it turns
+        ``avg(g1 + g2)`` into ``coef * avg(g1) + avg(g2)``."""
+        self.wait()
+        if during_backward:
+            if self.state is RoundState.REDUCED:  # (else nothing reduced to clip: the clip saw no gradient)
+                carry = [part.grad_shard * (coef.to(part.grad_shard.device) - 1) for part in self.partitions]
+                self._carry = carry if self._carry is None else [a + b for a, b in zip(self._carry, carry)]
+            return
+        super().apply_clip(coef, during_backward)
+        for part, versions in zip(self.partitions, self._grad_versions):
+            for j, p in enumerate(part.params):
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device))
+                    if versions[j] is not None:
+                        versions[j] = p.grad._version  # the optimizer's own edit: not the user's (grads_edited)
+
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
             for p, entry in self.entries.items():  # the kept .grad is packed flat: it must be like its parameter
@@ -243,6 +275,11 @@ class ReduceAtStep(GradSync):
                 if e.part.params[e.index].grad is not None:
                     self.present.flags[e.pi][e.index] = True
             self.state = RoundState.REDUCED
+            if self._carry is not None:  # a clip before the last backward (apply_clip)
+                self.wait()
+                for part, c in zip(self.partitions, self._carry):
+                    part.grad_shard.add_(c)
+                self._carry = None
         self.wait()
 
     def grads_edited(self) -> bool:
@@ -260,8 +297,13 @@ class ReduceAtStep(GradSync):
     def end_step(self) -> None:
         super().end_step()
         self.state = RoundState.EMPTY
+        self._carry = None
         for versions in self._grad_versions:
             versions[:] = [None] * len(versions)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        self._carry = None
 
 
 class ReduceInBackward(GradSync):
@@ -359,6 +401,11 @@ class ReduceInBackward(GradSync):
             self.state = RoundState.OPEN
         elif self.state is RoundState.REDUCED:
             self.state = RoundState.EMPTY
+
+    def clear_if_empty(self) -> None:
+        if self.state is RoundState.EMPTY:
+            for part in self.partitions:
+                part.grad_shard.zero_()
 
     def prepare_step(self) -> None:
         stale = self.unreduced_grads()
