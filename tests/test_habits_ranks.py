@@ -597,3 +597,31 @@ def test_backward_and_step_inside_compiled_functions_train_as_eager(stage):
         got = run_ranks(_compiled_steps, 2, stage, how, timeout=240)
         for (losses, params), (ref_losses, ref_params) in zip(got, want):
             assert losses == ref_losses and all(torch.equal(p, q) for p, q in zip(params, ref_params)), how
+
+
+def _old_optimizer_after_reinit(rank, world_size, stage, store_path):
+    import torch.distributed as dist
+
+    from fused_zero import ShardedOptimizer
+    model = TinyNet()
+    opt = ShardedOptimizer(model, stage=3, **HYPER) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, **HYPER)
+    _train(model, opt, 0, rank)
+    opt.step()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    try:
+        _train(model, opt, 1, rank)
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_over_a_destroyed_group_is_refused_after_a_new_init(stage, tmp_path):
+    """destroy_process_group() then init_process_group(): the old optimizer's groups are gone (stage 3's own
+    gather group: torch's "Group ... is not registered"; a smaller new world: an invalid root rank). Refused on
+    every rank, naming the rebuild."""
+    for msg in run_ranks(_old_optimizer_after_reinit, 2, stage, str(tmp_path / "store"), timeout=120):
+        assert msg is not None and "destroy_process_group() ran before" in msg and "does not bring it back" in msg

@@ -82,14 +82,21 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _check_group_alive() -> None:
-    """Before a collective: torch would say "Group ... is not registered" after destroy_process_group()."""
+_DESTROYED = ("torch.distributed.destroy_process_group() ran before this collective call of the "
+              "ShardedOptimizer: its collective calls (a forward and backward at stage 3, step(), "
+              "close(), full_parameters(), state_dict(), checkpoint.save) need the process group it was built "
+              "over; make them before destroying it (at stage 3, close() first gives the model its full parameters "
+              "back: its shards are spread over the ranks of that group)")
+
+
+def _check_group_alive(comm: "Comm | None" = None) -> None:
+    """Before a collective: torch would say "Group ... is not registered" after destroy_process_group(), or
+    fail on ranks that no longer exist once a new default group was made (``comm``: the caller's group)."""
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed.destroy_process_group() ran before this collective call of the "
-                           "ShardedOptimizer: its collective calls (a forward and backward at stage 3, step(), "
-                           "close(), full_parameters(), state_dict(), checkpoint.save) need the process group; make "
-                           "them before destroying it (at stage 3, close() first gives the model its full parameters "
-                           "back)")
+        raise RuntimeError(_DESTROYED)
+    if comm is not None and comm.world is not None and dist.group.WORLD is not comm.world:
+        raise RuntimeError(_DESTROYED + "; a new init_process_group() since does not bring it back: build a new "
+                           "ShardedOptimizer over the new group (fused_zero.checkpoint.load resumes at any world size)")
 
 
 def default_world_size() -> int:
@@ -111,7 +118,9 @@ class Comm(TensorChecks, TrafficCount, Agreement):
 
     def __init__(self, group=None):
         self.group = group
+        self.world = None  # the default group when built: its replacement (destroy, init again) is refused
         if dist.is_available() and dist.is_initialized():
+            self.world = dist.group.WORLD
             self.rank = dist.get_rank(group)
             if self.rank < 0:
                 raise ValueError(
@@ -199,7 +208,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
     def _launch(self, collective: Callable, *tensors: torch.Tensor, **kwargs):
         """``collective(*aliases, group=, async_op=True, **kwargs)`` on pinned aliases of ``tensors``; its Work."""
         _reap()
-        _check_group_alive()
+        _check_group_alive(self)
         aliases = tuple(_alias(t) for t in tensors)
         _PINS.append(_Pin(aliases, torch.ScriptList(list(aliases))))  # before the Work can exist
         work = collective(*aliases, group=self.group, async_op=True, **kwargs)
@@ -307,7 +316,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         return handle
 
     def _global(self, rank: int) -> int:
-        _check_group_alive()
+        _check_group_alive(self)
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Handle:

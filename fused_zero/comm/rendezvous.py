@@ -192,7 +192,10 @@ class Rendezvous:
                                      "collective (the next step's)")
                 if waited > self._timeout_s:
                     self._fail(name, f"rank(s) {behind} did not call it within the process group's timeout "
-                                     f"({self._timeout_s:.0f} s)")
+                                     f"({self._timeout_s:.0f} s): either their code does not make this call, or "
+                                     "those processes died without exiting (killed, out of memory, a crash in "
+                                     "native code: look at their logs), which no rank can tell apart from "
+                                     "waiting")
                 if waited > WARN_S and not warned:
                     warned = True
                     warnings.warn(f"rank {self.rank} has waited {waited:.0f} s in {name} for rank(s) {behind}: "
