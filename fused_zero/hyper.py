@@ -120,7 +120,9 @@ def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
         raise TypeError(f"parameter {name} is sparse ({p.layout}); ShardedOptimizer needs dense parameters")
     if p.is_complex():
         raise TypeError(f"parameter {name} is complex ({p.dtype}); ShardedOptimizer supports float32, "
-                        "bfloat16 and float16: pass torch.view_as_real(p) as a real parameter")
+                        "bfloat16 and float16: keep the parameter real, nn.Parameter(torch.view_as_real(w)), and "
+                        "use torch.view_as_complex(self.weight) in forward (AdamW then steps real and imaginary "
+                        "parts apart, as torch's does for complex parameters)")
     if p.dtype not in _DTYPES and (p.requires_grad or p.is_floating_point() and p.dtype not in _FROZEN_ONLY):
         raise TypeError(f"parameter {name} has dtype {p.dtype}; ShardedOptimizer trains float32, bfloat16 and "
                         "float16 parameters (a frozen one, requires_grad=False, may also be float64 or an integer "

@@ -213,6 +213,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                  "places, or make them separate (clone the data)")
 
     def _check_param(self, p: torch.Tensor) -> None:
+        if isinstance(p, nn.parameter.UninitializedParameter):  # (its shape cannot even be read)
+            raise ValueError("a parameter of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...) is not materialized "
+                             "yet: its shape comes with the first forward. Run one forward (a dry run with a "
+                             "sample batch) before building ShardedOptimizer, which lays out every parameter then")
         first = next(q for g in self.param_groups for q in g["params"])
         check_param(p, self._names.get(p, f"of shape {tuple(p.shape)}"), first.device)
 

@@ -625,3 +625,22 @@ def test_an_optimizer_over_a_destroyed_group_is_refused_after_a_new_init(stage, 
     every rank, naming the rebuild."""
     for msg in run_ranks(_old_optimizer_after_reinit, 2, stage, str(tmp_path / "store"), timeout=120):
         assert msg is not None and "destroy_process_group() ran before" in msg and "does not bring it back" in msg
+
+
+def _zero_grad_keep_between_backward_and_step(rank, world_size):
+    import warnings
+
+    from fused_zero import ShardedOptimizer
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), stage=1, **HYPER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, y = batch(0, rank)
+        loss_fn(model(x), y).backward()
+        opt.zero_grad(set_to_none=False)  # the optimizer's own zeroing: no ".grad edited in place" warning
+        opt.step()
+    return [str(w.message)[:120] for w in caught if "in place" in str(w.message)]
+
+
+def test_stage1_zero_grad_keeping_tensors_between_backward_and_step_does_not_warn():
+    assert run_ranks(_zero_grad_keep_between_backward_and_step, 2, timeout=60) == [[], []]

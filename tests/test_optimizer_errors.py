@@ -275,3 +275,25 @@ def test_collective_calls_after_destroy_process_group_name_the_order(tmp_path):
     """torch said 'Group <...ProcessGroup object at 0x...> is not registered'."""
     for out in run_ranks(_after_destroy, 2, str(tmp_path), timeout=60):
         assert all(m is not None and m.startswith("torch.distributed.destroy_process_group() ran before") for m in out)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_lazy_module_not_materialized_is_refused_naming_the_dry_run(stage):
+    import torch.nn as tnn
+
+    from fused_zero import ShardedOptimizer
+    model = tnn.Sequential(tnn.LazyLinear(4), tnn.ReLU(), tnn.Linear(4, 2))
+    with pytest.raises(ValueError, match="Run one forward"):
+        ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-3)
+    model(torch.randn(2, 3))  # materialized: built as any model
+    ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-3)
+
+
+def test_complex_parameter_refusal_names_a_fix_that_works():
+    import torch.nn as tnn
+
+    from fused_zero import ShardedOptimizer
+    w = tnn.Parameter(torch.randn(4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"nn.Parameter\(torch.view_as_real\(w\)\)"):
+        ShardedOptimizer([w], lr=1e-3)
+    ShardedOptimizer([tnn.Parameter(torch.view_as_real(w.detach()))], lr=1e-3)  # what it says works

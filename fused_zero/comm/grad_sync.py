@@ -304,6 +304,8 @@ class ReduceAtStep(GradSync):
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self._carry = None
+        for versions in self._grad_versions:  # the optimizer's zero_grad zeroes .grad: not an edit (grads_edited)
+            versions[:] = [None] * len(versions)
 
 
 class ReduceInBackward(GradSync):
