@@ -67,6 +67,22 @@ def _eagerly(fn: Callable, *args):
 _EAGER = None
 
 
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """``callback`` runs when the backward in progress ends (autograd's ``queue_callback``). Compiled autograd
+    (``torch._dynamo.config.compiled_autograd``) takes no such callback outside a fullgraph capture, and traces the
+    per-parameter hooks into its graph: refused, naming the switch, instead of torch's AssertionError."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except AssertionError as e:
+        if "Compiled Autograd" not in str(e):
+            raise
+        raise RuntimeError(
+            "ShardedOptimizer does not run under compiled autograd (torch._dynamo.config.compiled_autograd=True, "
+            "or torch._dynamo.compiled_autograd._enable): its gradient hooks reduce, gather and release during "
+            "backward, which compiled autograd would trace into its graph. Turn compiled autograd off; "
+            "torch.compile of the model (and of the training step) works") from None
+
+
 class EndOfBackward:
     """What an owner queues for the end of a backward (``queue_callback``): ``fn`` when the backward ends.
 

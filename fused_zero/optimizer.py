@@ -33,7 +33,7 @@ from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
-from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only
+from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, queue_end_of_backward
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
@@ -385,8 +385,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._backwards += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                EndOfBackward(self._hooks.relay(self._end_backward), self._hooks.relay(self._note_dropped_backward)))
+            try:
+                queue_end_of_backward(EndOfBackward(self._hooks.relay(self._end_backward),
+                                                    self._hooks.relay(self._note_dropped_backward)))
+            except RuntimeError:
+                self._in_backward = False
+                self._backwards -= 1
+                raise
 
     def _apply_clip(self, during_backward: bool) -> None:
         """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..eager_hooks import _eager_only
-from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook
+from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook, queue_end_of_backward
 from ..ownership import claim, release
 from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
@@ -158,7 +158,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         # model finds this gatherer here and closes it, giving the parameters back first.
         claim(self, self._params)
         for u in self.units:
-            u.pre_backward = functools.partial(self._pre_backward, u.index)
+            # (autograd calls it: under compiled autograd, or a backward inside a compiled function, it runs eagerly)
+            u.pre_backward = _eager_only(functools.partial(self._pre_backward, u.index))
             self._release(u, force=True)  # the parameters still hold their full values: placeholders now
         self._arm_direct_calls()
 
@@ -306,7 +307,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         u.inputs_done = False
         inputs = [t for t in _tensors_in(args) if t.requires_grad]
         if inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._inputs_done, u.index))
+            torch.autograd.graph.register_multi_grad_hook(inputs,
+                                                          _eager_only(functools.partial(self._inputs_done, u.index)))
 
     def _inputs_done(self, index: int, grads) -> None:
         u = self.units[index]
@@ -420,7 +422,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             # in a later backward, so every unit stays gathered until a backward without it (or the step)
             self._graph_backward = torch.is_grad_enabled()
             self._graph_kept = self._graph_kept or self._graph_backward
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            queue_end_of_backward(self.end_backward)
             self._begin_backward()  # the optimizer's end-of-backward callback (it calls end_backward first)
         if not u.backward_started:
             u.backward_started = True
