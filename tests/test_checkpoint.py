@@ -589,3 +589,25 @@ def test_bf16_consolidates_fp32_masters(tmp_path):
             assert torch.equal(got, opt.read_shard(k, "master", piece.shard_offset, piece.shard_offset + piece.numel))
     TinyNet().load_state_dict(model_sd, strict=True)
     torch.optim.AdamW(param_groups(TinyNet()), **HYPER).load_state_dict(optim_sd)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_uncompiled(tmp_path, stage):
+    """torch.compile(model) names its parameters '_orig_mod.*': the checkpoint keeps the model's own names, so
+    it loads with or without compile (before: 'saved from another model', every parameter missing)."""
+    from fused_zero import ShardedOptimizer, checkpoint as ckpt
+    from _models import TinyNet, batch, flags, loss_fn
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-2)
+    x, y = batch(0, 0)
+    loss_fn(model(x, **flags(0, 0)), y).backward()
+    opt.step()
+    compiled = torch.compile(model)  # (never called here: nothing is compiled)
+    ckpt.save(str(tmp_path), compiled, opt)
+    again = TinyNet()
+    again_opt = ShardedOptimizer(again if stage == 3 else again.parameters(), stage=stage, lr=1e-2)
+    ckpt.load(str(tmp_path), again, again_opt)
+    full = (lambda o: o.full_parameters()) if stage == 3 else (lambda o: torch.no_grad())
+    with full(opt), full(again_opt):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    assert all(not k.startswith("_orig_mod") for k in ckpt.consolidate(str(tmp_path))[0])

@@ -23,6 +23,9 @@ class ModelView:
     def __init__(self, model: nn.Module, opt) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be the torch.nn.Module being trained, got {type(model).__name__}")
+        # torch.compile(model): its parameters are the original module's, named under "_orig_mod."; the
+        # checkpoint keeps the model's own names, so it loads into the model compiled or not (and into torch)
+        model = _uncompiled(model)
         self.names: dict[int, list[str]] = {}  # id(param) -> its state-dict keys; the first is its name
         self.params: dict[int, nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # persistent buffers by state-dict key
@@ -80,3 +83,10 @@ class ModelView:
     def unmanaged(self) -> dict[str, nn.Parameter]:
         """Model parameters the optimizer does not hold, by name."""
         return {self.name(p): p for pid, p in self.params.items() if pid not in self.where}
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else ``model``."""
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
