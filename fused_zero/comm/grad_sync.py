@@ -336,15 +336,17 @@ class ReduceInBackward(GradSync):
         if not self.sync:
             self._accumulated = True
             return
+        seen = self._seen.flags[entry.pi]
         if self.state is not RoundState.OPEN and self.state is not RoundState.ADDING:
             self._open_round()
-        elif self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
-            self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
-        seen = self._seen.flags[entry.pi]
-        if seen[entry.index]:
-            if g is not None and any(b.remaining <= 0 for b in entry.buckets):
-                self._late_grad(p, g, entry)
-            return
+        else:
+            again = seen[entry.index]
+            if again and g is not None and any(b.remaining <= 0 for b in entry.buckets):
+                self._late_grad(p, g, entry)  # taken out of .grad before this hook packs anything
+            if self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
+                self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
+            if again:
+                return
         seen[entry.index] = True
         if not entry.buckets:  # zero elements: in no bucket, nothing to reduce; it still got a gradient
             self.present.flags[entry.pi][entry.index] = True
