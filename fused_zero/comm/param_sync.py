@@ -49,6 +49,12 @@ class ParamSync:
         self._gathers += 1
         return hash((self._gathers, k, self.comm.rank)) & 0x7FFFFFFF
 
+    def lossy(self, part: Partition) -> bool:
+        """Whether a gather of ``part`` now sends quantized values (qwZ; a frozen float64 or integer weight
+        travels as it is)."""
+        return self.codec is not None and not self._exact and part.flat.is_floating_point() \
+            and part.flat.dtype.itemsize <= 4
+
     def gather(self, part: Partition, buckets: Iterable[int] | None = None) -> list[Handle]:
         """Launch the all-gather of ``buckets`` (all by default) of ``part``; returns the handles."""
         with label(ALL_GATHER):
@@ -57,8 +63,8 @@ class ParamSync:
     def _launch(self, part: Partition, buckets: Iterable[int] | None) -> list[Handle]:
         layout = part.layout
         ks = range(len(layout.buckets)) if buckets is None else buckets
-        if self.codec is not None and not self._exact and part.flat.is_floating_point() \
-                and part.flat.dtype.itemsize <= 4:  # (a frozen float64 or integer weight travels as it is)
+        part.lossy_gather = self.lossy(part)
+        if part.lossy_gather:
             return [self.codec.all_gather(self.comm, part.bucket(part.flat, layout.buckets[k]),
                                           part.gather_source(layout.buckets[k]), seed=self.seed(k)) for k in ks]
         return [self.comm.all_gather(part.bucket(part.flat, layout.buckets[k]), part.gather_source(layout.buckets[k]),

@@ -15,6 +15,7 @@ its back (``adopt_outside_changes``: ``model.to()`` that copied, ``p.data = t``,
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -91,6 +92,7 @@ class Partition:
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
+        self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
         self._views: list[torch.Tensor] | None = None  # the parameters' views of flat (views())
         self.bind()
@@ -175,6 +177,10 @@ class Partition:
         (this backward's, the next forward's) holds them. Where ranks wrote different values, each rank's shard
         comes from its own, as at stages 1-2. One bulk comparison of the version counters when nothing changed."""
         if [p._version for p in self.params] != self._versions:
+            if self.lossy_gather:  # its gathered values are qwZ's approximations: taken in, they would round the
+                _warn_lossy_write()  # master through int8 (whatever the write changed)
+                self.mark_synced()
+                return
             self.adopt_outside_changes(names)
 
     @torch.no_grad()
@@ -379,3 +385,16 @@ class Partition:
         self.store.close()
         if self.pshard is not None:
             self.pshard.close()
+
+
+_LOSSY_WARNED = False
+
+
+def _warn_lossy_write() -> None:
+    global _LOSSY_WARNED
+    if not _LOSSY_WARNED:
+        _LOSSY_WARNED = True
+        warnings.warn("a parameter was written in place inside the forward (nn.Embedding(max_norm=...) renormalising "
+                      "rows, a clamp_ in forward) while its unit was gathered with param_comm=\"int8\": the gathered "
+                      "values are approximations of the masters, so the write is not taken in (the master keeps its "
+                      "value). Use param_comm=None to keep such writes", UserWarning, stacklevel=2)
