@@ -242,7 +242,8 @@ def test_weight_averaging_callbacks_are_refused_at_stage_3_and_run_at_stage_2(wh
     (msg,) = run_ranks(_weight_averaging, 1, which, 3, timeout=180)
     name = "EMAWeightAveraging" if which == "ema" else "StochasticWeightAveraging"
     assert msg is not None and f"cannot serve Lightning's {name} callback" in msg and "stage=2" in msg, msg
-    assert run_ranks(_weight_averaging, 1, which, 2, timeout=180) == [None]
+    if which == "ema":  # (a fit each: the refusal is only stage 3's)
+        assert run_ranks(_weight_averaging, 1, which, 2, timeout=180) == [None]
 
 
 def test_single_device_trainer_refuses_sharded_optimizer():
