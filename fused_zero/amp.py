@@ -99,7 +99,8 @@ class PendingClip(NamedTuple):
     # under a GradScaler); step() acts on all of it, one all-reduce for both calls
     total: torch.Tensor  # the tensor returned to the user
     resolved: bool  # total is already the norm of unscaled gradients
-    backwards: int  # backward passes begun when it was made: the stats serve step() only if none began since
+    # (no backward begins while a clip is pending: the optimizer applies it to the gradients first, so its
+    # stats always serve the step that follows)
 
     def coef(self, scaler: ScalerInputs) -> torch.Tensor:
         """The clip factor; unscales the returned norm in place if a scaler turned up at step()."""

@@ -68,19 +68,19 @@ _EAGER = None
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """``callback`` runs when the backward in progress ends (autograd's ``queue_callback``). Compiled autograd
-    (``torch._dynamo.config.compiled_autograd``) takes no such callback outside a fullgraph capture, and traces the
-    per-parameter hooks into its graph: refused, naming the switch, instead of torch's AssertionError."""
+    """``callback`` runs when the backward in progress ends (autograd's ``queue_callback``). The optimizer's hooks
+    run eagerly under compiled autograd (``EagerRelay``, ``_eager_only``), where queue_callback is taken; should a
+    compiled-autograd setting still refuse it (torch's AssertionError), the refusal names the switch."""
     try:
         torch.autograd.Variable._execution_engine.queue_callback(callback)
     except AssertionError as e:
         if "Compiled Autograd" not in str(e):
             raise
         raise RuntimeError(
-            "ShardedOptimizer does not run under compiled autograd (torch._dynamo.config.compiled_autograd=True, "
-            "or torch._dynamo.compiled_autograd._enable): its gradient hooks reduce, gather and release during "
-            "backward, which compiled autograd would trace into its graph. Turn compiled autograd off; "
-            "torch.compile of the model (and of the training step) works") from None
+            "compiled autograd refused ShardedOptimizer's end-of-backward callback (torch: "
+            f"{str(e).splitlines()[0]}): the optimizer's hooks reduce, gather and release during backward and "
+            "must run eagerly. Use compiled autograd without fullgraph=True, or turn it off; torch.compile of the "
+            "model (and of the training step) works") from None
 
 
 class EndOfBackward:

@@ -160,7 +160,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
         if self._rendezvous is not None:
             self._rendezvous.progress = Relay(self._steps_finished)
-        self._backwards = 0  # backward passes begun (a clip's stats serve the step only if none began since)
         self._last_update = None  # what the last update used: the next stats all-reduce checks it
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
@@ -382,7 +381,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if not self._in_backward:
             self._settle_update()  # the reductions land in the gradient shards the update reads
             self._in_backward = True
-            self._backwards += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
             try:
@@ -390,7 +388,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                                     self._hooks.relay(self._note_dropped_backward)))
             except RuntimeError:
                 self._in_backward = False
-                self._backwards -= 1
                 raise
 
     def _apply_clip(self, during_backward: bool) -> None:
@@ -447,9 +444,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
         For export or evaluation under stage 3: ``model.state_dict()`` inside the
         block gives full tensors, copies that stay valid after it (other tensors taken from the
-        parameters inside, ``p.detach()``, are views of memory the block gives back: clone what you keep). ``writeback=True`` copies
-        changes made inside back into the master weights. Stages 1 and 2 always
-        hold full parameters; there it only applies ``writeback``.
+        parameters inside, ``p.detach()``, are views of memory the block gives back: clone what
+        you keep). ``writeback=True`` copies changes made inside back into the master weights.
+        Stages 1 and 2 always hold full parameters; there it only applies ``writeback``.
         """
         self._check_open()
         lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here
@@ -530,7 +527,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None, backwards=self._backwards)
+        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None)
         return total
 
     @torch.no_grad()
@@ -590,7 +587,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        if self._clip is not None and self._clip.backwards == self._backwards:
+        if self._clip is not None:  # (a backward since would have applied it: _begin_backward)
             stats = self._clip.stats  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
             agreed = self._agreed()  # the next all-reduce checks what the update uses
         else:

@@ -297,14 +297,16 @@ class ReduceAtStep(GradSync):
     def end_step(self) -> None:
         super().end_step()
         self.state = RoundState.EMPTY
-        self._carry = None
-        for versions in self._grad_versions:
-            versions[:] = [None] * len(versions)
+        self._start_afresh()
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
+        self._start_afresh()  # the optimizer's zero_grad zeroes .grad: not an edit (grads_edited)
+
+    def _start_afresh(self) -> None:
+        """No clip share to add, and no .grad version to compare (grads_edited) until the next backward."""
         self._carry = None
-        for versions in self._grad_versions:  # the optimizer's zero_grad zeroes .grad: not an edit (grads_edited)
+        for versions in self._grad_versions:
             versions[:] = [None] * len(versions)
 
 
