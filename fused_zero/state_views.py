@@ -190,7 +190,9 @@ class StepCounts:
 
     A count that user code replaced (``load_state_dict``, ``state[p]["step"] = t``) is taken in at
     the next advance: its value is copied into the view, which takes its place; replaced counts of
-    equal value share a class.
+    equal value share a class. One written in place (``state[p]["step"].fill_(50)``, ``+= 1``) bumps
+    the flat tensor's version counter, which the views share: the next advance then reads the counts
+    (once) and classes them by value.
     """
 
     def __init__(self, n: int, device: torch.device) -> None:
@@ -200,6 +202,7 @@ class StepCounts:
         self.started = [False] * n  # had a state once: its moments may hold values
         self._before = None
         self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
+        self._version = self.flat._version  # after this class's own last write: a later one is user code's
 
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
@@ -212,6 +215,8 @@ class StepCounts:
                 and to_host(skip, "verdict before new states"):
             return []  # as torch.optim.AdamW under a GradScaler: a skipped step creates no state
         new_keys = None
+        if self.flat._version != self._version:  # a count written in place by user code: class them by value
+            new_keys = [("set", v) for v in to_host(self.flat, "step counts written in place")]
         for i in active:
             s = state[part.params[i]]
             count = s.get("step")
@@ -253,6 +258,7 @@ class StepCounts:
         else:
             index = torch.tensor(active, device=self.flat.device)
             self.flat.index_add_(0, index, torch.ones(len(active), device=self.flat.device) * by)
+        self._version = self.flat._version
         return active
 
     def rollback(self) -> None:
@@ -260,6 +266,7 @@ class StepCounts:
         if self._before is not None:
             self.flat.copy_(self._before)
             self._before = None
+            self._version = self.flat._version
 
     def runs(self, part, active: list[int]) -> list[tuple[int, int, torch.Tensor]]:
         """Maximal [start, end) shard ranges of the ``active`` parameters sharing a class, with the step

@@ -95,6 +95,31 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("edit", ["fill_", "+=", "assign"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_count_written_in_place_or_replaced_is_followed(stage, edit):
+    """``state[p]["step"].fill_(50)`` or ``+= 10`` changes that parameter's bias correction, as torch's (before:
+    the in-place write was reported back and saved, but the update kept the count it shared with others)."""
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(5):
+        if t == 2:
+            for o, m in ((opt, model), (ref_opt, ref)):
+                for p, value in ((m.layers[0].weight, 50.0), (m.layers[1].bias, 7.0)):
+                    if edit == "fill_":
+                        o.state[p]["step"].fill_(value)
+                    elif edit == "+=":
+                        o.state[p]["step"] += value
+                    else:
+                        o.state[p]["step"] = torch.tensor(value)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == \
+        [float(ref_opt.state[p]["step"]) for p in ref.parameters()]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_tensor_betas_are_kept_and_followed_when_filled(stage):
     model, ref = PlainNet(), PlainNet()
