@@ -101,19 +101,40 @@ class PendingClip(NamedTuple):
     resolved: bool  # total is already the norm of unscaled gradients
     # (no backward begins while a clip is pending: the optimizer applies it to the gradients first, so its
     # stats always serve the step that follows)
+    # a clip this step before this one, not resolved, and the factor it was applied to the shards with (from a
+    # norm that a GradScaler found at step() may show to be scaled): (that clip, the factor)
+    previous: tuple[PendingClip, torch.Tensor] | None = None
 
     def coef(self, scaler: ScalerInputs) -> torch.Tensor:
-        """The clip factor; unscales the returned norm in place if a scaler turned up at step()."""
+        """The factor the shards still need; unscales the returned norm in place if a scaler turned up at step()
+        (the usual ``unscale_(opt)`` before the first step's clip: the scaler is not known yet)."""
         from torch.amp.grad_scaler import OptState
 
         if not self.resolved and scaler.inv_scale is not None and scaler.state is not None \
                 and scaler.state["stage"] is OptState.UNSCALED:
-            self.total.copy_(self.stats.sq_norm.sqrt() * scaler.inv_scale)
+            norm, owed = self._unscaled(scaler.inv_scale)
+            return torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) * owed
         return torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)
+
+    def _unscaled(self, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(This clip's norm of the unscaled gradients, written into the returned tensor; the factor the shards
+        still owe to the clips before it). A clip that followed another on this step measured shards the first
+        had scaled by a factor from a scaled norm: torch's norm then is the first's true factor times the
+        first's true norm, and the shards owe the ratio of the true factor to the applied one."""
+        if self.previous is None:
+            self.total.copy_(self.stats.sq_norm.sqrt() * inv_scale)
+            return self.total, torch.ones_like(self.total)
+        clip, applied = self.previous
+        norm, owed = clip._unscaled(inv_scale)
+        true = torch.clamp(clip.max_norm / (norm + 1e-6), max=1.0)
+        self.total.copy_(norm * true)
+        # max_norm=0 zeroed the shards: both factors are 0, and so is what is owed
+        return self.total, owed * torch.where(applied == 0, torch.zeros_like(true), true / applied)
 
 
 def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | None,
-                   max_grad_norm: float | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                   max_grad_norm: float | None) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                         torch.Tensor | None]:
     """What the update multiplies the gradient shards by, and its skip verdict, both on the device.
 
     ``stats``: the step's all-reduce (or the clip's); ``clip``: clip_grad_norm_ called before the step;
@@ -121,7 +142,7 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
     its state, or the attribute protocol's ``found_inf``) a non-finite gradient on any rank skips the step,
     and the verdict goes into the scaler's ``found_inf_per_device`` for ``scaler.update()``; ranks that
     disagree (``stats.disagree``) skip it too. The factor is the scaler's inverse scale times the clip
-    coefficient (None: neither)."""
+    coefficient (None: neither); the clip coefficient alone comes third (None: no clip)."""
     skip = stats.disagree
     if scaler.state is not None or scaler.found_inf is not None:
         found = (stats.nonfinite > 0).float()
@@ -134,11 +155,12 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
     if clip is not None:
         coef = clip.coef(scaler)
         if max_grad_norm is not None:  # the config's clip, every step, of what clip_grad_norm_ left
-            coef = coef * torch.clamp(max_grad_norm / (clip.total * coef + 1e-6), max=1.0)
+            left = clip.total * torch.clamp(clip.max_norm / (clip.total + 1e-6), max=1.0)
+            coef = coef * torch.clamp(max_grad_norm / (left + 1e-6), max=1.0)
     elif max_grad_norm is not None:
         total = stats.total_norm(scaler.inv_scale)
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
     grad_scale = scaler.inv_scale
     if coef is not None:
         grad_scale = coef if grad_scale is None else grad_scale * coef
-    return grad_scale, skip
+    return grad_scale, skip, coef

@@ -390,13 +390,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self._in_backward = False
                 raise
 
-    def _apply_clip(self, during_backward: bool) -> None:
+    def _apply_clip(self, during_backward: bool) -> tuple[PendingClip, torch.Tensor]:
         """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward
         begins, or another clip_grad_norm_ reads the norm (torch clips ``.grad`` in place at once, so a backward
         after it adds unclipped gradients to clipped ones, and a second clip sees the first one's result).
         Device work, no host read; the usual clip-then-step pays nothing (the update applies the factor)."""
         clip, self._clip = self._clip, None
-        self.grad_sync.apply_clip(clip.coef(ScalerInputs(None, None, None)), during_backward)
+        coef = clip.coef(ScalerInputs(None, None, None))
+        self.grad_sync.apply_clip(coef, during_backward)
+        return clip, coef
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -516,8 +518,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
+        previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
-            self._apply_clip(during_backward=False)
+            previous = self._apply_clip(during_backward=False)
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         stats = self._stats(with_norm=True, site="clip_grad_norm_")
@@ -527,7 +530,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None)
+        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None,
+                                 previous=None if previous is None or previous[0].resolved else previous)
         return total
 
     @torch.no_grad()
@@ -593,12 +597,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         else:
             stats = self._stats(with_norm=need_norm or amp, site="step")
             agreed = self._stats_agreed
-        grad_scale, skip = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm)
+        grad_scale, skip, clip_coef = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm)
         if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
             skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
         self._last_update = agreed
         # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
         self._update(stats.has_grad, grad_scale, skip, hypers)
+        if clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
+            self.grad_sync.clip_kept_grads(clip_coef)
         self._end_step()
         if refused is not None:
             raise refused

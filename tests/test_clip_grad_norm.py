@@ -127,3 +127,74 @@ def test_clip_takes_torchs_keywords():
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
     with pytest.raises(ValueError, match="norm_type=2.0, the default"):
         opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+
+
+def _scaler_and_kept_grads(rank, world_size):
+    """Each stage under a GradScaler clipping twice a step from the first step on (the scaler is known only from
+    its first scaler.step), and stage 1 stepping without zero_grad() between clipped steps."""
+    import torch.distributed as dist
+
+    from fused_zero import ShardedOptimizer
+
+    def averaged(ref):
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+    out = {}
+    for stage, case in ((1, "scaler"), (2, "scaler"), (3, "scaler"), (1, "kept")):
+        ref = _Net()
+        model = copy.deepcopy(ref)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0) if stage == 3 else \
+            ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, bucket_numel=64)
+        scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+        norms = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            if case == "scaler":
+                scalers[0].scale(ref(x)).backward()
+                averaged(ref)
+                scalers[0].unscale_(ref_opt)
+                want = [torch.nn.utils.clip_grad_norm_(ref.parameters(), m).item() for m in (0.3, 0.1)]
+                scalers[0].step(ref_opt)
+                scalers[0].update()
+                ref_opt.zero_grad()
+                scalers[1].scale(model(x)).backward()
+                scalers[1].unscale_(opt)
+                got = [opt.clip_grad_norm_(m) for m in (0.3, 0.1)]
+                scalers[1].step(opt)
+                scalers[1].update()
+                opt.zero_grad()
+            else:  # no zero_grad(): the next backward adds to the clipped .grad (torch's clip scaled it)
+                if step:
+                    saved = [p.grad.clone() for p in ref.parameters()]
+                    ref_opt.zero_grad()
+                ref(x).backward()
+                averaged(ref)
+                if step:
+                    for p, s in zip(ref.parameters(), saved):
+                        p.grad += s
+                want = [torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3).item()]
+                ref_opt.step()
+                model(x).backward()
+                got = [opt.clip_grad_norm_(0.3)]
+                opt.step()
+            norms.append(([g.item() for g in got], want))  # (read after the step: the first step's is final then)
+        full = opt.full_parameters() if stage == 3 else torch.no_grad()
+        with full:
+            diff = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(),
+                                                                                    ref.parameters()))
+        out[(stage, case)] = norms, diff
+    return out
+
+
+def test_clips_under_a_grad_scaler_from_the_first_step_and_stage_1_kept_grads():
+    """Before: under a GradScaler, a second clip on the first step applied the first with the scaled norm (cut
+    the gradients about 256x, 1e-1 relative off; stages 2-3); and stage 1 stepping without zero_grad() added the
+    next gradients to unclipped ones (torch's clip had scaled .grad; 1e-1 relative off)."""
+    for out in run_ranks(_scaler_and_kept_grads, 2, timeout=180):
+        for key, (norms, diff) in out.items():
+            for got, want in norms:
+                assert got == pytest.approx(want, rel=1e-5), (key, norms)
+            assert diff < 1e-5, (key, diff)

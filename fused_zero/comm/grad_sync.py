@@ -189,6 +189,10 @@ class GradSync:
         for part in self.partitions:
             part.grad_shard.mul_(coef.to(part.grad_shard.device))
 
+    def clip_kept_grads(self, coef: torch.Tensor) -> None:
+        """A step applied clip factor ``coef`` in its update: the ``.grad`` this stage keeps past step() (stage 1)
+        gets it too, as torch's clip_grad_norm_ scales ``.grad`` in place (stages 2-3 keep none)."""
+
     def clear_if_empty(self) -> None:
         """Nothing reduced since the last step or zero_grad(): the shards hold the last step's values, which a
         norm must not see (stages 2-3; stage 1 reduces ``.grad`` afresh)."""
@@ -261,6 +265,16 @@ class ReduceAtStep(GradSync):
                     p.grad.mul_(coef.to(p.grad.device))
                     if versions[j] is not None:
                         versions[j] = p.grad._version  # the optimizer's own edit: not the user's (grads_edited)
+
+    def clip_kept_grads(self, coef: torch.Tensor) -> None:
+        """One pass over the kept ``.grad`` (the update applied ``coef`` to their reduction, not to them): a next
+        backward without zero_grad() adds to clipped gradients, and a read after step() sees them, as torch's."""
+        grads: dict = {}
+        for p in self.entries:
+            if p.grad is not None:
+                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), gs in grads.items():
+            torch._foreach_mul_(gs, coef.to(device))
 
     def prepare_step(self) -> None:
         if self.state is not RoundState.REDUCED:
