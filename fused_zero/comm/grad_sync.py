@@ -337,6 +337,9 @@ class ReduceInBackward(GradSync):
         # segments: each segment's backward accumulates into .grad); reduced again at the end of the round
         self._late: dict[int, torch.Tensor] = {}
         self._late_buckets: dict[int, GradBucket] = {}
+        # late gradients whose .grad is taken at the next hook (or the end of backward), not in their own: the user's
+        # hooks registered after the optimizer's run between, and see (and may edit) it, as for any gradient
+        self._late_pending: list[tuple[torch.nn.Parameter, GradEntry]] = []
         # per bucket (launch order), its trainable parameters: what each round counts down (GradBucket.remaining)
         self._trainable = [sum(1 for p in bucket.params if p.requires_grad) for bucket in self.buckets]
         self._next = 0
@@ -352,14 +355,18 @@ class ReduceInBackward(GradSync):
         if not self.sync:
             self._accumulated = True
             return
+        if self._late_pending:  # taken out of .grad before anything is packed (p's own stays: its .grad holds
+            self._take_late(keep=p)  # the pending gradient and this one, for the user's hooks to see)
         seen = self._seen.flags[entry.pi]
         if self.state is not RoundState.OPEN and self.state is not RoundState.ADDING:
             self._open_round()
         else:
             again = seen[entry.index]
             if again and g is not None and any(b.remaining <= 0 for b in entry.buckets):
-                self._late_grad(p, g, entry)  # taken out of .grad before this hook packs anything
-            if self.overlap and self._next < len(self.buckets) and self.buckets[self._next].remaining <= 0:
+                if not any(q is p for q, _ in self._late_pending):
+                    self._late_pending.append((p, entry))  # its .grad is taken at the next hook, before any pack
+            if not self._late_pending and self.overlap and self._next < len(self.buckets) and \
+                    self.buckets[self._next].remaining <= 0:
                 self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
             if again:
                 return
@@ -370,6 +377,13 @@ class ReduceInBackward(GradSync):
             return
         for bucket in entry.buckets:
             bucket.remaining -= 1
+
+    def _take_late(self, keep: torch.nn.Parameter | None = None) -> None:
+        pending = self._late_pending
+        self._late_pending = [(p, entry) for p, entry in pending if p is keep]
+        for p, entry in pending:
+            if p is not keep and p.grad is not None:  # (a user hook may have set it to None: nothing late then)
+                self._late_grad(p, p.grad, entry)
 
     def _late_grad(self, p: torch.nn.Parameter, g: torch.Tensor, entry: GradEntry) -> None:
         """``p``'s gradient was accumulated again after a bucket holding it was counted complete: the bucket may
@@ -396,6 +410,8 @@ class ReduceInBackward(GradSync):
         """The end of a backward: start every bucket this round has left."""
         if self.state not in (RoundState.OPEN, RoundState.ADDING):
             return
+        if self._late_pending:
+            self._take_late()
         self._start_ready(flush=True)
         if self._late:  # in the launch order, after every bucket's first reduction (on every rank alike)
             late, buckets = self._late, self._late_buckets
