@@ -14,17 +14,21 @@ never receives a gradient, and DDP never reduces it. So here:
 A frozen parameter that later requires a gradient (``requires_grad_()`` for progressive
 unfreezing) or holds one is refused at the next ``step()`` on every rank, naming it and the
 rebuild that takes it in (``refuse_unfrozen``); a parameter frozen after the build simply gets
-no gradient, and torch's AdamW skips it too.
+no gradient, and torch's AdamW skips it too. One trained before a rebuild (``add_param_group``) and frozen
+when it ran keeps its place and state (``split_frozen``'s ``trained``), as torch's AdamW keeps its state; it
+gets its gradient hook once it requires a gradient again (``ShardedOptimizer._take_unfrozen``).
 """
 from __future__ import annotations
 
 import torch
 
 
-def split_frozen(params) -> tuple[list, list]:
-    """(trainable, frozen) parameters of ``params``, each in the given order."""
+def split_frozen(params, trained=frozenset()) -> tuple[list, list]:
+    """(trainable, frozen) parameters of ``params``, each in the given order; one in ``trained`` (laid out for
+    training by an earlier build) stays trainable whatever its requires_grad says now."""
     params = list(params)
-    return [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
+    return [p for p in params if p.requires_grad or p in trained], \
+        [p for p in params if not p.requires_grad and p not in trained]
 
 
 def refuse_unfrozen(frozen, names: dict) -> None:
@@ -39,7 +43,8 @@ def refuse_unfrozen(frozen, names: dict) -> None:
         raise RuntimeError(
             f"{'parameters' if len(late) > 1 else 'parameter'} {'; '.join(shown)}"
             f"{' and more' if len(late) > 3 else ''} {'were' if len(late) > 1 else 'was'} frozen "
-            f"(requires_grad=False) when ShardedOptimizer was built and {what}: the optimizer "
+            f"(requires_grad=False) when ShardedOptimizer laid {'them' if len(late) > 1 else 'it'} out (at construction, or "
+            f"the add_param_group that added {'them' if len(late) > 1 else 'it'}) and {what}: the optimizer "
             "keeps no state, gradient buffer or reduction for it and would not train it. Set requires_grad "
             "before building, or rebuild to take it in: sd = opt.state_dict(); opt = ShardedOptimizer(<the same "
             "groups or model>, ...); opt.load_state_dict(sd) (its state starts at its first step, as torch's "

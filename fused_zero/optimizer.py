@@ -143,6 +143,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stage = make_stage(self.topology, config)
         self.partitions: list[Partition] = []
         self.grad_sync: GradSync | None = None
+        self._unhooked: list[nn.Parameter] = []  # laid out while frozen for now: no gradient hook yet (_build)
         self._hooks: HookSet | None = None
         self._in_backward = False
         self._holding = 0  # inside full_parameters() (nested: the depth)
@@ -265,6 +266,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stage_on_grad = self._stage.grad_hook()
         for p in self.grad_sync.hooked(self._params):
             self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
+        # laid out while frozen for now (trained before this rebuild): no hook can be registered yet (_take_unfrozen)
+        self._unhooked = [p for part in self.partitions for p in part.params if not p.requires_grad]
         self._buffers = [] if self.module is None or self.topology.world_size == 1 else list(self.module.buffers())
         self._buffers_due = True
         if self._buffers and self.config.broadcast_buffers:
@@ -400,6 +403,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.apply_clip(coef, during_backward)
         return clip, coef
 
+    def _take_unfrozen(self) -> None:
+        """Parameters laid out while frozen (a rebuild by add_param_group after peft's set_adapter froze them) that
+        require a gradient again: hooked from now on, and what they got in the last backward reduced now."""
+        now = [p for p in self._unhooked if p.requires_grad]
+        if not now:
+            return
+        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
+        if self.grad_sync.frees_grads:  # (stage 1 hooks one parameter per bucket only to see a backward)
+            for p in now:
+                self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
+        self.grad_sync.reduce_unhooked(now)
+
     def _end_backward(self) -> None:
         self._in_backward = False
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
@@ -516,6 +531,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "norm of the whole step's averaged gradients, which exist only after the last micro-batch's "
                 "backward. Clip once, after that backward and before step() (with Accelerate: under `if "
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
+        if self._unhooked:
+            self._take_unfrozen()
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
         previous = None
@@ -574,6 +591,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._check_layout()
         hypers, refused = self._read_hypers()  # before the step's collectives
         # 1. reduce, and take in what user code did to the parameters since the last step
+        if self._unhooked:
+            self._take_unfrozen()
         self.grad_sync.prepare_step()
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)

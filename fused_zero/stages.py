@@ -84,11 +84,15 @@ class Stage1:
         self.topology.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
                              "in the same groups and order, on every rank")
         built = {id(part.params[0]): part for part in previous}
+        built_params = {p for part in previous for p in part.params}
         partitions, positions, position = [], [], {}
         for gi, group in enumerate(groups):
             for p in group["params"]:
                 position.setdefault(p, len(position))
-            trainable, frozen = split_frozen(group["params"])
+            # a parameter trained before a rebuild (add_param_group) and frozen for now (peft's set_adapter) keeps its
+            # place, its state and its gradient's way, as torch's AdamW keeps its state: only one frozen at the first
+            # build is frozen for this optimizer
+            trainable, frozen = split_frozen(group["params"], trained=built_params)
             self._take_frozen(frozen)
             for dtype in dict.fromkeys(p.dtype for p in trainable):
                 # Reverse order, as DDP's buckets: backward reaches the last parameters

@@ -12,6 +12,8 @@ trainable. (Planned against measured: tests/test_plan_measured.py's "lora" model
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -300,3 +302,53 @@ def _frozen_kinds(rank, world_size, stage, dtype, ckdir):
 def test_a_frozen_integer_or_float64_base_trains_as_ddp_and_checkpoints(tmp_path, stage, dtype):
     for diffs, same in run_ranks(_frozen_kinds, 2, stage, dtype, str(tmp_path), timeout=120):
         assert max(diffs) == 0.0 and same, diffs
+
+
+def _adapters_switched(rank, world_size):
+    """peft's adapter switching with add_param_group (every rank the same data: the reference is one torch AdamW).
+    Group 0 trains, is frozen while add_param_group adds group 1, then trains again alone (no parameter the
+    rebuild hooked gets a gradient), then both train."""
+    out = {}
+    for stage in (None, 1, 2):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        opt = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1) if stage is None else \
+            ShardedOptimizer(a.parameters(), stage=stage, lr=1e-2, weight_decay=0.1, bucket_numel=40)
+        losses = []
+
+        def step(s):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            loss = b(a(x)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+
+        step(0)
+        step(1)
+        a.requires_grad_(False)
+        opt.add_param_group({"params": list(b.parameters())})
+        step(2)
+        sd = copy.deepcopy(opt.state_dict())  # (torch's holds its live tensors)
+        a.requires_grad_(True)
+        b.requires_grad_(False)
+        step(3)
+        b.requires_grad_(True)
+        step(4)
+        out[stage] = losses, sd, [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+    return out
+
+
+def test_parameters_frozen_while_add_param_group_rebuilds_keep_their_state_and_train_again():
+    """Before: state_dict() raised KeyError after the rebuild (the frozen parameters left the layout but kept their
+    state), and unfreezing them was refused as 'frozen when ShardedOptimizer was built'."""
+    for out in run_ranks(_adapters_switched, 2, timeout=180):
+        losses, sd, params = out[None]
+        for stage in (1, 2):
+            got_losses, got_sd, got = out[stage]
+            assert got_losses == pytest.approx(losses, rel=1e-6), stage
+            assert max((p - q).abs().max().item() for p, q in zip(got, params)) < 1e-6, stage
+            assert sorted(got_sd["state"]) == sorted(sd["state"]) == [0, 1, 2, 3]
+            for i, s in sd["state"].items():
+                assert float(got_sd["state"][i]["step"]) == float(s["step"])
+                assert torch.allclose(got_sd["state"][i]["exp_avg"], s["exp_avg"], rtol=1e-5, atol=1e-8)

@@ -89,8 +89,10 @@ class GradBucket:
         self.bucket = part.layout.buckets[k]
         self.segments = _segments(part, k)
         self.params = [s.param for s in self.segments if s.param is not None]
-        # a bucket of frozen parameters is never reduced (the same decision on every rank)
-        self.trainable = any(p.requires_grad for p in self.params)
+        # a bucket of frozen parameters is never reduced (the same decision on every rank). A partition's parameters
+        # are trained (stage 3's frozen ones have weights-only partitions of their own), even one that requires no
+        # gradient for now (frozen after a rebuild's add_param_group had laid it out, peft's set_adapter)
+        self.trainable = bool(self.params) and not getattr(part, "frozen", False)
         self.frees: list[torch.nn.Parameter] = []  # params whose .grad can be freed once this bucket is packed
         # params this bucket holds part of whose last bucket comes later: their .grad moves to ``pipe.held`` once
         # packed here, so a gradient accumulated after (a late one, grad_sync) arrives in a .grad of its own

@@ -121,8 +121,7 @@ class GradSync:
         for p, buckets in self.buckets_of.items():
             buckets[-1].frees.append(p)  # its .grad can go once its last bucket in the order is packed
             for bucket in buckets[:-1]:
-                if p.requires_grad:
-                    bucket.partial.append(p)
+                bucket.partial.append(p)
         self.entries = {p: GradEntry(part, pi, j, tuple(self.buckets_of.get(p, ())), tuple(part.shapes[j]), part.dtype,
                                      part.device)
                         for pi, part in enumerate(partitions) for j, p in enumerate(part.params)}
@@ -188,6 +187,10 @@ class GradSync:
         self.wait()
         for part in self.partitions:
             part.grad_shard.mul_(coef.to(part.grad_shard.device))
+
+    def reduce_unhooked(self, params) -> None:
+        """``params`` were laid out while frozen (no hook) and now hold a gradient that no hook saw (stages 2-3
+        reduce it here; stage 1 reduces every .grad at step() anyway)."""
 
     def clip_kept_grads(self, coef: torch.Tensor) -> None:
         """A step applied clip factor ``coef`` in its update: the ``.grad`` this stage keeps past step() (stage 1)
@@ -341,7 +344,9 @@ class ReduceInBackward(GradSync):
         # hooks registered after the optimizer's run between, and see (and may edit) it, as for any gradient
         self._late_pending: list[tuple[torch.nn.Parameter, GradEntry]] = []
         # per bucket (launch order), its trainable parameters: what each round counts down (GradBucket.remaining)
-        self._trainable = [sum(1 for p in bucket.params if p.requires_grad) for bucket in self.buckets]
+        # (one that requires no gradient now, frozen after it was laid out, has no hook to count it: its bucket waits
+        # for the end of backward, which packs whatever .grad it holds then, one unfrozen since included)
+        self._trainable = [len(bucket.params) for bucket in self.buckets]
         self._next = 0
 
     def on_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
@@ -377,6 +382,24 @@ class ReduceInBackward(GradSync):
             return
         for bucket in entry.buckets:
             bucket.remaining -= 1
+
+    def reduce_unhooked(self, params) -> None:
+        """Their gradients, reduced now as late ones of this round: after its own reductions, or from zero shards
+        where no hooked gradient came (a backward through them alone). Every rank alike (requires_grad is)."""
+        late = {id(p): p.grad for p in params if p.grad is not None}
+        if not late or self._accumulated or self.state not in (RoundState.EMPTY, RoundState.REDUCED):
+            return  # (under no_sync, their .grad waits for the synced backward, as every .grad there)
+        self.wait()
+        if self.state is RoundState.EMPTY:  # the shards hold the last step's values
+            for part in self.partitions:
+                part.grad_shard.zero_()
+        buckets = {b.order: b for p in params if id(p) in late for b in self.buckets_of.get(p, ())}
+        for p in params:
+            if id(p) in late:
+                p.grad = None
+        for k in sorted(buckets):
+            buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
+        self.state = RoundState.REDUCED
 
     def _take_late(self, keep: torch.nn.Parameter | None = None) -> None:
         pending = self._late_pending
