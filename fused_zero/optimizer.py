@@ -474,6 +474,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             finally:
                 self._holding -= 1
             if writeback:  # stage 3: before the gathered copies are released
+                gatherer = getattr(self._stage, "gatherer", None)
+                if gatherer is not None:  # state-dict copies written in place (a load into model.state_dict())
+                    gatherer.take_in_copies()
                 for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
                     part.take_in_assigned_full(self._names)
                     part.load_master_from_params(changed_only=True)

@@ -872,3 +872,48 @@ def test_a_write_inside_forward_is_not_taken_from_a_quantized_gather():
     master through int8 (at lr=0 the embedding drifted 7e-3 in 5 steps). The write is dropped, once warned."""
     for same, warned in run_ranks(_lossy_gather_write, 2, timeout=90):
         assert same and warned == 1
+
+
+def _submodule_state_dicts(rank, world_size):
+    """A submodule's state_dict() and load_state_dict() (a head, a block), and a load into the dict that
+    model.state_dict() gives inside full_parameters(writeback=True), against the same on a plain model."""
+    from fused_zero import ShardedOptimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **PER_MODULE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = {}
+    try:
+        model[4].state_dict()
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    new_head = {"weight": torch.full((3, 8), 0.25), "bias": torch.full((3,), -1.0)}
+    new_mid = torch.full((8, 8), 0.5)
+    for m in (model, ref):
+        m[4].load_state_dict(new_head)  # released: loads into the shards
+    with opt.full_parameters(writeback=True):
+        out["head_sd"] = {k: v.clone() for k, v in model[4].state_dict().items()}
+        model.state_dict()["2.weight"].copy_(new_mid)  # in place into the dict, as dcp.load does
+    with torch.no_grad():
+        ref[2].weight.copy_(new_mid)
+    for t in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(t))  # the same on every rank
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    with opt.full_parameters():
+        out["diff"] = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+def test_a_submodules_state_dict_and_loads_into_the_models_dict_serve_as_torch():
+    """Before: ``model.head.state_dict()`` returned 0-element tensors silently and its load_state_dict failed in
+    torch's shape check; a load into ``model.state_dict()`` inside full_parameters(writeback=True) (dcp.load, a
+    copy_) never reached the model (the dict holds copies)."""
+    for out in run_ranks(_submodule_state_dicts, 2, timeout=120):
+        assert "full_parameters" in out["refused"] and "4.weight" in out["refused"]
+        assert torch.equal(out["head_sd"]["weight"], torch.full((3, 8), 0.25))
+        assert torch.equal(out["head_sd"]["bias"], torch.full((3,), -1.0))
+        assert out["diff"] < 1e-6

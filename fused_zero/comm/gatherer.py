@@ -141,7 +141,17 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                                                                           copied=copy_check(root))))
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
         self._handles.append(root.register_load_state_dict_post_hook(ModelHook(self._after_load)))
+        # a submodule's own state_dict() / load_state_dict() (``model.head.state_dict()``): its parameters alone
+        for m in root.modules():
+            if m is not root and any(id(p) in numel_of for p in m.parameters()):
+                self._handles.append(m.register_state_dict_post_hook(ModelHook(self._check_sub_state_dict,
+                                                                               copied=copy_check(m))))
+                self._handles.append(m.register_load_state_dict_pre_hook(ModelHook(self._before_sub_load)))
+                self._handles.append(m.register_load_state_dict_post_hook(ModelHook(self._after_sub_load)))
         self._load_prefix = ""
+        self._load_scope = self._load_module = None
+        self._load_names: dict = {}
+        self._sd_copies: list = []  # state-dict copies made inside full_parameters() (model_state.take_in_copies)
         self._unit_of = {id(m): u for u in self.units for m in u.modules}
         self._unit_of_param = {id(p): u for u in self.units for p in u.trainable}  # by id: no Tensor.__hash__ call
         self._params = [p for u in self.units for part in u.parts for p in part.params]
@@ -491,6 +501,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             yield
         finally:
             self._holding = False
+            self._sd_copies = []  # (the writeback took in what it keeps: take_in_copies)
             for u in self.units:
                 self._drop_writes(u)  # writes inside are the writeback's to take (the optimizer's), else dropped
                 self._release(u)

@@ -25,19 +25,31 @@ class ModelStateHooks:
                     part.adopt_assigned(self.names, self._placeholder)
 
     def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """The root's state-dict post-hook: the whole model's parameters."""
+        self._state_dict_of(module, state_dict, prefix, None)
+
+    def _check_sub_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """A submodule's (``model.head.state_dict()``: its own parameters); inside the root's state_dict() (a
+        prefix) it leaves everything to the root's."""
+        if not prefix:
+            self._state_dict_of(module, state_dict, prefix, {id(p) for p in module.parameters()})
+
+    def _state_dict_of(self, module, state_dict, prefix, scope) -> None:
         released = [self.names.get(p, tuple(shape)) for u in self.units if not u.gathered
                     for part in u.parts for p, shape in zip(part.params, part.shapes)
-                    if p.numel() == 0 and shape.numel() > 0]
+                    if p.numel() == 0 and shape.numel() > 0 and (scope is None or id(p) in scope)]
         if released:
             raise RuntimeError(
                 f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
-                "model.state_dict() here would return 0-element tensors. Read it inside "
+                "state_dict() here would return 0-element tensors. Read it inside "
                 "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
         # The gathered parameters view buffers whose memory goes back when their unit is released (leaving
         # full_parameters(), the end of a backward): a state dict holding those views would point at freed
         # memory (reading it crashed). Each parameter's entry is a copy (torch's are views), one per parameter
         # (tied names share it, as they share the parameter), as FSDP's full state dict clones; the
-        # integrations that consume the dict inside full_parameters() skip it (``state_dict_views``).
+        # integrations that consume the dict inside full_parameters() skip it (``state_dict_views``). Inside
+        # ``full_parameters(writeback=True)`` a copy written in place (``dcp.load`` into the dict, ``sd[k].copy_``)
+        # is taken into its parameter at the block's end, as a write through torch's view would be.
         if self._views_ok:
             return
         copies: dict = {}
@@ -46,7 +58,18 @@ class ModelStateHooks:
             if t is not None and id(p) in self._param_ids and t.numel():
                 if id(p) not in copies:
                     copies[id(p)] = t.detach().clone().requires_grad_(t.requires_grad)
+                    if self._holding:
+                        self._sd_copies.append((copies[id(p)], p, copies[id(p)]._version))
                 state_dict[name] = copies[id(p)]
+
+    def take_in_copies(self) -> None:
+        """Inside ``full_parameters(writeback=True)``, at its end: the state-dict copies written in place since
+        they were made go into their parameters (a load into the dict reaches the model, as torch's views)."""
+        copies, self._sd_copies = self._sd_copies, []
+        with torch.no_grad():
+            for c, p, version in copies:
+                if c._version != version and c.shape == p.shape:
+                    p.copy_(c)
 
     @contextmanager
     def state_dict_views(self):
@@ -60,7 +83,18 @@ class ModelStateHooks:
 
     def _before_load(self, module, state_dict, prefix, *args) -> None:
         """model.load_state_dict between steps: give released parameters full-size memory to load into."""
-        self._load_prefix = prefix
+        self._load_prefix, self._load_scope = prefix, None
+        self._prepare_load(None)
+
+    def _before_sub_load(self, module, state_dict, prefix, *args) -> None:
+        """A submodule's ``load_state_dict`` (``model.head.load_state_dict(sd)``): its own parameters (inside the
+        root's, a prefix, the root's hooks serve)."""
+        if not prefix:
+            self._load_scope, self._load_module = {id(p) for p in module.parameters()}, module
+            self._load_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            self._prepare_load(self._load_scope)
+
+    def _prepare_load(self, scope) -> None:
         if self.behind is not None:
             self.behind.wait()  # the load writes the shards
         for u in self.units:
@@ -68,17 +102,29 @@ class ModelStateHooks:
                 self._wait(u)
                 for part in u.parts:
                     for p, shape in zip(part.params, part.shapes):
-                        if p.numel() == 0 and shape.numel() > 0:
+                        if p.numel() == 0 and shape.numel() > 0 and (scope is None or id(p) in scope):
                             p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+
+    def _after_sub_load(self, module, incompatible_keys) -> None:
+        if self._load_scope is not None and module is self._load_module:  # (its children's run first)
+            scope, self._load_scope, self._load_module = self._load_scope, None, None
+            names = self._load_names
+            self._finish_load(set(incompatible_keys.missing_keys), scope, lambda p: names.get(id(p), ""))
 
     def _after_load(self, module, incompatible_keys) -> None:
         """Write each rank's shard of what was loaded into the masters; parameters go back to their shards."""
-        missing = set(incompatible_keys.missing_keys)
+        self._load_scope = None
+        self._finish_load(set(incompatible_keys.missing_keys), None,
+                          lambda p: self._load_prefix + self.names.get(p, ""))
+
+    def _finish_load(self, missing: set, scope, name_of) -> None:
         for u in self.units:
             for part in u.parts:
+                if scope is not None and not any(id(p) in scope for p in part.params):
+                    continue
                 if u.gathered:  # inside full_parameters(): the loaded values are kept
                     part.adopt_outside_changes(self.names)
                     continue
                 skip = frozenset(i for i, p in enumerate(part.params)
-                                 if self._load_prefix + self.names.get(p, "") in missing)
+                                 if name_of(p) in missing or (scope is not None and id(p) not in scope))
                 part.adopt_assigned(self.names, self._placeholder, skip)
