@@ -319,3 +319,50 @@ def test_bf16_masters_wait_for_the_weights_loaded_after_them(stage):
         with opt.full_parameters() if stage == 3 else torch.no_grad(), \
                 fopt.full_parameters() if stage == 3 else torch.no_grad():
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters())), order
+
+
+def _dcp_resume(rank, world_size, directory):
+    """The FSDP user's resume through torch.distributed.checkpoint: get_model_state_dict/get_optimizer_state_dict,
+    dcp.save; a fresh model and optimizer (whose state torch's helper creates by a zero-gradient step at lr 0),
+    dcp.load, set_state_dict; then a step, against the run that went on (stages 2 and 3)."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+    out = {}
+    for stage in (2, 3):
+        def build():
+            model = TinyNet()
+            return model, ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage,
+                                           bucket_numel=BUCKET)
+
+        def full(opt, writeback=False):
+            return opt.full_parameters(writeback) if stage == 3 else contextlib.nullcontext()
+
+        torch.manual_seed(0)
+        model, opt = build()
+        _train(model, opt, None, 0, 2, world_size, rank)
+        with full(opt):
+            msd = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+        path = os.path.join(directory, f"stage{stage}")
+        dcp.save({"model": msd, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+        torch.manual_seed(1)
+        new, new_opt = build()
+        with full(new_opt, writeback=True):  # the load goes into the model's own state dict
+            sd = {"model": get_model_state_dict(new), "optim": get_optimizer_state_dict(new, new_opt)}
+            dcp.load(sd, checkpoint_id=path)
+            set_state_dict(new, new_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        out[stage] = [new_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]]
+        _train(model, opt, None, 2, 1, world_size, rank)
+        _train(new, new_opt, None, 2, 1, world_size, rank)
+        with full(opt), full(new_opt):
+            out[stage].append(max(rel(p, q) for p, q in zip(new.parameters(), model.parameters())))
+    return out
+
+
+def test_torch_distributed_checkpoint_resumes_a_fresh_optimizer(tmp_path):
+    """Before: torch's get_optimizer_state_dict on a fresh optimizer (its zero-gradient step at lr 0) was
+    refused at stages 2-3 as '.grad assigned by hand', leaving lr at 0."""
+    for out in run_ranks(_dcp_resume, 2, str(tmp_path), timeout=180):
+        for stage, (lr_kept, diff) in out.items():
+            assert lr_kept and diff == 0.0, (stage, diff)

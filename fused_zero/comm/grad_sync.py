@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..host_read import to_host
 from ..lifecycle import expect, setting
 from ..sharding.partition import Partition
 from .collectives import Comm
@@ -401,6 +402,19 @@ class ReduceInBackward(GradSync):
             buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
         self.state = RoundState.REDUCED
 
+    def _take_zero_grads(self, params) -> None:
+        """``.grad = zeros`` set by hand on parameters with no backward since the last step (what torch's
+        ``distributed.checkpoint.state_dict`` does to a fresh optimizer, with lr 0, to create its state): a step
+        with zero gradients for them, as torch's, nothing to reduce."""
+        self.wait()
+        for part in self.partitions:
+            part.grad_shard.zero_()
+        for p in params:
+            e = self.entries[p]
+            self.present.flags[e.pi][e.index] = True
+            p.grad = None
+        self.state = RoundState.REDUCED
+
     def _take_late(self, keep: torch.nn.Parameter | None = None) -> None:
         pending = self._late_pending
         self._late_pending = [(p, entry) for p, entry in pending if p is keep]
@@ -473,12 +487,21 @@ class ReduceInBackward(GradSync):
                 f"{len(stale)} parameters hold gradients that were never reduced (accumulated under "
                 "no_sync() without a final backward outside it); run the last micro-batch's backward "
                 "outside opt.no_sync()")
+        if stale and self.state is RoundState.EMPTY and _all_zero([p.grad for p in stale]):
+            self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
+            stale = []
         if stale:
             raise RuntimeError(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
                 "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
                 "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
         self.wait()
+
+
+def _all_zero(grads: list[torch.Tensor]) -> bool:
+    """Whether every one of ``grads`` is all zeros (one host read; stage 3's zeros_like of a placeholder is empty)."""
+    sums = [g.detach().abs().sum().float() for g in grads if g.numel()]
+    return not sums or to_host(torch.stack([s.to(sums[0].device) for s in sums]).sum(), "hand-set zero grads") == 0
 
 
 def grad_ok(g: torch.Tensor, entry: GradEntry) -> bool:
