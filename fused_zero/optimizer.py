@@ -257,6 +257,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
+        self.grad_sync.names = self._names
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
                                      self.topology.replicate_again() if self.config.grad_comm else None)

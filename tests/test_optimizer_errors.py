@@ -297,3 +297,15 @@ def test_complex_parameter_refusal_names_a_fix_that_works():
     with pytest.raises(TypeError, match=r"nn.Parameter\(torch.view_as_real\(w\)\)"):
         ShardedOptimizer([w], lr=1e-3)
     ShardedOptimizer([tnn.Parameter(torch.view_as_real(w.detach()))], lr=1e-3)  # what it says works
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_resized_in_place_is_refused_naming_it(stage):
+    """HF's resize_token_embeddings keeps the Parameter and gives it bigger data: refused with the resize named
+    (before: torch's size mismatch from the packing kernel's twin)."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+    opt = ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, module=model)
+    model[0].weight.data = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match=r"parameter 0\.weight changed shape from \(16, 8\) to \(20, 8\).*resize"):
+        model(torch.tensor([[1, 19]])).sum().backward()
+        opt.step()

@@ -102,6 +102,7 @@ class GradSync:
     frees_grads = False
 
     def __init__(self, partitions: list[Partition], positions: list[list[int]], comm: Comm, overlap: bool) -> None:
+        self.names: dict = {}  # parameter -> its name, for messages (the optimizer sets it)
         self.partitions = partitions
         self.comm = comm
         self.overlap = overlap
@@ -285,7 +286,7 @@ class ReduceAtStep(GradSync):
             for p, entry in self.entries.items():  # the kept .grad is packed flat: it must be like its parameter
                 g = p.grad
                 if g is not None and entry.buckets and not grad_ok(g, entry):
-                    _check_grad(p, entry.part)
+                    _check_grad(p, entry.part, self.names)
             self.present.clear()
             for bucket in self.buckets:
                 bucket.start(self.present, accumulate=False, free_grads=False, block=True)
@@ -357,7 +358,7 @@ class ReduceInBackward(GradSync):
         # that parameter after this one run next, and must see (and may edit) its .grad, which the pack frees.
         g = p.grad
         if g is not None and not grad_ok(g, entry):
-            _check_grad(p, entry.part)
+            _check_grad(p, entry.part, self.names)
         if not self.sync:
             self._accumulated = True
             return
@@ -515,7 +516,7 @@ def grad_ok(g: torch.Tensor, entry: GradEntry) -> bool:
 _STRIDED = torch.strided
 
 
-def _check_grad(p: torch.nn.Parameter, part: Partition) -> None:
+def _check_grad(p: torch.nn.Parameter, part: Partition, names: dict) -> None:
     """``p.grad`` is what the flat buffers can take: dense, of ``p``'s shape and dtype (torch's update would
     fail on a wrong shape; read flat here, it would be silently wrong: a ``.grad.data =`` assignment), and
     ``p`` is still of its partition's dtype and device (a model converted or moved since the build gets
@@ -524,7 +525,10 @@ def _check_grad(p: torch.nn.Parameter, part: Partition) -> None:
     if g is None:
         return
     if p.dtype != part.dtype or p.device != part.device:
-        part.check_kind(p, p.shape, {})
+        part.check_kind(p, p.shape, names)
+    i = next((k for k, q in enumerate(part.params) if q is p), None)
+    if i is not None and tuple(p.shape) != tuple(part.shapes[i]):  # resized in place (resize_token_embeddings)
+        part._check_compatible(p, part.shapes[i], names)
     if g.layout != torch.strided:
         raise RuntimeError(
             f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "
