@@ -352,3 +352,41 @@ def test_parameters_frozen_while_add_param_group_rebuilds_keep_their_state_and_t
             for i, s in sd["state"].items():
                 assert float(got_sd["state"][i]["step"]) == float(s["step"])
                 assert torch.allclose(got_sd["state"][i]["exp_avg"], s["exp_avg"], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_frozen_parameters_loaded_state_is_kept_and_serves_after_unfreezing(stage):
+    """A torch state dict holding the state of a parameter this optimizer keeps frozen: kept whole, returned by
+    state_dict(), and loaded by the rebuild after unfreezing, as torch's AdamW keeps it (before: dropped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def train(m, o, t):
+        o.zero_grad()
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+        o.step()
+
+    train(ref, ref_opt, 0)
+    model.load_state_dict(ref.state_dict())
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+    build = lambda: ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-2)  # noqa: E731
+    opt = build()
+    opt.load_state_dict(ref_opt.state_dict())
+    train(model, opt, 1)
+    train(ref, ref_opt, 1)
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2, 3] and float(sd["state"][0]["step"]) == 1.0
+    for m in (model, ref):
+        m[0].requires_grad_(True)
+    if stage == 3:
+        opt.close()
+    opt = build()
+    opt.load_state_dict(sd)
+    for t in (2, 3):
+        train(model, opt, t)
+        train(ref, ref_opt, t)
+    with opt.full_parameters():
+        assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-6

@@ -81,6 +81,9 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     for p in params:
         i = number[id(p)]
         mine = opt.state.get(p, {})
+        if "step" in mine and i not in full:  # a frozen parameter's state, loaded as torch keeps it (whole)
+            state[i] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in mine.items()}
+            continue
         if "step" in mine:
             kinds = {kind: t.view(shapes[id(p)]) for kind, t in full[i].items()}
             state[i] = {"step": mine["step"].detach().to("cpu", torch.float32, copy=True),
@@ -169,6 +172,16 @@ def load_state_dict(opt, sd) -> None:
     for k in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
         del opt.state[k]
     opt.state.update(unowned_state(sd))
+    # the states of parameters frozen when this optimizer was built: kept whole, as torch's AdamW keeps them (they
+    # train nothing here; state_dict() gives them back, and a rebuild after unfreezing loads them)
+    owned = {id(p) for part in index for p in part.params}
+    for saved, group in zip(sd["param_groups"], opt.param_groups):
+        for i, p in zip(saved["params"], group["params"]):
+            if id(p) not in owned:
+                opt.state.pop(p, None)
+                s = sd["state"].get(i, sd["state"].get(str(i)))
+                if s:
+                    opt.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
     for group, hyper, saved in zip(opt.param_groups, hypers, sd["param_groups"]):
         group.update(hyper)
         if "param_names" in saved:  # the loaded names replace the group's, as torch's load_state_dict does
