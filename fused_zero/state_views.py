@@ -244,9 +244,8 @@ class StepCounts:
             part.state_edited[0] = False
         if len(active) != len(views):  # the others did not advance: split their classes from these
             new_keys = new_keys or list(self.keys)
-            for i in active:
-                if not isinstance(new_keys[i], tuple):
-                    new_keys[i] = ("advanced", new_keys[i])
+            for i in active:  # (also a count set now: an equal one that did not advance must part from it)
+                new_keys[i] = ("advanced", new_keys[i])
         if new_keys is not None:
             numbers: dict = {}
             self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
