@@ -139,6 +139,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         # (torch marks public state-dict hooks with an attribute: a partial takes it, a bound method not)
         self._handles.append(root.register_state_dict_post_hook(ModelHook(self._check_state_dict,
                                                                           copied=copy_check(root))))
+        self._handles.append(root.register_state_dict_pre_hook(ModelHook(self._root_state_dict_begins)))
+        self._in_root_state_dict = False  # the root's state_dict() is running (its submodules' hooks leave it be)
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
         self._handles.append(root.register_load_state_dict_post_hook(ModelHook(self._after_load)))
         # a submodule's own state_dict() / load_state_dict() (``model.head.state_dict()``): its parameters alone

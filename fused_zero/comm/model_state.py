@@ -26,12 +26,16 @@ class ModelStateHooks:
 
     def _check_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """The root's state-dict post-hook: the whole model's parameters."""
+        self._in_root_state_dict = False
         self._state_dict_of(module, state_dict, prefix, None)
 
+    def _root_state_dict_begins(self, module, prefix, keep_vars) -> None:
+        self._in_root_state_dict = True
+
     def _check_sub_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        """A submodule's (``model.head.state_dict()``: its own parameters); inside the root's state_dict() (a
-        prefix) it leaves everything to the root's."""
-        if not prefix:
+        """A submodule's (``model.head.state_dict()``, with or without a prefix: its own parameters); inside the
+        root's state_dict() it leaves everything to the root's."""
+        if not self._in_root_state_dict:
             self._state_dict_of(module, state_dict, prefix, {id(p) for p in module.parameters()})
 
     def _state_dict_of(self, module, state_dict, prefix, scope) -> None:
