@@ -82,7 +82,7 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
         i = number[id(p)]
         mine = opt.state.get(p, {})
         if "step" in mine and i not in full:  # a frozen parameter's state, loaded as torch keeps it (whole)
-            state[i] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in mine.items()}
+            state[i] = _whole_copy(mine)
             continue
         if "step" in mine:
             kinds = {kind: t.view(shapes[id(p)]) for kind, t in full[i].items()}
@@ -102,6 +102,11 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     groups = torch_param_groups([{k: list(v) if k == "param_names" else v for k, v in g.items() if k != "params"}
                                  for g in opt.param_groups], members, opt.config.adam_w_mode)
     return {"state": state, "param_groups": groups}
+
+
+def _whole_copy(state: dict) -> dict:
+    """A frozen parameter's state as torch keeps it: its tensors copied whole, the rest as it is."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def unowned_state(sd) -> dict:
@@ -181,7 +186,7 @@ def load_state_dict(opt, sd) -> None:
                 opt.state.pop(p, None)
                 s = sd["state"].get(i, sd["state"].get(str(i)))
                 if s:
-                    opt.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                    opt.state[p] = _whole_copy(s)
     for group, hyper, saved in zip(opt.param_groups, hypers, sd["param_groups"]):
         group.update(hyper)
         if "param_names" in saved:  # the loaded names replace the group's, as torch's load_state_dict does

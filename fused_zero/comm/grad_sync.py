@@ -286,7 +286,7 @@ class ReduceAtStep(GradSync):
             for p, entry in self.entries.items():  # the kept .grad is packed flat: it must be like its parameter
                 g = p.grad
                 if g is not None and entry.buckets and not grad_ok(g, entry):
-                    _check_grad(p, entry.part, self.names)
+                    _check_grad(p, entry, self.names)
             self.present.clear()
             for bucket in self.buckets:
                 bucket.start(self.present, accumulate=False, free_grads=False, block=True)
@@ -358,7 +358,7 @@ class ReduceInBackward(GradSync):
         # that parameter after this one run next, and must see (and may edit) its .grad, which the pack frees.
         g = p.grad
         if g is not None and not grad_ok(g, entry):
-            _check_grad(p, entry.part, self.names)
+            _check_grad(p, entry, self.names)
         if not self.sync:
             self._accumulated = True
             return
@@ -392,9 +392,7 @@ class ReduceInBackward(GradSync):
         if not late or self._accumulated or self.state not in (RoundState.EMPTY, RoundState.REDUCED):
             return  # (under no_sync, their .grad waits for the synced backward, as every .grad there)
         self.wait()
-        if self.state is RoundState.EMPTY:  # the shards hold the last step's values
-            for part in self.partitions:
-                part.grad_shard.zero_()
+        self.clear_if_empty()  # (no hooked gradient this round: the shards hold the last step's values)
         buckets = {b.order: b for p in params if id(p) in late for b in self.buckets_of.get(p, ())}
         for p in params:
             if id(p) in late:
@@ -408,8 +406,7 @@ class ReduceInBackward(GradSync):
         ``distributed.checkpoint.state_dict`` does to a fresh optimizer, with lr 0, to create its state): a step
         with zero gradients for them, as torch's, nothing to reduce."""
         self.wait()
-        for part in self.partitions:
-            part.grad_shard.zero_()
+        self.clear_if_empty()
         for p in params:
             e = self.entries[p]
             self.present.flags[e.pi][e.index] = True
@@ -516,19 +513,18 @@ def grad_ok(g: torch.Tensor, entry: GradEntry) -> bool:
 _STRIDED = torch.strided
 
 
-def _check_grad(p: torch.nn.Parameter, part: Partition, names: dict) -> None:
+def _check_grad(p: torch.nn.Parameter, entry: GradEntry, names: dict) -> None:
     """``p.grad`` is what the flat buffers can take: dense, of ``p``'s shape and dtype (torch's update would
     fail on a wrong shape; read flat here, it would be silently wrong: a ``.grad.data =`` assignment), and
     ``p`` is still of its partition's dtype and device (a model converted or moved since the build gets
     the partition's clear refusal, not a packing error). Packing checks nothing more (``ops.pack_checked_``)."""
-    g = p.grad
+    g, part = p.grad, entry.part
     if g is None:
         return
     if p.dtype != part.dtype or p.device != part.device:
         part.check_kind(p, p.shape, names)
-    i = next((k for k, q in enumerate(part.params) if q is p), None)
-    if i is not None and tuple(p.shape) != tuple(part.shapes[i]):  # resized in place (resize_token_embeddings)
-        part._check_compatible(p, part.shapes[i], names)
+    if tuple(p.shape) != entry.shape:  # resized in place (resize_token_embeddings)
+        part._check_compatible(p, torch.Size(entry.shape), names)
     if g.layout != torch.strided:
         raise RuntimeError(
             f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "
