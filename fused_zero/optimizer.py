@@ -31,7 +31,7 @@ from .comm.collectives import Comm, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology
 from .config import ZeroConfig
-from .comm.grad_sync import GradSync
+from .comm.grad_sync import GradSync, HandSetGrads
 from .frozen import refuse_unfrozen
 from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, queue_end_of_backward
 from .deferred import DeferredFlags
@@ -158,6 +158,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
+        self._refusing = False  # this rank refuses the step in progress (its all-reduce's checksum says so)
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
         if self._rendezvous is not None:
             self._rendezvous.progress = Relay(self._steps_finished)
@@ -537,7 +538,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         if self._unhooked:
             self._take_unfrozen()
-        self.grad_sync.prepare_step()
+        self._refusing = self._prepare_step() is not None  # (step() raises it: it refuses again there)
         self._raise_if_disagreed()
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
@@ -597,7 +598,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # 1. reduce, and take in what user code did to the parameters since the last step
         if self._unhooked:
             self._take_unfrozen()
-        self.grad_sync.prepare_step()
+        hand_set = self._prepare_step()  # (every rank finishes its reductions, refused or not)
+        refused = refused if refused is not None else hand_set
+        self._refusing = refused is not None
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
         for part in self.partitions:
@@ -650,6 +653,21 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                            "a new optimizer over the new parameter list (save and load its state_dict() to keep the "
                            "states)")
 
+    def _prepare_step(self) -> HandSetGrads | None:
+        """The step's reductions, finished (``GradSync.prepare_step``). A ``.grad`` set by hand at stages 2-3 is
+        found by this rank alone, perhaps on this rank only: alone it raises now; among ranks it is returned, and
+        the rank goes through the step's collectives skipped and raises at their end (as ``_read_hypers``'s
+        refusal); its all-reduce's checksum says it refused, so every other rank skips the step too and raises
+        at its next ``step()``."""
+        try:
+            self.grad_sync.prepare_step()
+        except HandSetGrads as error:
+            if self.topology.world_size == 1:
+                raise
+            self.grad_sync.wait()
+            return error
+        return None
+
     def _read_hypers(self):
         """Every partition's hyperparameters for this step, checked (``update.read_hypers``), and the error of a
         bad one. Alone, it raises now. Among ranks, a rank that raised here would leave the others waiting in
@@ -675,7 +693,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
         self._stats_agreed = self._agreed()
         self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
-        check = checksum((self._stats_agreed, with_norm, site, self._last_update), self.topology.world_size)
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update, self._refusing),
+                         self.topology.world_size)
         stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check,
                                  self.topology.replicate)
         self._verdicts.post(stats.disagree)
@@ -692,8 +711,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise RuntimeError(
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
-                "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks; "
-                "set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank")
+                "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
+                "some ranks hold a .grad set by hand (refused there); set hyperparameters (and call "
+                "clip_grad_norm_ / the scaler) identically on every rank, and compute gradients with backward()")
 
     def check_agreement(self) -> None:
         """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""

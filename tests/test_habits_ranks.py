@@ -647,3 +647,59 @@ def _zero_grad_keep_between_backward_and_step(rank, world_size):
 
 def test_stage1_zero_grad_keeping_tensors_between_backward_and_step_does_not_warn():
     assert run_ranks(_zero_grad_keep_between_backward_and_step, 2, timeout=60) == [[], []]
+
+
+def _hand_set_grad_on_some_ranks(rank, world_size, stage):
+    """``.grad`` assigned by hand at stages 2-3 with no backward: zeros on every rank is a zero-gradient step
+    (torch.distributed.checkpoint's state init); nonzero on rank 1 only is refused there, and the ranks must not
+    part in a collective (zeros on rank 0, or nothing there)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    _train(model, opt, 0, rank)
+    opt.step()
+    opt.zero_grad()
+
+    def full():
+        with opt.full_parameters():
+            return [p.detach().clone() for p in model.parameters()]
+
+    out = {}
+    for case in ("zeros_vs_nonzero", "none_vs_nonzero", "clip_first"):
+        before = full()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        with opt.full_parameters(writeback=False):
+            shapes = [p.shape for p in trained]
+        for p, shape in zip(trained, shapes):
+            if rank == 1:
+                p.grad = torch.full(shape, 0.5)
+            elif case != "none_vs_nonzero":
+                p.grad = torch.zeros(shape)
+        if case == "clip_first":
+            out[case + "_clip"] = _caught(lambda: opt.clip_grad_norm_(1.0))
+        out[case] = _caught(opt.step)
+        opt.zero_grad()
+        _train(model, opt, 1, rank)
+        out[case + "_next"] = _caught(opt.step)  # where rank 0 learns of rank 1's refusal
+        out[case + "_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, full()))
+        opt.zero_grad()
+    _train(model, opt, 2, rank)  # and it trains on from there, alike on every rank
+    opt.step()
+    out["after"] = [t.double().sum().item() for t in full()]
+    opt.close()
+    return out
+
+
+def test_a_hand_set_grad_on_some_ranks_raises_on_every_rank_without_hanging():
+    """(Stage 2: at stage 3 a released parameter takes only a .grad of its placeholder's empty shape.)"""
+    results = run_ranks(_hand_set_grad_on_some_ranks, 2, 2, timeout=TIMEOUT)
+    for case in ("zeros_vs_nonzero", "none_vs_nonzero", "clip_first"):
+        refused, learnt = results[1][case], results[0][case + "_next"]
+        assert refused is not None and "assigned by hand" in refused[1], refused  # (a RuntimeError)
+        assert results[0][case] is None, case
+        assert learnt is not None and "ranks disagree" in learnt[1] and "by hand" in learnt[1], learnt
+        assert results[1][case + "_next"] is None or "ranks disagree" in results[1][case + "_next"][1]
+        assert results[0].get(case + "_clip") is None and results[1].get(case + "_clip") is None
+        assert results[0][case + "_unchanged"] and results[1][case + "_unchanged"], case
+    assert results[0]["after"] == results[1]["after"]

@@ -489,11 +489,17 @@ class ReduceInBackward(GradSync):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
         if stale:
-            raise RuntimeError(
+            raise HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
                 "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
                 "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
         self.wait()
+
+
+class HandSetGrads(RuntimeError):
+    """Stages 2-3: a ``.grad`` no backward produced (assigned by hand), found before any of the step's collectives.
+    It may be on some ranks only: the optimizer then goes through the step skipped and raises at its end
+    (``ShardedOptimizer._prepare_step``), so no rank waits in a collective this one left."""
 
 
 def _all_zero(grads: list[torch.Tensor]) -> bool:
