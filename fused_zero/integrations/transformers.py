@@ -21,6 +21,10 @@ and norms; adam_beta1/2, adam_epsilon) and scheduled by Trainer's scheduler as u
   at any world size and stage (a plain Trainer's ``optimizer.pt`` loads too);
 - ``save_model()`` (every rank calls it, as in any distributed script) writes the full model at
   stage 3.
+``ZeroSeq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer``: with ``predict_with_generate``
+at stage 3 across ranks, ``generate`` runs with ``synced_gpus=True`` unless the call sets it (as
+Seq2SeqTrainer does for DeepSpeed ZeRO-3 and FSDP): a rank whose sequences end first keeps running
+forwards until every rank's have, so the parameters' gathers meet on every rank.
 Refused with a clear error: ``optimizers=`` / ``optimizer_cls_and_kwargs=`` other than a
 ShardedOptimizer, an ``optim`` other than AdamW, DeepSpeed or FSDP settings, several GPUs in
 one process (DataParallel), and ``zero.max_grad_norm`` (use ``max_grad_norm``).
@@ -144,3 +148,15 @@ class ZeroTrainer(Trainer):
         with opt.full_parameters(), opt._state_dict_views():  # saved inside: no copy of the model needed
             super().save_model(output_dir, _internal_call)
 
+
+
+class ZeroSeq2SeqTrainer(ZeroTrainer, _transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with a fused_zero.ShardedOptimizer (``ZeroTrainer``'s set-up); at stage 3
+    across ranks, generation in evaluation and prediction keeps the ranks in step (``synced_gpus=True``)."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        if self.args.predict_with_generate and self.zero.needs_module and self.args.world_size > 1:
+            if not gen_kwargs and hasattr(self, "_gen_kwargs"):  # (what Seq2SeqTrainer takes when none are given)
+                gen_kwargs = self._gen_kwargs.copy()
+            gen_kwargs.setdefault("synced_gpus", True)  # each rank's sequences end at their own length
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)

@@ -223,3 +223,45 @@ def test_eval_best_model_checkpointing_and_compile(tmp_path):
     for results in (ckpt, reentrant, compiled):
         for (loss, ev), (ref_loss, ref_ev) in zip(results, plain):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and ev == pytest.approx(ref_ev, rel=1e-5)
+
+
+def _seq2seq_generate(rank, world_size, out):
+    """ZeroSeq2SeqTrainer at stage 3, predict_with_generate: rank 0's sequence ends at its first token (its eos),
+    rank 1's runs on; the predictions equal a plain greedy generate of the trained weights."""
+    launcher_env(rank, world_size)
+    from transformers import Seq2SeqTrainingArguments
+
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.transformers import ZeroSeq2SeqTrainer
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=1, max_steps=2, learning_rate=1e-3,
+        report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, save_strategy="no",
+        predict_with_generate=True)
+    model = tiny_gpt2()
+    trainer = ZeroSeq2SeqTrainer(model=model, args=args, train_dataset=TokenDataset(),
+                                 zero=ZeroConfig(stage=3, bucket_numel=4096))
+    trainer.train()
+    opt = trainer.sharded_optimizer
+    prompts = tokens(8, seed=11)[:, :6]
+    with opt.full_parameters():  # every rank alike: the trained weights' greedy continuations
+        model.eval()
+        runs = model.generate(prompts, max_new_tokens=6, do_sample=False, pad_token_id=0, synced_gpus=False)[:, 6:]
+    pair = next((i, j) for i in range(len(runs)) for j in range(len(runs))
+                if i != j and runs[i, 0] not in runs[j].tolist())
+    eos = int(runs[pair[0], 0])
+    model.generation_config.update(eos_token_id=eos, pad_token_id=eos, max_new_tokens=6)
+    model.config.pad_token_id = eos  # (what Seq2SeqTrainer pads the predictions with)
+    data = [{"input_ids": prompts[i], "labels": prompts[i]} for i in pair]
+    predicted = trainer.predict(data).predictions  # (every rank's, gathered)
+    expected = [runs[pair[0], :1].tolist(), runs[pair[1]].tolist()]
+    return [row[6:].tolist() for row in torch.as_tensor(predicted)], expected, eos
+
+
+def test_seq2seq_trainer_generates_at_stage_3_with_ranks_ending_apart(tmp_path):
+    """Seq2SeqTrainer's predict_with_generate at stage 3: rank 0 is done after one token, rank 1 after six; without
+    synced_gpus rank 1's forwards would gather alone and hang."""
+    for predicted, expected, eos in run_ranks(_seq2seq_generate, 2, str(tmp_path), timeout=300):
+        first = [t for t in predicted[0] if t != eos]
+        assert first == [] and predicted[0][0] == eos, (predicted, expected)
+        assert predicted[1][:len(expected[1])] == expected[1], (predicted, expected)
