@@ -415,6 +415,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self.grad_sync.frees_grads:  # (stage 1 hooks one parameter per bucket only to see a backward)
             for p in now:
                 self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
+            scaler = unscaling_scaler(self, self._scaler_ref)
+            if scaler is not None:  # its unscale_ divided their kept .grad in place; the shards it never saw are
+                kept = [p.grad for p in now if p.grad is not None]  # still scaled, and step() unscales them all
+                if kept:
+                    torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
         self.grad_sync.reduce_unhooked(now)
 
     def _end_backward(self) -> None:

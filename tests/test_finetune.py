@@ -309,19 +309,30 @@ def _adapters_switched(rank, world_size):
     Group 0 trains, is frozen while add_param_group adds group 1, then trains again alone (no parameter the
     rebuild hooked gets a gradient), then both train."""
     out = {}
-    for stage in (None, 1, 2):
+    for stage, scaled in ((None, False), (1, False), (2, False), (None, True), (1, True), (2, True)):
         torch.manual_seed(0)
         a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
         opt = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1) if stage is None else \
             ShardedOptimizer(a.parameters(), stage=stage, lr=1e-2, weight_decay=0.1, bucket_numel=40)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
         losses = []
 
         def step(s):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
             opt.zero_grad()
             loss = b(a(x)).pow(2).mean()
-            loss.backward()
-            opt.step()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:  # the AMP recipe with a clip: unscale_ divides whatever .grad it finds in place
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if stage is None:
+                    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 10.0)
+                else:
+                    opt.clip_grad_norm_(10.0)
+                scaler.step(opt)
+                scaler.update()
             losses.append(loss.item())
 
         step(0)
@@ -335,19 +346,20 @@ def _adapters_switched(rank, world_size):
         step(3)
         b.requires_grad_(True)
         step(4)
-        out[stage] = losses, sd, [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+        out[stage, scaled] = losses, sd, [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
     return out
 
 
 def test_parameters_frozen_while_add_param_group_rebuilds_keep_their_state_and_train_again():
     """Before: state_dict() raised KeyError after the rebuild (the frozen parameters left the layout but kept their
-    state), and unfreezing them was refused as 'frozen when ShardedOptimizer was built'."""
+    state), and unfreezing them was refused as 'frozen when ShardedOptimizer was built'. With a GradScaler and a
+    clip, as without (scaler.unscale_ divided the .grad no hook took in place: stage 2 unscaled it twice)."""
     for out in run_ranks(_adapters_switched, 2, timeout=180):
-        losses, sd, params = out[None]
-        for stage in (1, 2):
-            got_losses, got_sd, got = out[stage]
-            assert got_losses == pytest.approx(losses, rel=1e-6), stage
-            assert max((p - q).abs().max().item() for p, q in zip(got, params)) < 1e-6, stage
+        for stage, scaled in ((1, False), (2, False), (1, True), (2, True)):
+            losses, sd, params = out[None, scaled]
+            got_losses, got_sd, got = out[stage, scaled]
+            assert got_losses == pytest.approx(losses, rel=1e-6), (stage, scaled)
+            assert max((p - q).abs().max().item() for p, q in zip(got, params)) < 1e-6, (stage, scaled)
             assert sorted(got_sd["state"]) == sorted(sd["state"]) == [0, 1, 2, 3]
             for i, s in sd["state"].items():
                 assert float(got_sd["state"][i]["step"]) == float(s["step"])
