@@ -264,6 +264,16 @@ def _two_rank_case(rank, ws, root, case):
     if case == "save":
         _save(root, ws, rank)
         return None
+    if case == "save on rank 0 only":  # DDP's habit: save(out if rank == 0 else None); rank 1 hung rank 0 before
+        model, opt, sched = _make()
+        out = []
+        for folder in (root if rank == 0 else None, os.path.join(root, "again")):
+            try:
+                ckpt.save(folder, model, opt, sched)
+                out.append(None)
+            except Exception as e:  # noqa: BLE001
+                out.append((type(e).__name__, str(e)))
+        return out
     model, opt, sched = _make()
     try:
         ckpt.load(root, model, opt, sched)
@@ -293,6 +303,13 @@ def test_one_ranks_bad_file_raises_on_every_rank(two_rank_root, tmp_path, case):
     results = run_ranks(_two_rank_case, 2, root, "load", timeout=60)
     for rank, res in enumerate(results):
         assert res is not None and res[0] == "CheckpointError" and RANK1 in res[1], (rank, res)
+
+
+def test_save_given_a_folder_on_rank_0_only_raises_on_every_rank_and_saves_after(tmp_path):
+    for rank, (first, then) in enumerate(run_ranks(_two_rank_case, 2, str(tmp_path), "save on rank 0 only",
+                                                   timeout=60)):
+        assert first is not None and first[0] == "TypeError" and "every rank calls it" in first[1], (rank, first)
+        assert then is None, (rank, then)
 
 
 @pytest.mark.parametrize("bad", ["out is a folder", "out's folder is missing", "dir is missing"])

@@ -77,10 +77,21 @@ def save(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
         return tags[0]
 
 
+def _folder(directory, what: str) -> str:
+    try:
+        return os.fspath(directory)
+    except TypeError:
+        raise TypeError(f"fused_zero.checkpoint.{what}() takes the checkpoint folder (a str or os.PathLike), got "
+                        f"{type(directory).__name__}: every rank calls it with the same folder (each rank writes "
+                        "and reads its own shard), not only rank 0") from None
+
+
 def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> str:
-    directory, comm = os.fspath(directory), comm_of(optimizer)
+    comm = comm_of(optimizer)
 
     def prepare():
+        nonlocal directory
+        directory = _folder(directory, "save")  # (on every rank: DDP scripts pass None on all but rank 0)
         view = ModelView(model, optimizer)
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
@@ -182,7 +193,7 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
     def prepare():
         view = ModelView(model, optimizer)
         _check_scheduler(scheduler, optimizer)
-        path = files.resolve(directory, tag)
+        path = files.resolve(_folder(directory, "load"), tag)
         meta, digest = read_metadata(path)
         check_match(view, meta, path)
         if scheduler is not None and meta["scheduler"] is None:
