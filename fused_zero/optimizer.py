@@ -534,7 +534,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                              "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
                              "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
                              "and measure it yourself")
-        self._check_layout()
+        edited = self._refusal(self._check_layout)  # (step() raises it: it refuses again there)
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(
                 "clip_grad_norm_() inside optimizer.no_sync(), while gradients still accumulate: it clips the global "
@@ -543,7 +543,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         if self._unhooked:
             self._take_unfrozen()
-        self._refusing = self._prepare_step() is not None  # (step() raises it: it refuses again there)
+        self._refusing = self._prepare_step() is not None or edited is not None
         self._raise_if_disagreed()
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
@@ -597,9 +597,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 loss = closure()
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
-        refuse_unfrozen(self._stage.frozen, self._names)  # before any collective, on every rank
-        self._check_layout()
-        hypers, refused = self._read_hypers()  # before the step's collectives
+        edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters
+        hypers, refused = self._read_hypers()
+        refused = edited if edited is not None else refused
         # 1. reduce, and take in what user code did to the parameters since the last step
         if self._unhooked:
             self._take_unfrozen()
@@ -658,6 +658,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                            "a new optimizer over the new parameter list (save and load its state_dict() to keep the "
                            "states)")
 
+    def _check_edits(self) -> None:
+        """What user code changed since the build that this optimizer cannot serve: a parameter frozen when
+        laid out now given a gradient, a param group's parameter list edited."""
+        refuse_unfrozen(self._stage.frozen, self._names)
+        self._check_layout()
+
+    def _refusal(self, check) -> Exception | None:
+        """Run ``check`` (no collectives): alone, its error is raised now; among ranks it is returned, and this
+        rank goes through the step's collectives skipped and raises at their end (see ``_read_hypers``), since
+        it may be the only rank that refuses."""
+        try:
+            check()
+        except (TypeError, ValueError, RuntimeError, LookupError) as error:
+            if self.topology.world_size == 1:
+                raise
+            return error
+        return None
+
     def _prepare_step(self) -> HandSetGrads | None:
         """The step's reductions, finished (``GradSync.prepare_step``). A ``.grad`` set by hand at stages 2-3 is
         found by this rank alone, perhaps on this rank only: alone it raises now; among ranks it is returned, and
@@ -680,12 +698,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         nothing changed; the other ranks' all-reduce finds their hyperparameters differ, so they skip the step
         too and raise at their next step(), as for any disagreement (or at this one, where every rank holds the
         same bad value)."""
-        try:
-            return read_hypers(self.partitions, self.param_groups, self.config.adam_w_mode), None
-        except (TypeError, ValueError, RuntimeError) as error:
-            if self.topology.world_size == 1:
-                raise
-            return REFUSED, error
+        hypers = []
+        error = self._refusal(lambda: hypers.append(read_hypers(self.partitions, self.param_groups,
+                                                                self.config.adam_w_mode)))
+        return (hypers[0], None) if error is None else (REFUSED, error)
 
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
@@ -717,8 +733,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
                 "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
-                "some ranks hold a .grad set by hand (refused there); set hyperparameters (and call "
-                "clip_grad_norm_ / the scaler) identically on every rank, and compute gradients with backward()")
+                "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand, a param "
+                "group's parameters edited); set hyperparameters (and call clip_grad_norm_ / the scaler) "
+                "identically on every rank")
 
     def check_agreement(self) -> None:
         """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""

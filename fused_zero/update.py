@@ -118,7 +118,7 @@ def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bo
         device = part.grad_shard.device  # where the update runs
         key = (part.group_index, device)
         if key not in seen:
-            seen[key] = _read_hyper(groups[part.group_index], adam_w_mode, device)
+            seen[key] = _read_hyper(groups[part.group_index], adam_w_mode, device, part.group_index)
         if seen[key].amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
             raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
                                "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
@@ -134,17 +134,39 @@ class Hyper(NamedTuple):
     amsgrad: bool
 
 
-def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device) -> Hyper:
+def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int) -> Hyper:
     # flags set in the group after building (add_param_group and the constructor check them there)
     check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
-    hyper = dict(lr=as_float(group["lr"]), beta1=as_float(group["betas"][0]),
-                 beta2=as_float(group["betas"][1]), eps=as_float(group["eps"]),
-                 weight_decay=as_float(group["weight_decay"]),
+    betas = _entry(group, "betas", index)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"param group {index}'s betas must be a pair (beta1, beta2), got {betas!r}")
+    hyper = dict(lr=_real(_entry(group, "lr", index), "lr", index), beta1=_real(betas[0], "beta1", index),
+                 beta2=_real(betas[1], "beta2", index), eps=_real(_entry(group, "eps", index), "eps", index),
+                 weight_decay=_real(_entry(group, "weight_decay", index), "weight_decay", index),
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
     hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                   weight_decay=hyper["weight_decay"], device=device)
     return Hyper(hyper, bool(group.get("amsgrad", False)))
+
+
+def _entry(group: dict, key: str, index: int):
+    try:
+        return group[key]
+    except KeyError:
+        raise ValueError(f"param group {index} has no {key!r} (removed since the optimizer was built): set it again, "
+                         f"e.g. to optimizer.defaults[{key!r}]") from None
+
+
+def _real(value, key: str, index: int) -> float:
+    """A hyperparameter as a float, or TypeError naming it (a string is refused, as torch's update refuses it)."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            return as_float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"param group {index}'s {key} must be a real number or a 1-element tensor, got "
+                    f"{type(value).__name__} {value!r}")
 
 
 REFUSED = object()  # plan_update's hypers for a step this rank refuses: see there

@@ -698,8 +698,73 @@ def test_a_hand_set_grad_on_some_ranks_raises_on_every_rank_without_hanging():
         refused, learnt = results[1][case], results[0][case + "_next"]
         assert refused is not None and "assigned by hand" in refused[1], refused  # (a RuntimeError)
         assert results[0][case] is None, case
-        assert learnt is not None and "ranks disagree" in learnt[1] and "by hand" in learnt[1], learnt
+        assert learnt is not None and "ranks disagree" in learnt[1] and "set by hand" in learnt[1], learnt
         assert results[1][case + "_next"] is None or "ranks disagree" in results[1][case + "_next"][1]
         assert results[0].get(case + "_clip") is None and results[1].get(case + "_clip") is None
         assert results[0][case + "_unchanged"] and results[1][case + "_unchanged"], case
     assert results[0]["after"] == results[1]["after"]
+
+
+def _edits_on_one_rank(rank, world_size, stage):
+    """Edits that step() refuses, made on rank 1 only between backward and step (each undone after): refused
+    there after the step's collectives, the others learn at their next step() (before: an IndexError or
+    KeyError from reading the group, or a refusal raised before any collective, left rank 0 in the step's
+    all-reduce and gloo aborted)."""
+    from fused_zero import ShardedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=0.01)
+    group = opt.param_groups[0]
+    extra = torch.nn.Parameter(torch.zeros(3))
+
+    def edit(kind):
+        if kind == "one beta":
+            group["betas"] = (0.9,)
+        elif kind == "no lr":
+            del group["lr"]
+        elif kind == "lr a string":
+            group["lr"] = "0.01"
+        elif kind == "params appended":
+            group["params"].append(extra)
+        elif kind == "frozen unfrozen":
+            model[1].bias.requires_grad_(True)
+
+    def undo():
+        group.update(lr=0.01, betas=(0.9, 0.999))
+        if group["params"][-1] is extra:
+            group["params"].pop()
+        model[1].bias.requires_grad_(False)
+        model[1].bias.grad = None
+
+    out = {}
+    for t, kind in enumerate(("one beta", "no lr", "lr a string", "params appended", "frozen unfrozen")):
+        for which in ("", "_next"):
+            opt.zero_grad()
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * t + rank + len(which)))
+            model(x).square().mean().backward()
+            if rank == 1 and not which:
+                edit(kind)
+            out[kind + which] = _caught(opt.step)
+            undo()
+    opt.zero_grad()
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_edits_refused_on_one_rank_raise_on_every_rank_without_hanging(stage):
+    words = {"one beta": ("ValueError", "betas must be a pair"), "no lr": ("ValueError", "has no 'lr'"),
+             "lr a string": ("TypeError", "lr must be a real number"),
+             "params appended": ("RuntimeError", "were edited after"),
+             "frozen unfrozen": ("RuntimeError", "was frozen (requires_grad=False)")}
+    first, second = run_ranks(_edits_on_one_rank, 2, stage, timeout=TIMEOUT)
+    for kind, (cls, text) in words.items():
+        assert second[kind] is not None and second[kind][0] == cls and text in second[kind][1], (kind, second[kind])
+        assert first[kind] is None, (kind, first[kind])
+        assert first[kind + "_next"] is not None and "ranks disagree" in first[kind + "_next"][1], kind
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
