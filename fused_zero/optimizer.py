@@ -122,6 +122,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             if module is not None and module is not params:
                 raise ValueError("the first argument is a model and module= names another one; pass one model")
             module, params = params, list(params.parameters())
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"module= takes the model (a torch.nn.Module), got {type(module).__name__}")
         if module is None and config.needs_module:
             raise ValueError("stage 3 shards the model's parameters: pass the nn.Module itself, "
                              "ShardedOptimizer(model, stage=3, ...), or its param groups with module=model")

@@ -110,6 +110,8 @@ def test_stage3_needs_a_module():
     model = TinyNet()
     with pytest.raises(ValueError, match=r"(?i)module"):
         ShardedOptimizer(model.parameters(), stage=3)
+    with pytest.raises(TypeError, match="module= takes the model"):  # (an AttributeError from inside before)
+        ShardedOptimizer(model.parameters(), stage=3, module="model")
 
 
 def test_invalid_stage_raises():
