@@ -134,6 +134,17 @@ def test_plot_writes_png(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+@pytest.mark.parametrize("where,words", [("x.txt", "suffix picks the format"), ("x", "suffix picks the format"),
+                                         (".", "is a folder"), ("missing/x.png", "does not exist")])
+def test_plot_paths_it_cannot_write_are_refused_before_any_output(tmp_path, capsys, where, words):
+    """Before: a raw matplotlib traceback after the table (x.txt), 'x.png' written but 'wrote x' reported, a
+    folder given written as folder.png beside it, a missing folder refused only after the table."""
+    pytest.importorskip("matplotlib")
+    code, out, err = _run(SEVEN_B + ["--plot", str(tmp_path / where)], capsys)
+    assert code == 2 and words in err and out == "", (code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     for name in ("matplotlib", "matplotlib.figure"):  # importing them now raises ImportError
         monkeypatch.setitem(sys.modules, name, None)

@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.plot:  # before any output: no table followed by an error
-            from .picture import figure_class
-            figure_class()
+            from .picture import check_path
+            check_path(args.plot)
         world_size = _world_size(args.world_size, args.nodes, args.gpus_per_node)
         model = None if args.model is None else load_model(args.model, args.model_path)
         plan = estimate(args.params, model=model, world_size=world_size, nodes=args.nodes,
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         from .picture import draw
         try:
             draw(plan, args.plot)
-        except OSError as e:  # a folder that does not exist, a full disk
+        except (OSError, ValueError) as e:  # a full disk, a folder removed since the check
             p.error(f"--plot {args.plot}: {e}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -30,6 +30,23 @@ def figure_class():
     return Figure
 
 
+def check_path(path: str) -> None:
+    """ValueError unless ``path`` names a file the picture can be written to: a format matplotlib writes (its
+    suffix), in a folder that exists, not a folder itself. Checked before anything is printed."""
+    import os
+
+    formats = sorted(figure_class()().canvas.get_supported_filetypes())
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path} is a folder: name the picture's file, e.g. {os.path.join(path, 'plan.png')}")
+    if suffix not in formats:
+        raise ValueError(f"--plot {path}: the file's suffix picks the format, one of {', '.join(formats)} "
+                         "(e.g. plan.png)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+
+
 def _label(s) -> str:
     size, unit = scale(max(s.comm_bytes, 1))
     name = f"ZeRO-{s.stage}" + aka(s.stage) + ("" if s.offload == "none" else f"\n{s.offload}")
