@@ -256,6 +256,18 @@ def test_torch_adamw_state_loads(stage):
     assert max(abs(a - b) / b for a, b in zip(got, want)) < TOL, (got, want)
 
 
+def test_a_state_that_does_not_fit_names_the_parameter_at_stage_3():
+    """Before: 'parameter of shape (0,)', the released placeholder's shape."""
+    tmodel, topt = _torch_run(3)
+    tsd = _through_bytes(topt.state_dict())
+    first = next(iter(tsd["state"]))
+    tsd["state"][first]["exp_avg"] = torch.zeros(3)
+    model, opt = _build(3, model_sd=tmodel.state_dict())
+    name = next(n for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match=rf"state {first} exp_avg \[3\] \(parameter '{name}', shape \["):
+        opt.load_state_dict(tsd)
+
+
 def test_state_dict_loads_into_torch_adamw():
     model, opt = _build(2)
     _train(model, opt, None, 0, N, 1, 0)

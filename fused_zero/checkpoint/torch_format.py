@@ -66,7 +66,10 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
             and isinstance(sd.get("param_groups"), (list, tuple))):
         raise TypeError("the state dict must be a torch optimizer's state_dict(): a dict with 'state' (a dict) and "
                         "'param_groups' (a list)")
-    name_of = name_of or (lambda p: f"of shape {tuple(p.shape)}")
+    index = opt.shard_index()
+    shapes = shapes_of(index)  # (stage 3's released parameters are 0-element placeholders: never p.shape)
+    names = getattr(opt, "_names", {})
+    name_of = name_of or (lambda p: repr(names[p]) if p in names else f"of shape {shapes.get(id(p), tuple(p.shape))}")
     saved, groups = sd["param_groups"], opt.param_groups
     if len(saved) != len(groups):
         raise ValueError("loaded state dict has a different number of parameter groups "
@@ -82,9 +85,7 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
         if missing:
             raise ValueError(f"param group {gi} of the state dict lacks the hyperparameters {missing}: pass an "
                              "AdamW state_dict()")
-    index = opt.shard_index()
     kinds = {id(p): part.kinds for part in index for p in part.params}
-    shapes = shapes_of(index)
     states, bad = {}, []
     for gi, g in enumerate(saved):
         if g.get("amsgrad") and not all("max_exp_avg_sq" in kinds.get(id(p), ("max_exp_avg_sq",))

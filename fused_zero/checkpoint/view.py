@@ -56,10 +56,20 @@ class ModelView:
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) not in self.names:
-                    raise ValueError(f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not "
-                                     "in model.named_parameters(); pass the model this optimizer trains")
+                    raise ValueError(f"param group {gi} holds {self._label(p, opt)} that is not in "
+                                     "model.named_parameters(); pass the model this optimizer trains")
             self.groups.append([self.names[id(p)][0] for p in group["params"]])
         self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
+
+    def _label(self, p, opt) -> str:
+        """``p`` in a message: the name the optimizer knows it by, else its shape (the partition's, not a stage-3
+        placeholder's)."""
+        name = getattr(opt, "_names", {}).get(p)
+        if name is not None:
+            return f"parameter {name!r}"
+        k, i = self.where.get(id(p), (None, None))
+        shape = tuple(self.shapes[k][i]) if k is not None else self.frozen.get(id(p), tuple(p.shape))
+        return f"a parameter of shape {shape}"
 
     def kinds(self, p) -> tuple[str, ...]:
         """The state kinds the shard of trained parameter ``p`` holds."""
