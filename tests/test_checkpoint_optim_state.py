@@ -268,6 +268,21 @@ def test_a_state_that_does_not_fit_names_the_parameter_at_stage_3():
         opt.load_state_dict(tsd)
 
 
+@pytest.mark.parametrize("edit,words", [("no exp_avg", "without its other moment"), ("negative step", "has step -3.0")])
+def test_a_malformed_state_is_refused_at_load(edit, words):
+    """Before: taken silently (torch fails at its next step: KeyError, or a bias correction of a negative step)."""
+    tmodel, topt = _torch_run(1)
+    tsd = _through_bytes(topt.state_dict())
+    first = next(iter(tsd["state"]))
+    if edit == "no exp_avg":
+        del tsd["state"][first]["exp_avg"]
+    else:
+        tsd["state"][first]["step"] = torch.tensor(-3.0)
+    model, opt = _build(1, model_sd=tmodel.state_dict())
+    with pytest.raises(ValueError, match=words):
+        opt.load_state_dict(tsd)
+
+
 def test_state_dict_loads_into_torch_adamw():
     model, opt = _build(2)
     _train(model, opt, None, 0, N, 1, 0)

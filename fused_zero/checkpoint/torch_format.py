@@ -3,6 +3,8 @@ checks of one against a ShardedOptimizer (torch's wording), slicing full tensors
 shard pieces, and load_torch_state."""
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
@@ -105,9 +107,15 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
                 raise ValueError(f"{what} holds {held} but no 'step': a moment means nothing without the step count "
                                  "it was built over (Adam's bias correction); pass a state dict whose states each "
                                  "carry 'step', or leave the parameter's state out to start it fresh")
+            moments = [k for k in ("exp_avg", "exp_avg_sq") if k in s]
+            if len(moments) == 1:  # torch fails at the next step (KeyError)
+                raise ValueError(f"{what} holds {moments[0]!r} without its other moment: pass a state dict whose "
+                                 "states carry both exp_avg and exp_avg_sq (or neither, to start them fresh)")
             step = s.get("step", 0.0)
             if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)):
                 raise TypeError(f"{what} has step {step!r}: a step count must be a number or a 1-element tensor")
+            if float(step) < 0 or not math.isfinite(float(step)):  # (a state dict's step: a host tensor)
+                raise ValueError(f"{what} has step {float(step)}: a step count is a whole number >= 0")
             for k, t in s.items():
                 if k in (*BASE_KINDS, *OPTION_OF_KIND) and (not isinstance(t, torch.Tensor)
                                                             or tuple(t.shape) != shapes[id(p)]):
