@@ -768,3 +768,40 @@ def test_edits_refused_on_one_rank_raise_on_every_rank_without_hanging(stage):
         assert first[kind] is None, (kind, first[kind])
         assert first[kind + "_next"] is not None and "ranks disagree" in first[kind + "_next"][1], kind
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+def _two_optimizers_one_backward(rank, world_size, stage):
+    """Two models, each with its own ShardedOptimizer on the default group, trained by one backward of their
+    summed losses (Accelerate's prepare(m1, o1, m2, o2) with accelerator.backward(l1 + l2)), against two DDP
+    models with torch AdamW. Before: a bucket that found no free pool buffer in its hook was launched at a
+    later one, a choice that hung on timing: the ranks then interleaved the two optimizers' reductions in
+    different orders and gloo aborted (a collective mismatch)."""
+    from fused_zero import ShardedOptimizer
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(6)])
+
+    models = [net(1), net(2)]
+    refs = [ddp_reference(m, groups=False) for m in models]
+    opts = [ShardedOptimizer(m if stage == 3 else m.parameters(), **HYPER, stage=stage, bucket_numel=300,
+                             **({"min_unit_numel": 0} if stage == 3 else {})) for m in models]
+    for t in range(4):
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(10 * t + rank))
+        for ms, os_ in ((models, opts), ([r for r, _ in refs], [o for _, o in refs])):
+            for o in os_:
+                o.zero_grad()
+            sum(m(x).square().mean() for m in ms).backward()
+            for o in os_:
+                o.step()
+    out = []
+    for m, o, (ref, _) in zip(models, opts, refs):
+        with o.full_parameters():
+            out.append(max(rel(a, b) for a, b in zip(m.parameters(), ref.module.parameters())))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_optimizers_sharing_one_backward_train_as_ddp(stage):
+    for errors in run_ranks(_two_optimizers_one_backward, 2, stage, timeout=TIMEOUT):
+        assert max(errors) < 1e-5, errors
