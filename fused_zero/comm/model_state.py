@@ -46,7 +46,9 @@ class ModelStateHooks:
             raise RuntimeError(
                 f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
                 "state_dict() here would return 0-element tensors. Read it inside "
-                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint")
+                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint; "
+                "with Accelerate, save_pretrained(..., state_dict=accelerator.get_state_dict(model)) (every rank "
+                "calls it), as with DeepSpeed ZeRO-3")
         # The gathered parameters view buffers whose memory goes back when their unit is released (leaving
         # full_parameters(), the end of a backward): a state dict holding those views would point at freed
         # memory (reading it crashed). Each parameter's entry is a copy (torch's are views), one per parameter
