@@ -38,7 +38,7 @@ from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
-from .ownership import claim, release
+from .ownership import claim, others_on_group, release
 from .sharding.partition import Partition
 from .profiling import UPDATE, label
 from .stages import make_stage
@@ -145,6 +145,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stage = make_stage(self.topology, config)
         self.partitions: list[Partition] = []
         self.grad_sync: GradSync | None = None
+        self._reduce_comm: Comm = self.comm  # what the gradient reductions go over (_reduction_group)
         self._unhooked: list[nn.Parameter] = []  # laid out while frozen for now: no gradient hook yet (_build)
         self._hooks: HookSet | None = None
         self._in_backward = False
@@ -242,6 +243,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._stage.precheck(self.module, self._units)
             for previous in claim(self, params):
                 previous.close()
+            self._reduce_comm = self._reduction_group()
             self._sync_module_buffers()
         else:
             self.grad_sync.wait()
@@ -259,7 +261,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._params = {p for part in self.partitions for p in part.params}
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
-        self.grad_sync = self._stage.reducer(self.partitions, positions, self.comm, self.config.overlap)
+        self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
@@ -278,6 +280,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             # collectives inside: kept out of torch.compile's graph, as stage 3's gathers are
             hook = torch.compiler.disable(self._hooks.relay(self._before_forward))
             self._hooks.add(self.module.register_forward_pre_hook(ModelHook(call_only, hook), prepend=True))
+
+    def _reduction_group(self) -> Comm:
+        """The group the gradient reductions go over: the shard group, or, where another open optimizer already
+        reduces over it (two models trained by one backward, each with its own optimizer), a group of its own
+        (the buckets' launches move with timing, so two optimizers' reductions would interleave differently on
+        different ranks). Every rank alike: the ranks agree on it (one of them may still hold a dropped one)."""
+        shared = others_on_group(self, self.comm.group)
+        if self.topology.world_size > 1:
+            shared = any(self.comm.agree(lambda: shared, share=lambda v: v)[1])
+        return self.topology.own_group() if shared else self.comm
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""
@@ -772,6 +784,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
+        if self._reduce_comm is not self.comm:  # (the reductions over a group of their own)
+            for kind, n in self._reduce_comm.traffic().items():
+                self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
+            self._reduce_comm.reset_traffic()
         for kind, n in self.topology.replicate_traffic().items():  # HSDP: what crossed between the replicas, apart
             self._last_traffic[f"replicate_{kind}"] = n
         for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers (hpZ's inside a node apart)

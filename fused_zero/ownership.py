@@ -39,3 +39,16 @@ def release(owner, params: list[torch.nn.Parameter]) -> None:
             _owners[id(p)] = refs
         else:
             _owners.pop(id(p), None)
+
+
+_on_group: dict[object, list[weakref.ref]] = {}
+
+
+def others_on_group(owner, group) -> bool:
+    """Record ``owner`` as reducing over process group ``group`` (None: the default group); whether another live,
+    open optimizer already does (two optimizers trained by one backward would interleave their reductions on
+    it in an order that moves with timing: the later one reduces over a group of its own)."""
+    refs = [r for r in _on_group.get(group, []) if r() is not None and r() is not owner]
+    others = any(not r()._closed for r in refs)
+    _on_group[group] = refs + [weakref.ref(owner)]
+    return others

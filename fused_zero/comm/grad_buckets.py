@@ -101,22 +101,25 @@ class GradBucket:
         self._plan = None  # the pack plan: its device table serves every step (kernels/pack.py)
         self.remaining = 0  # stages 2-3: trainable parameters whose gradient this round still waits for
 
-    def start(self, present, accumulate: bool, free_grads: bool, late: dict | None = None) -> None:
+    def start(self, present, accumulate: bool, free_grads: bool, block: bool, late: dict | None = None) -> bool:
         """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands);
         the parameters that held a gradient are marked in ``present`` (a ``grad_sync.Presence``).
 
         ``late`` (by parameter id): pack these gradients instead of ``.grad`` (zeros for the parameters not in
         it) and free nothing: a second reduction of this bucket in one round (grad_sync's late gradients).
-        Waits for the oldest reduction in flight when every pool buffer is busy (``BucketPipe.acquire``)."""
+
+        Returns False, launching nothing, when no pool buffer is free and not ``block``."""
         if not self.trainable:
-            return
+            return True
         part, b, pipe = self.part, self.bucket, self.pipe
         dst = part.shard(part.grad_shard, b)
         direct = pipe.direct(part)
         if direct:  # one rank: the gradients pack straight into the shard (nothing to reduce, no pool buffer)
             base = buf = dst
         else:
-            base = pipe.acquire(part.reduce_dtype, b.numel)
+            base = pipe.acquire(part.reduce_dtype, b.numel, block)
+            if base is None:
+                return False
             buf = base[: b.numel]
         tensors = []
         flags = present.flags[self.pi]
@@ -254,15 +257,13 @@ class BucketPipe:
             dtype = bucket.part.reduce_dtype
             self._pool_cap[dtype] = min(MAX_INFLIGHT, self._pool_cap.get(dtype, 0) + 1)
 
-    def acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def acquire(self, dtype: torch.dtype, numel: int, block: bool) -> torch.Tensor | None:
         """A pool buffer of ``dtype`` holding ``numel`` that no reduction uses.
 
-        At most MAX_INFLIGHT buffers per dtype. When all are in flight, wait for the oldest,
-        also in a hook inside backward: every rank launches its reductions at the same
-        points of the same sequence, so the one waited for was launched by every rank
-        (an earlier point) and completes. A launch put off until a buffer was free
-        instead moved with timing, and two optimizers sharing a group and a backward
-        then interleaved their reductions in different orders on different ranks.
+        At most MAX_INFLIGHT buffers per dtype. When all are in flight, wait for the
+        oldest only if ``block``: a hook inside backward must not, since another rank
+        may need this rank to reach a later collective (stage 3's next gather) before
+        it can launch the reduction this one would wait for.
         """
         pool = self._pool.setdefault(dtype, [])  # least recently used first
         while True:
@@ -280,6 +281,8 @@ class BucketPipe:
                         if landing.buffer is buf:
                             landing.ticket.order_before()
                     return buf
+            if not block and not self.pending[0].handle.done():
+                return None
             self.finish_oldest()
 
     def finish_oldest(self) -> None:

@@ -289,7 +289,7 @@ class ReduceAtStep(GradSync):
                     _check_grad(p, entry, self.names)
             self.present.clear()
             for bucket in self.buckets:
-                bucket.start(self.present, accumulate=False, free_grads=False)
+                bucket.start(self.present, accumulate=False, free_grads=False, block=True)
             for e in self._empty:
                 if e.part.params[e.index].grad is not None:
                     self.present.flags[e.pi][e.index] = True
@@ -374,7 +374,7 @@ class ReduceInBackward(GradSync):
                     self._late_pending.append((p, entry))  # its .grad is taken at the next hook, before any pack
             if not self._late_pending and self.overlap and self._next < len(self.buckets) and \
                     self.buckets[self._next].remaining <= 0:
-                self._start_ready(flush=False)
+                self._start_ready(flush=False)  # (also retried here after a start found no free pool buffer)
             if again:
                 return
         seen[entry.index] = True
@@ -398,7 +398,7 @@ class ReduceInBackward(GradSync):
             if id(p) in late:
                 p.grad = None
         for k in sorted(buckets):
-            buckets[k].start(self.present, accumulate=True, free_grads=False, late=late)
+            buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
         self.state = RoundState.REDUCED
 
     def _take_zero_grads(self, params) -> None:
@@ -452,7 +452,7 @@ class ReduceInBackward(GradSync):
             late, buckets = self._late, self._late_buckets
             self._late, self._late_buckets = {}, {}
             for k in sorted(buckets):
-                buckets[k].start(self.present, accumulate=True, free_grads=False, late=late)
+                buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
         self.state = RoundState.REDUCED
         self._seen.clear()
 
@@ -461,7 +461,9 @@ class ReduceInBackward(GradSync):
             bucket = self.buckets[self._next]
             if not flush and bucket.remaining > 0:
                 return
-            bucket.start(self.present, accumulate=self.state is RoundState.ADDING, free_grads=True)
+            if not bucket.start(self.present, accumulate=self.state is RoundState.ADDING, free_grads=True,
+                                block=flush):
+                return  # no free buffer: the next hook (or the end of backward) starts it
             self._next += 1
             self.pipe.finish_completed()
 
