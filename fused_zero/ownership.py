@@ -48,7 +48,7 @@ def others_on_group(owner, group) -> bool:
     """Record ``owner`` as reducing over process group ``group`` (None: the default group); whether another live,
     open optimizer already does (two optimizers trained by one backward would interleave their reductions on
     it in an order that moves with timing: the later one reduces over a group of its own)."""
-    refs = [r for r in _on_group.get(group, []) if r() is not None and r() is not owner]
-    others = any(not r()._closed for r in refs)
-    _on_group[group] = refs + [weakref.ref(owner)]
-    return others
+    live = [(r, r()) for r in _on_group.get(group, [])]  # (each dereferenced once: a collection may run between)
+    live = [(r, o) for r, o in live if o is not None and o is not owner]
+    _on_group[group] = [r for r, _ in live] + [weakref.ref(owner)]
+    return any(not o._closed for _, o in live)
