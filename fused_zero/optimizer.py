@@ -161,7 +161,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
-        self._refusing = False  # this rank refuses the step in progress (its all-reduce's checksum says so)
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
         if self._rendezvous is not None:
             self._rendezvous.progress = Relay(self._steps_finished)
@@ -548,7 +547,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                              "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
                              "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
                              "and measure it yourself")
-        edited = self._refusal(self._check_layout)  # (step() raises it: it refuses again there)
+        _, edited = self._refusal(self._check_layout)  # (step() raises it: it refuses again there)
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(
                 "clip_grad_norm_() inside optimizer.no_sync(), while gradients still accumulate: it clips the global "
@@ -557,14 +556,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         if self._unhooked:
             self._take_unfrozen()
-        self._refusing = self._prepare_step() is not None or edited is not None
+        _, hand_set = self._refusal(self.grad_sync.prepare_step, (HandSetGrads,))
+        refusing = edited is not None or hand_set is not None
         self._raise_if_disagreed()
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
             previous = self._apply_clip(during_backward=False)
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
-        stats = self._stats(with_norm=True, site="clip_grad_norm_")
+        stats = self._stats(with_norm=True, site="clip_grad_norm_", refusing=refusing)
         total = stats.total_norm(inv_scale)
         if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
             raise RuntimeError(  # torch's words; the same on every rank (the global norm)
@@ -611,15 +611,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 loss = closure()
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
-        edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters
-        hypers, refused = self._read_hypers()
-        refused = edited if edited is not None else refused
+        _, edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters
+        hypers, bad_hyper = self._refusal(lambda: read_hypers(self.partitions, self.param_groups,
+                                                              self.config.adam_w_mode))
+        if bad_hyper is not None:
+            hypers = REFUSED
         # 1. reduce, and take in what user code did to the parameters since the last step
         if self._unhooked:
             self._take_unfrozen()
-        hand_set = self._prepare_step()  # (every rank finishes its reductions, refused or not)
-        refused = refused if refused is not None else hand_set
-        self._refusing = refused is not None
+        _, hand_set = self._refusal(self.grad_sync.prepare_step, (HandSetGrads,))  # (finished, refused or not)
+        refused = next((e for e in (edited, bad_hyper, hand_set) if e is not None), None)
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
         for part in self.partitions:
@@ -640,7 +641,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             stats = self._clip.stats  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
             agreed = self._agreed()  # the next all-reduce checks what the update uses
         else:
-            stats = self._stats(with_norm=need_norm or amp, site="step")
+            stats = self._stats(with_norm=need_norm or amp, site="step", refusing=refused is not None)
             agreed = self._stats_agreed
         grad_scale, skip, clip_coef = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm)
         if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
@@ -678,57 +679,33 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         refuse_unfrozen(self._stage.frozen, self._names)
         self._check_layout()
 
-    def _refusal(self, check) -> Exception | None:
-        """Run ``check`` (no collectives): alone, its error is raised now; among ranks it is returned, and this
-        rank goes through the step's collectives skipped and raises at their end (see ``_read_hypers``), since
-        it may be the only rank that refuses."""
+    def _refusal(self, check, errors=(TypeError, ValueError, RuntimeError, LookupError)):
+        """``(check(), None)``, or ``(None, error)`` for an ``errors`` it raised, which only this rank may have found:
+        ``check`` makes no collective before it raises. Alone the error is raised now. Among ranks this rank goes
+        through the step's collectives with the update skipped and raises at their end, nothing changed; its
+        all-reduce's checksum says it refused, so the other ranks skip the step too and raise at their next
+        step() (as for any disagreement), or at this one where every rank refused alike. Serves a bad
+        hyperparameter (``update.read_hypers``), an edit of the parameters (``_check_edits``) and a .grad set by
+        hand at stages 2-3 (``grad_sync.HandSetGrads``)."""
         try:
-            check()
-        except (TypeError, ValueError, RuntimeError, LookupError) as error:
+            return check(), None
+        except errors as error:
             if self.topology.world_size == 1:
                 raise
-            return error
-        return None
-
-    def _prepare_step(self) -> HandSetGrads | None:
-        """The step's reductions, finished (``GradSync.prepare_step``). A ``.grad`` set by hand at stages 2-3 is
-        found by this rank alone, perhaps on this rank only: alone it raises now; among ranks it is returned, and
-        the rank goes through the step's collectives skipped and raises at their end (as ``_read_hypers``'s
-        refusal); its all-reduce's checksum says it refused, so every other rank skips the step too and raises
-        at its next ``step()``."""
-        try:
-            self.grad_sync.prepare_step()
-        except HandSetGrads as error:
-            if self.topology.world_size == 1:
-                raise
-            self.grad_sync.wait()
-            return error
-        return None
-
-    def _read_hypers(self):
-        """Every partition's hyperparameters for this step, checked (``update.read_hypers``), and the error of a
-        bad one. Alone, it raises now. Among ranks, a rank that raised here would leave the others waiting in
-        the step's collectives: it goes through them with the step skipped and raises at the end of step(),
-        nothing changed; the other ranks' all-reduce finds their hyperparameters differ, so they skip the step
-        too and raise at their next step(), as for any disagreement (or at this one, where every rank holds the
-        same bad value)."""
-        hypers = []
-        error = self._refusal(lambda: hypers.append(read_hypers(self.partitions, self.param_groups,
-                                                                self.config.adam_w_mode)))
-        return (hypers[0], None) if error is None else (REFUSED, error)
+            return None, error
 
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
 
-    def _stats(self, with_norm: bool, site: str) -> StepStats:
+    def _stats(self, with_norm: bool, site: str, refusing: bool) -> StepStats:
         """The one all-reduce of step() (or of clip_grad_norm_, the ``site``). Its checksum covers what
         every rank must agree on now, how it got here, and what the last update used; the verdict stays
         on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
         self._stats_agreed = self._agreed()
         self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
-        check = checksum((self._stats_agreed, with_norm, site, self._last_update, self._refusing),
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing),
                          self.topology.world_size)
         stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check,
                                  self.topology.replicate)
@@ -784,13 +761,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip = None
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
-        if self._reduce_comm is not self.comm:  # (the reductions over a group of their own)
-            for kind, n in self._reduce_comm.traffic().items():
-                self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
-            self._reduce_comm.reset_traffic()
         for kind, n in self.topology.replicate_traffic().items():  # HSDP: what crossed between the replicas, apart
             self._last_traffic[f"replicate_{kind}"] = n
-        for kind, n in self._stage.traffic().items():  # stage 3: this step's gathers (hpZ's inside a node apart)
+        # stage 3: this step's gathers (hpZ's inside a node apart); the reductions over a group of their own
+        own = {} if self._reduce_comm is self.comm else self._reduce_comm.traffic()
+        self._reduce_comm.reset_traffic()
+        for kind, n in (*self._stage.traffic().items(), *own.items()):
             self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
 
 

@@ -90,8 +90,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
     comm = comm_of(optimizer)
 
     def prepare():
-        nonlocal directory
-        directory = _folder(directory, "save")  # (on every rank: DDP scripts pass None on all but rank 0)
+        folder = _folder(directory, "save")  # (on every rank: DDP scripts pass None on all but rank 0)
         view = ModelView(model, optimizer)
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
@@ -104,9 +103,9 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
                 blobs["scheduler"] = to_blob(scheduler.state_dict(), "scheduler", "the scheduler's state_dict()")
             if extra is not None:
                 blobs["extra"] = to_blob(extra, "extra", "extra")
-        return view, name, blobs
+        return view, name, blobs, folder
 
-    (view, name, blobs), tags = agree(comm, prepare, share=lambda r: r[1])
+    (view, name, blobs, directory), tags = agree(comm, prepare, share=lambda r: r[1])
     if len(set(tags)) != 1:
         raise ValueError(f"ranks passed different tags {tags}: pass the same tag (or none) on every rank")
 

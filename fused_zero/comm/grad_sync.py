@@ -489,6 +489,7 @@ class ReduceInBackward(GradSync):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
         if stale:
+            self.wait()  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
             raise HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
                 "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
@@ -499,7 +500,7 @@ class ReduceInBackward(GradSync):
 class HandSetGrads(RuntimeError):
     """Stages 2-3: a ``.grad`` no backward produced (assigned by hand), found before any of the step's collectives.
     It may be on some ranks only: the optimizer then goes through the step skipped and raises at its end
-    (``ShardedOptimizer._prepare_step``), so no rank waits in a collective this one left."""
+    (``ShardedOptimizer._refusal``), so no rank waits in a collective this one left."""
 
 
 def _all_zero(grads: list[torch.Tensor]) -> bool:

@@ -8,6 +8,8 @@ only when a picture is drawn.
 """
 from __future__ import annotations
 
+import os
+
 from . import Plan
 from .memory import aka, find, traffic
 from .report import ROWS, scale, short_count
