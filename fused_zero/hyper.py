@@ -49,24 +49,27 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
                  b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
 
 
-def check_flags(foreach, fused, capturable, differentiable) -> None:
-    """AdamW's implementation flags: fused_zero always runs its own fused update."""
+def check_flags(foreach, fused, capturable, differentiable, optimizer_capturable: bool = False) -> None:
+    """AdamW's implementation flags: fused_zero always runs its own fused update. ``capturable`` (a group's entry)
+    must be the optimizer's own setting, made when it is built (``optimizer_capturable``; step_graph.py)."""
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    if capturable:
-        raise ValueError("capturable=True is not supported: ShardedOptimizer.step() keeps host bookkeeping every "
-                         "step (which parameters got a gradient on any rank, their step counts, the ranks' "
-                         "agreement, traffic counts) that a replayed CUDA graph would skip, and hands lr to its "
-                         "kernels as a number; use capturable=False (the step reads nothing on the host)")
+    if capturable is not None and bool(capturable) != optimizer_capturable:
+        raise ValueError(f"capturable={bool(capturable)} is not supported in a param group of an optimizer built with "
+                         f"capturable={optimizer_capturable}: capturable is the whole optimizer's setting (with True "
+                         "it captures its step's device work as one CUDA graph), made when it is built; build it "
+                         f"with ShardedOptimizer(..., capturable={bool(capturable)}), or leave the group's entry as "
+                         "the optimizer's")
     if differentiable:
         raise ValueError("differentiable=True is not supported: the sharded update runs outside autograd; "
                          "use differentiable=False")
 
 
-def check_group(group: dict) -> None:
-    """A param group's hyperparameters, as added or edited by the user."""
+def check_group(group: dict, capturable: bool = False) -> None:
+    """A param group's hyperparameters, as added or edited by the user (``capturable``: the optimizer's)."""
     group["betas"] = check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
+    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"),
+                capturable)
 
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")  # what a default repr holds

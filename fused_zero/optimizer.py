@@ -20,6 +20,7 @@ import math
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -45,9 +46,18 @@ from .stages import make_stage
 from .state_io import StateAccess
 from .state_views import attach_all
 from .host_read import to_host
-from .stats import StepStats, all_reduce_stats, checksum
+from .stats import StepStats, all_reduce_stats, checksum, reduce_stats, stats_vector
+from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
-from .update import REFUSED, plan_update, read_hypers, update_all
+from .update import REFUSED, Hyper, plan_update, read_hypers, update_all
+
+
+class _Body(NamedTuple):
+    """What step()'s device body hands the host half after it (step_graph.py: a replay hands the captured one)."""
+
+    stats: StepStats
+    clip_coef: torch.Tensor | None  # the clip factor the update applied (stage 1 applies it to the kept .grad)
+    found_inf: dict | None  # the GradScaler state's found_inf_per_device, for scaler.update()
 
 
 class _Unset:
@@ -117,7 +127,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                        ).items() if v is not _UNSET}
         config = ZeroConfig.resolve(config, given)
         betas = check_hyperparameters(lr, betas, eps, weight_decay)
-        check_flags(foreach, fused, capturable, differentiable)
+        check_flags(foreach, fused, capturable, differentiable, bool(capturable))
         if isinstance(params, nn.Module):
             if module is not None and module is not params:
                 raise ValueError("the first argument is a model and module= names another one; pass one model")
@@ -167,12 +177,20 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._last_update = None  # what the last update used: the next stats all-reduce checks it
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
+        self._graph: StepGraph | None = None  # capturable=True: the step's captured device work (step_graph.py)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=config.adam_w_mode if decoupled_weight_decay is None
                         else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        refused = capturable_refusal(bool(capturable), config, None if first is None else first.device)
+        if refused is not None:  # every rank alike (the options agree), before any collective
+            raise ValueError(refused)
         self._build()
+        if capturable:
+            self._graph = StepGraph(lambda: [self.comm] + ([self.topology.replicate] if self.topology.replicate
+                                                           else []))
 
     # -- construction -----------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -183,7 +201,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 raise ValueError("a param group holds the same parameter twice: list each parameter once. "
                                  "(torch.optim warns and keeps both entries, which its state_dict() numbers "
                                  "twice, pytorch issue 36831; a flat buffer holds each parameter once)")
-            check_group(group)
+            check_group(group, bool(self.defaults.get("capturable")))
             for p in group["params"]:
                 self._check_param(p)
             self._check_disjoint()
@@ -258,6 +276,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             gatherer.recover_backward = Relay(self._recover_if_dropped)
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
+        self._on_cuda = any(part.flat.device.type == "cuda" for part in self.partitions)
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
@@ -355,6 +374,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             if self._hooks is not None:
                 self._hooks.remove()
             self._stage.close()  # waits for the update behind the last step first
+            if self._graph is not None:
+                self._graph.close()
             for part in self.partitions:
                 part.close()
             self._closed = True
@@ -594,6 +615,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if torch.compiler.is_compiling():  # torch.compile(opt.step), or a compiled training step: run eagerly
             return _eagerly(type(self).step, self, closure)
         self._check_open()
+        if self._on_cuda:
+            check_not_capturing()
         self._settle_update()
         grad_scaler = calling_scaler(self)
         if not self._habits_checked:  # no hooked gradient seen yet (stage 1 hooks one parameter per bucket)
@@ -613,7 +636,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._scaler_ref = weakref.ref(grad_scaler)
         _, edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters
         hypers, bad_hyper = self._refusal(lambda: read_hypers(self.partitions, self.param_groups,
-                                                              self.config.adam_w_mode))
+                                                              self.config.adam_w_mode, self._graph is not None))
         if bad_hyper is not None:
             hypers = REFUSED
         # 1. reduce, and take in what user code did to the parameters since the last step
@@ -637,24 +660,75 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        if self._clip is not None:  # (a backward since would have applied it: _begin_backward)
-            stats = self._clip.stats  # clip_grad_norm_'s all-reduce serves this step (it has the norm)
-            agreed = self._agreed()  # the next all-reduce checks what the update uses
+        clip, vector, all_present = self._clip, None, False
+        if clip is not None:  # (a backward since would have applied it: _begin_backward)
+            agreed = self._agreed()  # clip_grad_norm_'s all-reduce serves this step; the next one checks this
         else:
-            stats = self._stats(with_norm=need_norm or amp, site="step", refusing=refused is not None)
-            agreed = self._stats_agreed
-        grad_scale, skip, clip_coef = update_scalars(stats, scaler, self._clip, self.config.max_grad_norm)
-        if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
-            skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
+            agreed = self._stats_agreed = self._agreed()
+            self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
+            flags = self.grad_sync.present.flat()
+            all_present = all(flags)
+            check = checksum((agreed, need_norm or amp, "step", self._last_update, refused is not None),
+                             self.topology.world_size)
+            vector = stats_vector(self.partitions, flags, check)
+        key = None
+        if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
+            if hypers is not REFUSED:
+                hypers = [self._graph_hyper(h, part.group_index) for h, part in zip(hypers, self.partitions)]
+            if clip is None and refused is None and all_present:
+                key = self._graph_key(need_norm or amp, scaler, hypers)
+            if key is not None:
+                vector = self._graph.static("stats", vector)
+                scaler = ScalerInputs(*(self._graph.static(name, t) if isinstance(t, torch.Tensor) else t
+                                        for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
+
+        def body() -> _Body:
+            """The step's device work: the stats all-reduce, the factors and the verdict, the update, the gather."""
+            stats = clip.stats if clip is not None else reduce_stats(
+                self.comm, self.partitions, vector, all_present, need_norm or amp, self.topology.replicate)
+            grad_scale, skip, clip_coef = update_scalars(stats, scaler, clip, self.config.max_grad_norm)
+            if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
+                skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
+            # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
+            self._update(stats.has_grad, grad_scale, skip, hypers)
+            return _Body(stats, clip_coef, None if scaler.state is None else scaler.state["found_inf_per_device"])
+
+        out = body() if key is None else self._graph.run(key, body)
+        if clip is None:
+            self._verdicts.post(out.stats.disagree)
+        if out.found_inf is not None:  # what scaler.update() reads (a replay's scaler state is a new dict)
+            scaler.state["found_inf_per_device"] = out.found_inf
+        if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
+            for part in self.partitions:
+                part.mark_synced()
         self._last_update = agreed
-        # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
-        self._update(stats.has_grad, grad_scale, skip, hypers)
-        if clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
-            self.grad_sync.clip_kept_grads(clip_coef)
+        if out.clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
+            self.grad_sync.clip_kept_grads(out.clip_coef)
         self._end_step()
         if refused is not None:
             raise refused
         return loss
+
+    def _graph_hyper(self, hyper: Hyper, group_index: int) -> Hyper:
+        """capturable: the group's lr in a static device tensor (a number would be baked into the graph)."""
+        lr = hyper.values["lr"]
+        if isinstance(lr, torch.Tensor):
+            return hyper
+        device = self.partitions[0].grad_shard.device
+        return hyper._replace(values={**hyper.values, "lr": self._graph.lr(("lr", group_index), lr, device)})
+
+    def _graph_key(self, with_norm: bool, scaler: ScalerInputs, hypers) -> tuple | None:
+        """Every host decision the step's body makes, or None where one must be made afresh (a count or a state
+        that user code set, a new state): equal keys, equal device work (step_graph.py)."""
+        counts = []
+        for part in self.partitions:
+            steady = None if part.step_counts is None else part.step_counts.steady(self.state, part)
+            if steady is None:
+                return None
+            counts.append(steady)
+        return (tuple(map(id, self.partitions)), with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None,
+                tuple((tuple((k, v) for k, v in h.values.items() if k != "lr"), h.amsgrad) for h in hypers),
+                tuple(counts))
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
@@ -743,7 +817,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
             agree = self.topology.agree if fallible and self.topology.world_size > 1 else None
             with label(UPDATE):
-                update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers, agree)
+                update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers, agree,
+                           read_skip=self._graph is None)
             self._stage.after_update(self.partitions, has_grad)
             return
         with label(UPDATE):

@@ -260,6 +260,18 @@ class StepCounts:
         self._version = self.flat._version
         return active
 
+    def steady(self, state: dict, part) -> tuple | None:
+        """The classes of the counts (``keys``) where the next ``advance`` of every parameter decides nothing anew
+        on the host (each has its state and its count view, nothing was written by user code since); else None.
+        What a captured step relies on (step_graph.py)."""
+        if self.flat._version != self._version or part.state_edited[0]:
+            return None
+        for p, view in zip(part.params, self.views):
+            s = state.get(p)
+            if s is None or s.get("step") is not view:
+                return None
+        return tuple(self.keys)
+
     def rollback(self) -> None:
         """Undo the last advance (a failed update)."""
         if self._before is not None:

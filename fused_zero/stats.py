@@ -61,12 +61,25 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm
     """``replicate`` (HSDP): the replicas of this rank's shard. The norm sums the shards inside ``comm``; the
     flags, the non-finite count and the checksum span the replicas too (a second all-reduce, without the norm)."""
     flags = present.flat()  # a grad_sync.Presence: per partition, per parameter
+    return reduce_stats(comm, partitions, stats_vector(partitions, flags, check), all(flags), with_norm, replicate)
+
+
+def stats_vector(partitions: list[Partition], flags: list[bool], check: tuple[int, int]) -> torch.Tensor:
+    """The all-reduce's input on the device: the norm's two slots, the checksum, the has-grad flags (``flags``:
+    per partition, per parameter). Built on the host and sent in one copy that does not wait (page-locked on
+    CUDA)."""
     device = partitions[0].flat.device if partitions else torch.device("cpu")
     c1, c2 = check
-    # built on the host and sent in one copy that does not wait (page-locked on CUDA)
     host = torch.tensor([0.0, 0.0, c1, c1 * c1, c2, c2 * c2, *flags], dtype=torch.float32,
                         pin_memory=device.type == "cuda")
-    stats = host.to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
+def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, all_present: bool, with_norm: bool,
+                 replicate: Comm | None = None) -> StepStats:
+    """The all-reduce of ``stats_vector``'s ``stats`` (in place), and what step() learns from it. Device work only,
+    except where this rank saw some parameter without a gradient (``all_present`` False): it reads the flags."""
+    device = stats.device
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])
         stats[0], stats[1] = norm.sq_sum.to(device), norm.nonfinite.to(device)  # offloaded: the shards are on the host
@@ -79,7 +92,7 @@ def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm
     if n > 1:  # exact in float64: the sums are exact in fp32 by construction, their squares are not
         c = stats[2:HEAD].double()
         disagree = ((c[1] * n != c[0] * c[0]) | (c[3] * n != c[2] * c[2])).float()
-    if all(flags):  # this rank saw every gradient, so every rank's sum is positive: nothing to read
+    if all_present:  # this rank saw every gradient, so every rank's sum is positive: nothing to read
         has_grad = tuple((True,) * len(part.params) for part in partitions)
     else:
         host = to_host(stats[HEAD:], "has-grad flags")

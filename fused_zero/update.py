@@ -57,13 +57,14 @@ class UpdatePlan(NamedTuple):
 
 
 def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
-               grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers, agree=None) -> None:
+               grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers, agree=None,
+               read_skip: bool = True) -> None:
     """Plan, run and commit the whole update here, now (a failure rolls every partition back and raises).
 
     ``agree`` (``Topology.agree``, where a store can fail: NVMe): the ranks agree on whether every rank's update
     succeeded before any commits, so a full disk on one rank rolls the step back on all and raises on all (the
     failing rank its OSError), instead of leaving the others a step ahead or waiting in the gather."""
-    plan = plan_update(partitions, state, has_grad, grad_scale, skip, hypers)
+    plan = plan_update(partitions, state, has_grad, grad_scale, skip, hypers, read_skip)
 
     def run() -> None:
         for job in plan.jobs:
@@ -80,14 +81,16 @@ def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[b
 
 
 def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
-                grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers) -> UpdatePlan:
+                grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers, read_skip: bool = True) -> UpdatePlan:
     """Advance the step counts (in one op per partition, on the device) and decide each partition's job.
 
     Runs where the optimizer's Python state lives (the caller's thread): it creates states; ``run_job``
     then touches only the partition's shards. All or nothing: if it raises midway, the counts it advanced
     are rolled back first. ``hypers``: each partition's ``read_hypers`` of this step (read by the caller
     before the step's collectives), or ``REFUSED`` for a step this rank refuses (a bad hyperparameter):
-    ``skip`` must then be set, so the jobs keep their shape on every rank and change nothing."""
+    ``skip`` must then be set, so the jobs keep their shape on every rank and change nothing. ``read_skip``
+    False: an update on the host takes ``skip`` as the kernel's ``found_inf`` too, unread (a captured step's,
+    step_graph.py: its CPU twin in the tests)."""
     advanced: list[StepCounts] = []
     jobs = []
     host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
@@ -97,7 +100,7 @@ def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[
         hypers = [_PLACEHOLDER] * len(partitions)
     try:
         for part, flags, hyper in zip(partitions, has_grad, hypers):
-            job = _plan_partition(part, hyper, state, flags, grad_scale, skip, advanced, host)
+            job = _plan_partition(part, hyper, state, flags, grad_scale, skip, advanced, host, read_skip)
             if job is not None:
                 jobs.append(job)
     except BaseException:
@@ -106,7 +109,8 @@ def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[
     return UpdatePlan(jobs, advanced)
 
 
-def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bool) -> list[Hyper]:
+def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bool,
+                capturable: bool = False) -> list[Hyper]:
     """Each partition's hyperparameters for this step, read from its group and checked (``ops.check_hyper``:
     ValueError naming the value; amsgrad turned on after building: RuntimeError). Once per group and
     device a step, before the step's collectives (the optimizer calls it first, so a rank alone with a bad
@@ -118,7 +122,7 @@ def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bo
         device = part.grad_shard.device  # where the update runs
         key = (part.group_index, device)
         if key not in seen:
-            seen[key] = _read_hyper(groups[part.group_index], adam_w_mode, device, part.group_index)
+            seen[key] = _read_hyper(groups[part.group_index], adam_w_mode, device, part.group_index, capturable)
         if seen[key].amsgrad and part.store.kinds[-1] != AMSGRAD_KIND:
             raise RuntimeError(f"param group {part.group_index} turned amsgrad on after the optimizer was "
                                "built; amsgrad needs its max_exp_avg_sq state from the first step: build "
@@ -134,9 +138,10 @@ class Hyper(NamedTuple):
     amsgrad: bool
 
 
-def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int) -> Hyper:
+def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int, capturable: bool) -> Hyper:
     # flags set in the group after building (add_param_group and the constructor check them there)
-    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"))
+    check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"),
+                capturable)
     betas = _entry(group, "betas", index)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"param group {index}'s betas must be a pair (beta1, beta2), got {betas!r}")
@@ -176,11 +181,11 @@ _PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.
 
 
 def _plan_partition(part: Partition, hyper: Hyper, state: dict, flags: tuple[bool, ...], grad_scale, skip,
-                    advanced: list, host: dict) -> PartitionJob | None:
+                    advanced: list, host: dict, read_skip: bool) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
     if part.step_counts is None:
         part.step_counts = StepCounts(len(part.params), device)
-    on_host = device.type == "cpu"
+    on_host = device.type == "cpu" and read_skip
     if skip is not None:
         skip = _where_it_runs(skip, device, host, "offload: the host update's skip verdict")
     active = part.step_counts.advance(state, part, flags, skip)  # in one op, on the device

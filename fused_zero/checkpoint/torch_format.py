@@ -134,9 +134,12 @@ def _takes(key: str, group: Mapping) -> bool:
     torch.optim.AdamW keeps decoupled_weight_decay=True whatever it loads (its ``__setstate__`` forces it): an
     AdamW group stays AdamW, also when a torch.optim.Adam state dict is loaded; an Adam group (built with
     decoupled_weight_decay=False) takes the saved value, as torch.optim.Adam does. The other flags of how torch
-    runs are taken where the group holds them (torch takes every saved key)."""
+    runs are taken where the group holds them (torch takes every saved key), except ``capturable``: whether the
+    step replays as a CUDA graph is the optimizer's own setting (step_graph.py)."""
     if key == "decoupled_weight_decay":
         return group.get(key) is False
+    if key == "capturable":  # how this optimizer runs (a CUDA graph or not), set when it was built: kept
+        return False
     return key not in TORCH_ONLY or key in group
 
 

@@ -19,6 +19,11 @@ class TrafficCount:
     def reset_traffic(self) -> None:
         self._traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
 
+    def add_traffic(self, counted: dict[str, int]) -> None:
+        """Add bytes counted elsewhere (a replayed CUDA graph's collectives, counted when it was captured)."""
+        for kind, n in counted.items():
+            self._traffic[kind] = self._traffic.get(kind, 0) + n
+
     def _count(self, kind: str, t: torch.Tensor, times: int = 1) -> None:
         """Volume as the ZeRO paper counts it: a reduce-scatter its input, an all-gather its output, an all-reduce
         twice its tensor (a reduce-scatter and an all-gather: 2Ψ); a codec's exchanges under kinds of their own."""

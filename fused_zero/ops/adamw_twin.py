@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
 
@@ -33,7 +34,8 @@ def _scalars(step, lr, beta1, beta2, weight_decay, device):
 
 
 def _f32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()  # host tensor
+    """``x`` rounded to fp32 (to nearest even), on the host without a tensor (so no op a graph would record)."""
+    return float(numpy.float32(x))
 
 
 def _sqrt_rn(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

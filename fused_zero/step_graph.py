@@ -1,0 +1,149 @@
+"""``capturable=True``: step()'s device work captured once as a CUDA graph and replayed, as Megatron's optimizer graph.
+
+A step splits in three (optimizer.py): the host half before (checks, the gradient reductions' waits, the
+hyperparameters read, the stats vector built and sent), the device body (the stats all-reduce, the clip and
+GradScaler factors, the step counts' advance, the fused AdamW update of every partition, the all-gather of
+the updated buckets) and the host half after (the verdict posted, the scaler told, the traffic counted).
+Only the body is captured. It is a function of tensors that stay where they are between steps (the flat
+buffers, the gradient shards, the states, the step counts) and of this module's static inputs, which the
+host half refills before each replay without waiting for the device: the stats vector, the GradScaler's
+inverse scale and ``found_inf``, each group's lr (so a schedule is followed; the other hyperparameters are
+in the key).
+
+The body's host decisions (which parameters got a gradient, which step counts are equal, which options and
+hyperparameters apply, whether a clip or a scaler came) make the step's ``key``. ``StepGraph.run`` runs the
+body eagerly until the same key has come ``warmup`` steps in a row, then captures it and replays it while the
+key holds; any other key runs eagerly (a first step creating states, a step after ``clip_grad_norm_``, a rank
+that saw no gradient for some parameter, a refused step) and the graph is captured again once the new key has
+held ``warmup`` steps. A replay does what the eager body does, bit for bit (tests/test_step_graph.py checks it
+on CPU with ``tests/_graph_twin.py``, a replay of the recorded ops that stands in for the CUDA graph there).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+#: eager steps with one key before that key's body is captured (the kernels compiled, NCCL's communicators
+#: made, the allocator warm)
+WARMUP = 2
+
+#: what makes a graph: ``new_graph()`` returns an object with ``capture()`` (a context manager: the body runs
+#: once inside it, recorded, not executed on the device) and ``replay()``. CUDA graphs; the tests swap in
+#: ``tests/_graph_twin.py`` on CPU, and set ``on_cpu``
+new_graph: Callable[[], Any] | None = None
+on_cpu = False
+
+
+class _CudaGraph:
+    """torch.cuda.CUDAGraph with the capture as a context manager (torch.cuda.graph: its own stream and pool)."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    @contextmanager
+    def capture(self):
+        with torch.cuda.graph(self.graph):
+            yield
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def refusal(capturable: bool, config, device: torch.device | None) -> str | None:
+    """Why ``capturable=True`` cannot be served with these options (None: it can, or it is off)."""
+    if not capturable:
+        return None
+    if device is not None and device.type != "cuda" and not on_cpu:
+        return (f"capturable=True replays step() as a CUDA graph and needs the parameters on a CUDA device (they "
+                f"are on {device.type}), as torch's capturable optimizers do; use capturable=False (the step "
+                "reads nothing on the host either way)")
+    if config.stage == 3:
+        return ("capturable=True serves stages 1 and 2: stage 3's step releases every unit's gathered parameters "
+                "on the host; use stage=2, or capturable=False")
+    for option in ("offload_optimizer", "offload_params"):
+        if getattr(config, option) is not None:
+            return (f"capturable=True cannot serve {option}={getattr(config, option)!r}: the update runs on the "
+                    "host, outside any CUDA graph; use capturable=False")
+    if config.update_behind:
+        return "capturable=True cannot serve update_behind=True (the update runs on the host); drop one"
+    return None
+
+
+def check_not_capturing() -> None:
+    """A step() inside the user's own CUDA graph capture: refused (its host bookkeeping would not replay)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("ShardedOptimizer.step() cannot be captured in your own CUDA graph: it keeps host "
+                           "bookkeeping every step that a replay would skip. Build it with capturable=True: it "
+                           "captures its own step's device work after warm-up steps and replays it, with the "
+                           "host bookkeeping around each replay")
+
+
+class StepGraph:
+    """The captured body of step() for one key, its static inputs, and what a replay must redo on the host."""
+
+    def __init__(self, traffic_comms: Callable[[], list]) -> None:
+        self._traffic_comms = traffic_comms  # the communicators the body's collectives count on
+        self._key = None
+        self._seen = 0  # steps in a row with self._key
+        self._graph = None
+        self._result = None  # what the captured body returned (its tensors are the graph's outputs)
+        self._traffic: list[dict] = []  # bytes the captured body counted, per communicator: added per replay
+        self._static: dict = {}
+        self.captures = 0  # graphs captured so far
+        self.replays = 0
+
+    # -- static inputs: refilled before every step (eager ones too, so both read the same values) ---------------
+    def static(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` copied into the static tensor ``name`` (made on first use, like ``value``); no host wait."""
+        t = self._static.get(name)
+        if t is None or t.shape != value.shape or t.dtype != value.dtype or t.device != value.device:
+            t = self._static[name] = torch.empty_like(value)
+            self._drop()  # a new static tensor: a graph reading the old one is stale
+        t.copy_(value, non_blocking=True)
+        return t
+
+    def lr(self, name: str, value: float, device: torch.device) -> torch.Tensor:
+        """Group ``name``'s lr as a 0-d fp32 tensor on ``device`` (a Python number would be baked into a graph)."""
+        t = self._static.get(name)
+        if t is None:
+            t = self._static[name] = torch.zeros((), dtype=torch.float32, device=device)
+        t.fill_(value)
+        return t
+
+    # -- the body --------------------------------------------------------------------------------------------
+    def run(self, key, body: Callable[[], Any]):
+        """``body()``'s result: run eagerly, captured (then replayed once: a capture runs nothing), or replayed."""
+        if key != self._key:
+            self._drop()
+            self._key, self._seen = key, 0
+        self._seen += 1
+        if self._graph is not None:
+            self._graph.replay()
+            for comm, counted in zip(self._traffic_comms(), self._traffic):
+                comm.add_traffic(counted)
+            self.replays += 1
+            return self._result
+        if self._seen <= WARMUP:
+            return body()
+        graph = (new_graph or _CudaGraph)()
+        comms = self._traffic_comms()
+        before = [comm.traffic() for comm in comms]
+        with graph.capture():
+            result = body()
+        self._traffic = [{k: v - b.get(k, 0) for k, v in comm.traffic().items()} for comm, b in zip(comms, before)]
+        for comm, b in zip(comms, before):  # a capture moves nothing: the replay below counts
+            comm.reset_traffic()
+            comm.add_traffic(b)
+        self._graph, self._result = graph, result
+        self.captures += 1
+        return self.run(key, body)
+
+    def _drop(self) -> None:
+        self._graph = self._result = None
+        self._traffic = []
+
+    def close(self) -> None:
+        self._drop()
+        self._static.clear()
