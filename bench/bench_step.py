@@ -256,19 +256,20 @@ GPU_BATCH = 8
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.benchmark(group="step-cuda-world1")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["torch_fused_adamw", "sharded"])
+@pytest.mark.parametrize("variant", ["torch_fused_adamw", "sharded", "sharded_capturable"])
 def test_step_cuda_world1(benchmark, variant, dtype):
     """One process, no process group: torch AdamW(fused=True) against ShardedOptimizer (its
-    fused Triton step). fp32 params run the forward under bf16 autocast (AMP); bf16 params run
+    fused Triton step), and with capturable=True (step()'s device work replayed as one CUDA graph
+    after two warm-up steps). fp32 params run the forward under bf16 autocast (AMP); bf16 params run
     in bf16, where torch updates bf16 in place while ShardedOptimizer keeps an fp32 master, so
     it does more work: fp32 is the like-for-like pair. extra_info adds opt.step() alone (CUDA
     events)."""
-    if variant == "sharded" and ShardedOptimizer is None:
+    if variant.startswith("sharded") and ShardedOptimizer is None:
         pytest.skip(f"fused_zero.ShardedOptimizer unavailable: {_IMPORT_ERROR}")
     dev = torch.device("cuda")
     model = GPT(GPU_CFG, seed=0).to(dev, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    if variant == "sharded":
-        opt = ShardedOptimizer(model.parameters(), stage=2, **HPARAMS)
+    if variant.startswith("sharded"):
+        opt = ShardedOptimizer(model.parameters(), stage=2, capturable=variant == "sharded_capturable", **HPARAMS)
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **HPARAMS)
     x, y = synthetic_batch(GPU_CFG, GPU_BATCH, step=0, device=dev)

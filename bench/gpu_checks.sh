@@ -43,10 +43,11 @@ python -c "import fused_zero.kernels, fused_zero; print('fused_zero from', fused
 
 if [ -z "${FUSED_ZERO_GPU_CAPACITY_ONLY:-}" ]; then  # parts 1-4 (FUSED_ZERO_GPU_CAPACITY_ONLY=1: the search alone)
 # 1. The tests with CUDA paths (kernels against their twins, the sync-free step under
-#    set_sync_debug_mode("error"), offload's CUDA paths, the transfers), then the GPU acceptance benches.
+#    set_sync_debug_mode("error"), offload's CUDA paths, the transfers, capturable=True's CUDA graph),
+#    then the GPU acceptance benches.
 box 180 "$OUT/cuda_tests.log" python -m pytest -q -p no:cacheprovider tests/test_offload_cuda.py \
     tests/test_transfer.py tests/test_host_reads.py tests/test_quant.py tests/test_pack.py tests/test_cast.py \
-    tests/test_norm.py tests/test_adamw.py tests/test_habits_contract.py
+    tests/test_norm.py tests/test_adamw.py tests/test_habits_contract.py tests/test_step_graph_cuda.py
 # 2. Kernels (GB/s and % of measured copy bandwidth) and the whole step against torch's fused AdamW.
 box 170 "$OUT/bench.log" python -m pytest -q -p no:cacheprovider bench/bench_pack.py bench/bench_quant.py \
     bench/bench_adamw.py bench/bench_step.py -k "cuda or pack or quant or adamw" --benchmark-only \

@@ -46,7 +46,7 @@ from .stages import make_stage
 from .state_io import StateAccess
 from .state_views import attach_all
 from .host_read import to_host
-from .stats import StepStats, all_reduce_stats, checksum, reduce_stats, stats_vector
+from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
 from .update import REFUSED, Hyper, plan_update, read_hypers, update_all
@@ -266,6 +266,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self.grad_sync.wait()
         if self._hooks is not None:
             self._hooks.remove()
+        if self._graph is not None:  # a rebuild (add_param_group): new partitions, a graph over the old ones is stale
+            self._graph.close()
         self.partitions, positions = self._stage.build(self.param_groups, self._names, self.module, self._units,
                                                        Relay(self._begin_backward), self.partitions,
                                                        Relay(self._first_forward))
@@ -664,13 +666,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if clip is not None:  # (a backward since would have applied it: _begin_backward)
             agreed = self._agreed()  # clip_grad_norm_'s all-reduce serves this step; the next one checks this
         else:
-            agreed = self._stats_agreed = self._agreed()
-            self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
-            flags = self.grad_sync.present.flat()
-            all_present = all(flags)
-            check = checksum((agreed, need_norm or amp, "step", self._last_update, refused is not None),
-                             self.topology.world_size)
-            vector = stats_vector(self.partitions, flags, check)
+            vector, all_present = self._stats_input(need_norm or amp, "step", refused is not None)
+            agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
             if hypers is not REFUSED:
@@ -726,9 +723,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             if steady is None:
                 return None
             counts.append(steady)
-        return (tuple(map(id, self.partitions)), with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None,
-                tuple((tuple((k, v) for k, v in h.values.items() if k != "lr"), h.amsgrad) for h in hypers),
-                tuple(counts))
+        def value(v):  # a tensor (lr: the static one, or the user's) by where it lives: a graph reads it there
+            return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
+        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None,
+                tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
@@ -774,17 +772,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
 
     def _stats(self, with_norm: bool, site: str, refusing: bool) -> StepStats:
-        """The one all-reduce of step() (or of clip_grad_norm_, the ``site``). Its checksum covers what
-        every rank must agree on now, how it got here, and what the last update used; the verdict stays
-        on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
-        self._stats_agreed = self._agreed()
-        self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
-        check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing),
-                         self.topology.world_size)
-        stats = all_reduce_stats(self.comm, self.partitions, self.grad_sync.present, with_norm, check,
-                                 self.topology.replicate)
+        """The one all-reduce of clip_grad_norm_ (step() runs its two halves apart: its device body may be a
+        replayed graph). The verdict stays on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
+        vector, all_present = self._stats_input(with_norm, site, refusing)
+        stats = reduce_stats(self.comm, self.partitions, vector, all_present, with_norm, self.topology.replicate)
         self._verdicts.post(stats.disagree)
         return stats
+
+    def _stats_input(self, with_norm: bool, site: str, refusing: bool) -> tuple[torch.Tensor, bool]:
+        """The stats all-reduce's input on the device, sent without a wait, and whether this rank saw a gradient
+        for every parameter. Its checksum covers what every rank must agree on now (``_stats_agreed``), how it got
+        here (``site``: step or clip_grad_norm_; ``refusing``: this rank refuses the step), and what the last
+        update used."""
+        self._stats_agreed = self._agreed()
+        self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
+        flags = self.grad_sync.present.flat()
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing),
+                         self.topology.world_size)
+        return stats_vector(self.partitions, flags, check), all(flags)
 
     def _raise_if_disagreed(self, every: bool = False) -> None:
         """Raise on every rank if a step's all-reduce found the ranks disagreeing (``every``: also the step in

@@ -56,14 +56,6 @@ def checksum(value, world_size: int) -> tuple[int, int]:
     return h & mask, (h >> 16) & mask
 
 
-def all_reduce_stats(comm: Comm, partitions: list[Partition], present, with_norm: bool,
-                     check: tuple[int, int], replicate: Comm | None = None) -> StepStats:
-    """``replicate`` (HSDP): the replicas of this rank's shard. The norm sums the shards inside ``comm``; the
-    flags, the non-finite count and the checksum span the replicas too (a second all-reduce, without the norm)."""
-    flags = present.flat()  # a grad_sync.Presence: per partition, per parameter
-    return reduce_stats(comm, partitions, stats_vector(partitions, flags, check), all(flags), with_norm, replicate)
-
-
 def stats_vector(partitions: list[Partition], flags: list[bool], check: tuple[int, int]) -> torch.Tensor:
     """The all-reduce's input on the device: the norm's two slots, the checksum, the has-grad flags (``flags``:
     per partition, per parameter). Built on the host and sent in one copy that does not wait (page-locked on
@@ -78,7 +70,9 @@ def stats_vector(partitions: list[Partition], flags: list[bool], check: tuple[in
 def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, all_present: bool, with_norm: bool,
                  replicate: Comm | None = None) -> StepStats:
     """The all-reduce of ``stats_vector``'s ``stats`` (in place), and what step() learns from it. Device work only,
-    except where this rank saw some parameter without a gradient (``all_present`` False): it reads the flags."""
+    except where this rank saw some parameter without a gradient (``all_present`` False): it reads the flags.
+    ``replicate`` (HSDP): the replicas of this rank's shard. The norm sums the shards inside ``comm``; the flags,
+    the non-finite count and the checksum span the replicas too (a second all-reduce, without the norm)."""
     device = stats.device
     if with_norm and partitions:
         norm = ops.norm_stats_many([part.grad_shard for part in partitions])

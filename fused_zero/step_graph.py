@@ -44,7 +44,8 @@ class _CudaGraph:
 
     @contextmanager
     def capture(self):
-        with torch.cuda.graph(self.graph):
+        # thread_local: a process group's watchdog thread may query events meanwhile (NCCL), which "global" refuses
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             yield
 
     def replay(self) -> None:
@@ -114,36 +115,41 @@ class StepGraph:
 
     # -- the body --------------------------------------------------------------------------------------------
     def run(self, key, body: Callable[[], Any]):
-        """``body()``'s result: run eagerly, captured (then replayed once: a capture runs nothing), or replayed."""
+        """``body()``'s result: run eagerly (``WARMUP`` steps in a row with this key), or captured and replayed."""
         if key != self._key:
             self._drop()
             self._key, self._seen = key, 0
         self._seen += 1
-        if self._graph is not None:
-            self._graph.replay()
-            for comm, counted in zip(self._traffic_comms(), self._traffic):
-                comm.add_traffic(counted)
-            self.replays += 1
-            return self._result
-        if self._seen <= WARMUP:
-            return body()
+        if self._graph is None:
+            if self._seen <= WARMUP:
+                return body()
+            self._capture(body)
+        self._graph.replay()  # (right after a capture too: a capture runs nothing)
+        for comm, counted in zip(self._traffic_comms(), self._traffic):
+            comm.add_traffic(counted)
+        self.replays += 1
+        return self._result
+
+    def _capture(self, body: Callable[[], Any]) -> None:
+        """Record ``body`` as a graph; the bytes its collectives counted meanwhile are counted per replay instead."""
         graph = (new_graph or _CudaGraph)()
         comms = self._traffic_comms()
         before = [comm.traffic() for comm in comms]
         with graph.capture():
             result = body()
         self._traffic = [{k: v - b.get(k, 0) for k, v in comm.traffic().items()} for comm, b in zip(comms, before)]
-        for comm, b in zip(comms, before):  # a capture moves nothing: the replay below counts
+        for comm, b in zip(comms, before):
             comm.reset_traffic()
             comm.add_traffic(b)
         self._graph, self._result = graph, result
         self.captures += 1
-        return self.run(key, body)
 
     def _drop(self) -> None:
         self._graph = self._result = None
         self._traffic = []
 
     def close(self) -> None:
+        """Forget the graph, its key and the static inputs (a rebuild: the partitions are new)."""
         self._drop()
+        self._key, self._seen = None, 0
         self._static.clear()

@@ -154,6 +154,33 @@ def _new_key_mid_run(rank, world_size):
     return out
 
 
+def _group_added_mid_run(rank, world_size, stage):
+    from fused_zero import ShardedOptimizer
+
+    out = []
+    for capture in (False, True):
+        _setup(capture)
+        torch.manual_seed(7)
+        model, extra = PlainNet(), torch.nn.Linear(16, 16)
+        opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, capturable=True)
+        for step in range(12):
+            if step == 6:
+                opt.add_param_group({"params": extra.parameters(), "lr": 3e-3})  # new partitions: a new graph
+            opt.zero_grad()
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            model(extra(x) if step >= 6 else x).square().mean().backward()
+            opt.step()
+        out.append(([p.detach().clone() for p in [*model.parameters(), *extra.parameters()]], opt._graph.captures))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_param_group_added_mid_run_is_captured_again(stage):
+    for (eager, _), (replayed, captures) in run_ranks(_group_added_mid_run, 2, stage, timeout=200):
+        assert all(torch.equal(p, q) for p, q in zip(eager, replayed))
+        assert captures == 2
+
+
 def test_a_changed_hyperparameter_is_captured_again():
     (eager, _, _), (replayed, captures, replays) = _new_key_mid_run(0, 1)
     assert all(torch.equal(p, q) for p, q in zip(eager, replayed))

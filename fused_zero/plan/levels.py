@@ -69,7 +69,7 @@ def _comm(detail: dict, hpz: bool = False) -> dict:
 
 def _replicated(count: ModelCount, job: Job, stage: int, replicas: int) -> dict:
     """HSDP's all-reduce over the replicas: each reduced bucket's shard (grad_buckets.GradBucket.finish), and the
-    step's stats without the norm (stats.all_reduce_stats). With qgZ the shards go in two exchanges (codec.TwoPhase):
+    step's stats without the norm (stats.reduce_stats). With qgZ the shards go in two exchanges (codec.TwoPhase):
     an all-to-all of ``replicas`` slices of ceil(shard / replicas) elements, then an all-gather of the summed slices,
     each ``replicas`` payloads of a slice, under "replicate_all_reduce_int8" (or _int4)."""
     shards = [(BYTES[job.reduce_dtype or part.dtype], part.layout.buckets[k].shard_numel)
