@@ -10,7 +10,7 @@ already on the host) are not device reads: they stay plain ``.item()``/``.tolist
 What a training step reads (tests/test_host_reads.py counts it): nothing, at every stage, with
 clipping, a GradScaler and accumulation. The verdicts stay on the device (the update kernel skips
 on them; the ranks' checksum verdict reaches the host asynchronously, deferred.py). One read by
-design: a rank that saw some parameter without a gradient in a step reads the has-grad flags
+design: a rank among several that saw some parameter without a gradient in a step reads the has-grad flags
 ("has-grad flags"), and a step that would give a parameter its first state reads the skip verdict
 ("verdict before new states": a skipped step creates no state, as in torch). Offload reads where
 the host update runs: the skip flag and the gradient scale ("offload: ..."), each once per

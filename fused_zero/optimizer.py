@@ -28,7 +28,7 @@ from torch import nn
 from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler,
                   update_scalars)
 from .checkpoint.save_load import ShardOwner
-from .comm.collectives import Comm, default_world_size
+from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology
 from .config import ZeroConfig
@@ -178,13 +178,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         self._graph: StepGraph | None = None  # capturable=True: the step's captured device work (step_graph.py)
+        self._missing_streak = 0  # capturable among ranks: steps in a row this rank missed a gradient
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=config.adam_w_mode if decoupled_weight_decay is None
                         else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        refused = capturable_refusal(bool(capturable), config, None if first is None else first.device)
+        refused = capturable_refusal(bool(capturable), config, None if first is None else first.device,
+                                     self.topology.world_size > 1 and collectives_checked_on_host())
         if refused is not None:  # every rank alike (the options agree), before any collective
             raise ValueError(refused)
         self._build()
@@ -662,18 +664,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 warnings.warn(found[0], UserWarning, stacklevel=found[1])
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
-        clip, vector, all_present = self._clip, None, False
+        clip, vector, flags = self._clip, None, ()
         if clip is not None:  # (a backward since would have applied it: _begin_backward)
             agreed = self._agreed()  # clip_grad_norm_'s all-reduce serves this step; the next one checks this
         else:
-            vector, all_present = self._stats_input(need_norm or amp, "step", refused is not None)
+            vector, flags = self._stats_input(need_norm or amp, "step", refused is not None)
             agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
             if hypers is not REFUSED:
                 hypers = [self._graph_hyper(h, part.group_index) for h, part in zip(hypers, self.partitions)]
-            if clip is None and refused is None and all_present:
-                key = self._graph_key(need_norm or amp, scaler, hypers)
+            if clip is None and refused is None:
+                key = self._graph_key(need_norm or amp, scaler, hypers, flags)
             if key is not None:
                 vector = self._graph.static("stats", vector)
                 scaler = ScalerInputs(*(self._graph.static(name, t) if isinstance(t, torch.Tensor) else t
@@ -682,7 +684,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         def body() -> _Body:
             """The step's device work: the stats all-reduce, the factors and the verdict, the update, the gather."""
             stats = clip.stats if clip is not None else reduce_stats(
-                self.comm, self.partitions, vector, all_present, need_norm or amp, self.topology.replicate)
+                self.comm, self.partitions, vector, flags, need_norm or amp, self.topology.replicate)
             grad_scale, skip, clip_coef = update_scalars(stats, scaler, clip, self.config.max_grad_norm)
             if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
                 skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
@@ -694,7 +696,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if clip is None:
             self._verdicts.post(out.stats.disagree)
         if out.found_inf is not None:  # what scaler.update() reads (a replay's scaler state is a new dict)
-            scaler.state["found_inf_per_device"] = out.found_inf
+            # a replay's flag is the graph's own tensor, written again by the next replay: the scaler gets a copy
+            scaler.state["found_inf_per_device"] = out.found_inf if key is None else {
+                d: t.clone() for d, t in out.found_inf.items()}
         if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
             for part in self.partitions:
                 part.mark_synced()
@@ -707,26 +711,47 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return loss
 
     def _graph_hyper(self, hyper: Hyper, group_index: int) -> Hyper:
-        """capturable: the group's lr in a static device tensor (a number would be baked into the graph)."""
-        lr = hyper.values["lr"]
-        if isinstance(lr, torch.Tensor):
-            return hyper
+        """capturable: the group's lr (read as a number, update.read_hypers) in a static device tensor (a number
+        would be baked into the graph)."""
         device = self.partitions[0].grad_shard.device
-        return hyper._replace(values={**hyper.values, "lr": self._graph.lr(("lr", group_index), lr, device)})
+        lr = self._graph.lr(("lr", group_index), hyper.values["lr"], device)
+        return hyper._replace(values={**hyper.values, "lr": lr})
 
-    def _graph_key(self, with_norm: bool, scaler: ScalerInputs, hypers) -> tuple | None:
+    def _graph_key(self, with_norm: bool, scaler: ScalerInputs, hypers, flags: tuple[bool, ...]) -> tuple | None:
         """Every host decision the step's body makes, or None where one must be made afresh (a count or a state
-        that user code set, a new state): equal keys, equal device work (step_graph.py)."""
-        counts = []
+        that user code set, a new state, which parameters got a gradient on another rank): equal keys, equal
+        device work (step_graph.py)."""
+        if not all(flags) and self.topology.world_size > 1:  # the body reads the other ranks' has-grad flags
+            self._note_uncaptured(flags)
+            return None
+        self._missing_streak = 0
+        counts, start = [], 0
         for part in self.partitions:
-            steady = None if part.step_counts is None else part.step_counts.steady(self.state, part)
+            mine = flags[start:start + len(part.params)]
+            start += len(part.params)
+            steady = None if part.step_counts is None else part.step_counts.steady(self.state, part, mine)
             if steady is None:
                 return None
             counts.append(steady)
-        def value(v):  # a tensor (lr: the static one, or the user's) by where it lives: a graph reads it there
+
+        def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
             return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
-        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None,
+        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if all(flags) else flags,
                 tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
+
+    def _note_uncaptured(self, flags: tuple[bool, ...]) -> None:
+        """capturable among ranks: warn once when this rank misses gradients step after step (those steps run
+        eagerly), naming the parameters."""
+        self._missing_streak += 1
+        if self._missing_streak != 10:
+            return
+        params = [p for part in self.partitions for p in part.params]
+        missing = [self._names.get(p, f"of shape {tuple(p.shape)}") for p, f in zip(params, flags) if not f]
+        warnings.warn(f"capturable=True: 10 steps in a row ran eagerly, not as the captured CUDA graph, because "
+                      f"this rank saw no gradient for {len(missing)} parameters ({', '.join(map(str, missing[:5]))}"
+                      f"{', ...' if len(missing) > 5 else ''}), so each step reads whether another rank saw one. "
+                      "Freeze parameters the model never uses (requires_grad=False) before building the optimizer",
+                      UserWarning, stacklevel=4)
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
@@ -774,14 +799,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _stats(self, with_norm: bool, site: str, refusing: bool) -> StepStats:
         """The one all-reduce of clip_grad_norm_ (step() runs its two halves apart: its device body may be a
         replayed graph). The verdict stays on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
-        vector, all_present = self._stats_input(with_norm, site, refusing)
-        stats = reduce_stats(self.comm, self.partitions, vector, all_present, with_norm, self.topology.replicate)
+        vector, flags = self._stats_input(with_norm, site, refusing)
+        stats = reduce_stats(self.comm, self.partitions, vector, flags, with_norm, self.topology.replicate)
         self._verdicts.post(stats.disagree)
         return stats
 
-    def _stats_input(self, with_norm: bool, site: str, refusing: bool) -> tuple[torch.Tensor, bool]:
-        """The stats all-reduce's input on the device, sent without a wait, and whether this rank saw a gradient
-        for every parameter. Its checksum covers what every rank must agree on now (``_stats_agreed``), how it got
+    def _stats_input(self, with_norm: bool, site: str, refusing: bool) -> tuple[torch.Tensor, tuple[bool, ...]]:
+        """The stats all-reduce's input on the device, sent without a wait, and this rank's has-grad flags (per
+        partition, per parameter, flat). Its checksum covers what every rank must agree on now (``_stats_agreed``), how it got
         here (``site``: step or clip_grad_norm_; ``refusing``: this rank refuses the step), and what the last
         update used."""
         self._stats_agreed = self._agreed()
@@ -789,7 +814,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         flags = self.grad_sync.present.flat()
         check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing),
                          self.topology.world_size)
-        return stats_vector(self.partitions, flags, check), all(flags)
+        return stats_vector(self.partitions, flags, check), tuple(flags)
 
     def _raise_if_disagreed(self, every: bool = False) -> None:
         """Raise on every rank if a step's all-reduce found the ranks disagreeing (``every``: also the step in

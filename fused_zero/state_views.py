@@ -203,6 +203,7 @@ class StepCounts:
         self._before = None
         self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
         self._version = self.flat._version  # after this class's own last write: a later one is user code's
+        self._indices: dict = {}  # positions advanced alone -> their device index (_index_of)
 
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
@@ -255,21 +256,32 @@ class StepCounts:
         if len(active) == len(views):
             self.flat += by
         else:
-            index = torch.tensor(active, device=self.flat.device)
-            self.flat.index_add_(0, index, torch.ones(len(active), device=self.flat.device) * by)
+            self.flat.index_add_(0, self._index_of(active), torch.ones(len(active), device=self.flat.device) * by)
         self._version = self.flat._version
         return active
 
-    def steady(self, state: dict, part) -> tuple | None:
-        """The classes of the counts (``keys``) where the next ``advance`` of every parameter decides nothing anew
-        on the host (each has its state and its count view, nothing was written by user code since); else None.
-        What a captured step relies on (step_graph.py)."""
+    def _index_of(self, active: list[int]) -> torch.Tensor:
+        """``active`` as a device index, made once per set of positions (a step captured as a CUDA graph reads
+        it where it was when captured; made inside the capture, it would be a copy from host memory)."""
+        key = tuple(active)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= 16:
+                self._indices.clear()
+            index = self._indices[key] = torch.tensor(active, device=self.flat.device)
+        return index
+
+    def steady(self, state: dict, part, flags) -> tuple | None:
+        """The classes of the counts (``keys``) where the next ``advance`` of the parameters ``flags`` marks decides
+        nothing anew on the host (each has its state and its count view, nothing was written by user code since);
+        else None. What a captured step relies on (step_graph.py)."""
         if self.flat._version != self._version or part.state_edited[0]:
             return None
-        for p, view in zip(part.params, self.views):
-            s = state.get(p)
-            if s is None or s.get("step") is not view:
-                return None
+        for p, view, flag in zip(part.params, self.views, flags):
+            if flag:
+                s = state.get(p)
+                if s is None or s.get("step") is not view:
+                    return None
         return tuple(self.keys)
 
     def rollback(self) -> None:

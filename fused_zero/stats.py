@@ -11,9 +11,9 @@ Nothing here is read on the host in a step where this rank saw a gradient for
 every parameter (the usual case): then every rank's flags are all set, the norm
 and the non-finite flag stay device tensors, and the checksum's verdict is a
 device flag (``disagree``) that the update acts on (it skips) and the host
-learns one step later (deferred.py). Only a rank that saw some parameter
-without a gradient reads the flags (one read), as it cannot know otherwise
-whether another rank saw one.
+learns one step later (deferred.py). Only a rank among several that saw some
+parameter without a gradient reads the flags (one read), as it cannot know
+otherwise whether another rank saw one; alone, its own flags are the answer.
 """
 from __future__ import annotations
 
@@ -67,10 +67,11 @@ def stats_vector(partitions: list[Partition], flags: list[bool], check: tuple[in
     return host.to(device, non_blocking=True)
 
 
-def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, all_present: bool, with_norm: bool,
-                 replicate: Comm | None = None) -> StepStats:
+def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, flags: tuple[bool, ...],
+                 with_norm: bool, replicate: Comm | None = None) -> StepStats:
     """The all-reduce of ``stats_vector``'s ``stats`` (in place), and what step() learns from it. Device work only,
-    except where this rank saw some parameter without a gradient (``all_present`` False): it reads the flags.
+    except where this rank, among several, saw some parameter without a gradient (``flags``, this rank's has-grad
+    flags as ``stats_vector`` took them): it reads whether another rank saw one.
     ``replicate`` (HSDP): the replicas of this rank's shard. The norm sums the shards inside ``comm``; the flags,
     the non-finite count and the checksum span the replicas too (a second all-reduce, without the norm)."""
     device = stats.device
@@ -86,8 +87,11 @@ def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, a
     if n > 1:  # exact in float64: the sums are exact in fp32 by construction, their squares are not
         c = stats[2:HEAD].double()
         disagree = ((c[1] * n != c[0] * c[0]) | (c[3] * n != c[2] * c[2])).float()
-    if all_present:  # this rank saw every gradient, so every rank's sum is positive: nothing to read
+    if all(flags):  # this rank saw every gradient, so every rank's sum is positive: nothing to read
         has_grad = tuple((True,) * len(part.params) for part in partitions)
+    elif n == 1:  # alone: its own flags are the answer
+        it = iter(flags)
+        has_grad = tuple(tuple(next(it) for _ in part.params) for part in partitions)
     else:
         host = to_host(stats[HEAD:], "has-grad flags")
         it = iter(v > 0 for v in host)

@@ -20,14 +20,19 @@ on CPU with ``tests/_graph_twin.py``, a replay of the recorded ops that stands i
 """
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 #: eager steps with one key before that key's body is captured (the kernels compiled, NCCL's communicators
 #: made, the allocator warm)
 WARMUP = 2
+#: graphs kept, one per key, the least recently replayed dropped first (keys that take turns: a step that
+#: clips and one that does not)
+MAX_GRAPHS = 4
 
 #: what makes a graph: ``new_graph()`` returns an object with ``capture()`` (a context manager: the body runs
 #: once inside it, recorded, not executed on the device) and ``replay()``. CUDA graphs; the tests swap in
@@ -52,10 +57,15 @@ class _CudaGraph:
         self.graph.replay()
 
 
-def refusal(capturable: bool, config, device: torch.device | None) -> str | None:
-    """Why ``capturable=True`` cannot be served with these options (None: it can, or it is off)."""
+def refusal(capturable: bool, config, device: torch.device | None, host_checked: bool = False) -> str | None:
+    """Why ``capturable=True`` cannot be served with these options (None: it can, or it is off). ``host_checked``:
+    among ranks, torch checks every collective on the host first (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
     if not capturable:
         return None
+    if host_checked:
+        return ("capturable=True cannot run under TORCH_DISTRIBUTED_DEBUG=DETAIL among ranks: torch then checks "
+                "every collective with a host exchange first, which a replayed graph skips while a rank stepping "
+                "eagerly makes it; unset TORCH_DISTRIBUTED_DEBUG (or set it to INFO), or use capturable=False")
     if device is not None and device.type != "cuda" and not on_cpu:
         return (f"capturable=True replays step() as a CUDA graph and needs the parameters on a CUDA device (they "
                 f"are on {device.type}), as torch's capturable optimizers do; use capturable=False (the step "
@@ -81,16 +91,23 @@ def check_not_capturing() -> None:
                            "host bookkeeping around each replay")
 
 
+class _Captured(NamedTuple):
+    """One key's graph, what its body returned (tensors the graph writes at every replay), and the bytes its
+    collectives counted at capture, per communicator (counted again at every replay)."""
+
+    graph: Any
+    result: Any
+    traffic: list
+
+
 class StepGraph:
-    """The captured body of step() for one key, its static inputs, and what a replay must redo on the host."""
+    """The captured bodies of step(), one per key (the last ``MAX_GRAPHS`` keys), and their static inputs."""
 
     def __init__(self, traffic_comms: Callable[[], list]) -> None:
         self._traffic_comms = traffic_comms  # the communicators the body's collectives count on
-        self._key = None
-        self._seen = 0  # steps in a row with self._key
-        self._graph = None
-        self._result = None  # what the captured body returned (its tensors are the graph's outputs)
-        self._traffic: list[dict] = []  # bytes the captured body counted, per communicator: added per replay
+        self._graphs: OrderedDict = OrderedDict()  # key -> _Captured, the most recently used last
+        self._seen: dict = {}  # key -> eager steps run with it (captured after WARMUP)
+        self._failed: set = set()  # keys whose capture raised: run eagerly
         self._static: dict = {}
         self.captures = 0  # graphs captured so far
         self.replays = 0
@@ -101,55 +118,66 @@ class StepGraph:
         t = self._static.get(name)
         if t is None or t.shape != value.shape or t.dtype != value.dtype or t.device != value.device:
             t = self._static[name] = torch.empty_like(value)
-            self._drop()  # a new static tensor: a graph reading the old one is stale
+            self._graphs.clear()  # a new static tensor: a graph reading the old one is stale
         t.copy_(value, non_blocking=True)
         return t
 
-    def lr(self, name: str, value: float, device: torch.device) -> torch.Tensor:
-        """Group ``name``'s lr as a 0-d fp32 tensor on ``device`` (a Python number would be baked into a graph)."""
+    def lr(self, name, value: float, device: torch.device) -> torch.Tensor:
+        """Group ``name``'s lr as a 0-d float64 tensor on ``device`` (a Python number would be baked into a graph;
+        float64, as the kernels take a number lr, so the step is the one ``capturable=False`` takes)."""
         t = self._static.get(name)
         if t is None:
-            t = self._static[name] = torch.zeros((), dtype=torch.float32, device=device)
+            t = self._static[name] = torch.zeros((), dtype=torch.float64, device=device)
         t.fill_(value)
         return t
 
     # -- the body --------------------------------------------------------------------------------------------
     def run(self, key, body: Callable[[], Any]):
-        """``body()``'s result: run eagerly (``WARMUP`` steps in a row with this key), or captured and replayed."""
-        if key != self._key:
-            self._drop()
-            self._key, self._seen = key, 0
-        self._seen += 1
-        if self._graph is None:
-            if self._seen <= WARMUP:
+        """``body()``'s result: run eagerly (the key's first ``WARMUP`` steps), or captured and replayed."""
+        captured = self._graphs.get(key)
+        if captured is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen <= WARMUP or key in self._failed:
                 return body()
-            self._capture(body)
-        self._graph.replay()  # (right after a capture too: a capture runs nothing)
-        for comm, counted in zip(self._traffic_comms(), self._traffic):
+            captured = self._capture(key, body)
+            if captured is None:
+                return body()
+        self._graphs.move_to_end(key)
+        captured.graph.replay()  # (right after a capture too: a capture runs nothing)
+        for comm, counted in zip(self._traffic_comms(), captured.traffic):
             comm.add_traffic(counted)
         self.replays += 1
-        return self._result
+        return captured.result
 
-    def _capture(self, body: Callable[[], Any]) -> None:
-        """Record ``body`` as a graph; the bytes its collectives counted meanwhile are counted per replay instead."""
-        graph = (new_graph or _CudaGraph)()
+    def _capture(self, key, body: Callable[[], Any]) -> _Captured | None:
+        """Record ``body`` as ``key``'s graph (None where the capture raised: warned once, the key runs eagerly)."""
         comms = self._traffic_comms()
         before = [comm.traffic() for comm in comms]
-        with graph.capture():
-            result = body()
-        self._traffic = [{k: v - b.get(k, 0) for k, v in comm.traffic().items()} for comm, b in zip(comms, before)]
-        for comm, b in zip(comms, before):
+        try:
+            graph = (new_graph or _CudaGraph)()
+            with graph.capture():
+                result = body()
+        except Exception as error:  # (nothing ran on the device: the step runs eagerly instead)
+            self._failed.add(key)
+            warnings.warn(f"capturable=True: capturing step() as a CUDA graph failed ({type(error).__name__}: "
+                          f"{error}); steps with these settings run eagerly", RuntimeWarning, stacklevel=4)
+            captured = None
+        else:
+            counted = [{k: v - b.get(k, 0) for k, v in comm.traffic().items()} for comm, b in zip(comms, before)]
+            captured = self._graphs[key] = _Captured(graph, result, counted)
+            self.captures += 1
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        for comm, b in zip(comms, before):  # a capture moves nothing: the replays count
             comm.reset_traffic()
             comm.add_traffic(b)
-        self._graph, self._result = graph, result
-        self.captures += 1
-
-    def _drop(self) -> None:
-        self._graph = self._result = None
-        self._traffic = []
+        if len(self._seen) > 64:  # keys that never came back (a hyperparameter changed every step)
+            self._seen = {k: n for k, n in self._seen.items() if k in self._graphs}
+        return captured
 
     def close(self) -> None:
-        """Forget the graph, its key and the static inputs (a rebuild: the partitions are new)."""
-        self._drop()
-        self._key, self._seen = None, 0
+        """Forget the graphs, the keys and the static inputs (a rebuild: the partitions are new)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._failed.clear()
         self._static.clear()

@@ -94,9 +94,11 @@ class GraphTwin:
     @contextmanager
     def capture(self):
         recorder = _Recorder()
-        with recorder:
-            yield
-        recorder.restore()
+        try:
+            with recorder:
+                yield
+        finally:
+            recorder.restore()  # a capture that raised ran nothing either
         self.ops = recorder.ops
 
     def replay(self) -> None:

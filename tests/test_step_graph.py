@@ -48,27 +48,32 @@ def _setup(capture: bool):
     sg.WARMUP = 2 if capture else 10 ** 9  # never captured: the eager body, every step
 
 
-def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32):
+def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32, capturable=True, new_graph=None):
+    import fused_zero.step_graph as sg
     from fused_zero import ShardedOptimizer
     from fused_zero.host_read import counting
 
     _setup(capture)
+    if new_graph is not None:
+        sg.new_graph = new_graph
     model = TinyNet(dtype=dtype)
-    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000, capturable=True,
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000, capturable=capturable,
                            max_grad_norm=0.05 if "clip" in recipe else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))  # lr changes every step
     amp = "amp" in recipe
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=3, enabled=amp)
     k = 2 if "accumulate" in recipe else 1
-    reads = []
+    reads, found = [], []
     for step in range(STEPS):
         with counting() as counted:
             opt.zero_grad()
             for micro in range(k):
                 x, y = batch(step, rank, micro, dtype=dtype)
                 # "unused": rank 1 leaves one parameter without a gradient every third step (a step it runs
-                # eagerly: it reads the has-grad flags), while rank 0 replays
-                uses = {"use_side": flags(step, rank)["use_side"]} if "unused" in recipe else {}
+                # eagerly: it reads the has-grad flags), while rank 0 replays; "never_used": one parameter never
+                # gets a gradient
+                uses = {"use_side": flags(step, rank)["use_side"]} if "unused" in recipe else \
+                    {"use_branch": False} if "never_used" in recipe else {}
                 with opt.no_sync() if micro < k - 1 else contextlib.nullcontext():
                     loss = loss_fn(model(x, **uses), y) / k
                     if amp and step == 6:
@@ -78,7 +83,11 @@ def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32):
                 if amp:
                     scaler.unscale_(opt)
                 opt.clip_grad_norm_(0.05)
+            if "unscale_every_other" in recipe and step % 2:  # keys taking turns at stage 1 (the scale applied)
+                scaler.unscale_(opt)
             scaler.step(opt)
+            if amp:  # kept, not copied: each step's verdict must stay what it was
+                found += list(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
             scaler.update()
             sched.step()
         reads.append(sum(counted.values()))
@@ -87,7 +96,8 @@ def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32):
               for s in opt.state_dict()["state"].values()]
     return dict(params=[p.detach().clone() for p in model.parameters()], states=states,
                 scale=scaler.get_scale() if amp else None, bytes=opt.comm_bytes(), reads=reads,
-                captures=graph.captures, replays=graph.replays)
+                found=[float(t) for t in found], captures=graph.captures if graph else 0,
+                replays=graph.replays if graph else 0)
 
 
 def _same(a: dict, b: dict) -> None:
@@ -96,7 +106,7 @@ def _same(a: dict, b: dict) -> None:
         assert s.keys() == t.keys()
         for key in s:
             assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(t[key])), key
-    assert a["scale"] == b["scale"] and a["bytes"] == b["bytes"]
+    assert a["scale"] == b["scale"] and a["bytes"] == b["bytes"] and a["found"] == b["found"]
 
 
 def _both(rank, world_size, stage, recipe, dtype=torch.float32):
@@ -108,6 +118,10 @@ def _both(rank, world_size, stage, recipe, dtype=torch.float32):
 def test_replayed_steps_equal_eager_steps_bitwise_alone(stage, recipe):
     eager, replayed = _both(0, 1, stage, recipe)
     _same(eager, replayed)
+    # and the optimizer built without capturable=True: lr goes to the kernels as float64 either way
+    _same(_train(0, 1, stage, False, recipe, capturable=False), replayed)
+    if "amp" in recipe:
+        assert replayed["found"][6] == 1.0 and sum(replayed["found"]) == 1.0
     # step 1 gives the states, 2-3 warm up, 4 captures: every step after replays (an overflow too: the skip is
     # decided on the device)
     assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
@@ -133,6 +147,80 @@ def test_replayed_steps_equal_eager_steps_bitwise_on_two_ranks(stage, recipe):
         assert replayed["replays"] >= 2, replayed
         if recipe == "accumulate+clip":
             assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_keys_taking_turns_each_keep_their_graph(stage):
+    """Stage 1 with scaler.unscale_() every other step: the step applies the scale or not, two keys in turn."""
+    eager, replayed = _both(0, 1, stage, "amp+unscale_every_other")
+    _same(eager, replayed)
+    assert replayed["captures"] == (2 if stage == 1 else 1)
+    assert replayed["replays"] >= STEPS - 5
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_never_used_is_captured_alone(stage):
+    """Alone, this rank's own has-grad flags are the answer: nothing to read, the step is captured."""
+    eager, replayed = _both(0, 1, stage, "clip+never_used")
+    _same(eager, replayed)
+    assert replayed["replays"] == STEPS - 3 and sum(replayed["reads"]) == 0
+
+
+def _never_used_among_ranks(rank, world_size):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(rank, world_size, 2, True, "clip+never_used")
+    return out["replays"], [str(w.message) for w in caught if "capturable" in str(w.message)]
+
+
+def test_a_parameter_never_used_among_ranks_is_warned_about():
+    """Among ranks a missing gradient must be asked of the others (a read): such steps run eagerly, and after ten
+    in a row the user is told which parameters and what to do."""
+    for replays, messages in run_ranks(_never_used_among_ranks, 2, timeout=120):
+        assert replays == 0
+        assert len(messages) == 1, messages
+        assert "no gradient for 2 parameters (" in messages[0] and "of shape (64, 64)" in messages[0]
+        assert "requires_grad=False" in messages[0]
+
+
+class _FailingGraph:
+    def capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def replay(self):
+        raise AssertionError("never captured")
+
+
+def test_a_failed_capture_warns_once_and_runs_eagerly():
+    eager = _train(0, 1, 2, False, "clip")
+    with pytest.warns(RuntimeWarning, match="capturing step.. as a CUDA graph failed") as caught:
+        failed = _train(0, 1, 2, True, "clip", new_graph=_FailingGraph)
+    assert len([w for w in caught if "capturing" in str(w.message)]) == 1
+    _same(eager, failed)
+    assert failed["captures"] == 0 and failed["replays"] == 0
+
+
+def _detail(rank, world_size):
+    import torch.distributed as dist
+
+    import fused_zero.step_graph as sg
+    from fused_zero import ShardedOptimizer
+
+    sg.on_cpu = True
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        ShardedOptimizer(PlainNet().parameters(), capturable=True)
+    except ValueError as e:
+        return str(e)
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+
+
+def test_capturable_is_refused_under_detail_debug_among_ranks():
+    for message in run_ranks(_detail, 2, timeout=60):
+        assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message
 
 
 def _new_key_mid_run(rank, world_size):

@@ -104,6 +104,12 @@ def default_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def collectives_checked_on_host() -> bool:
+    """Whether torch checks each collective on the host first (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every group:
+    a blocking gloo exchange of the call's fingerprint before it runs)."""
+    return dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
 def is_device_mesh(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh`` (comm/topology.py reads it)."""
     try:
