@@ -49,7 +49,7 @@ from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
-from .update import REFUSED, Hyper, plan_update, read_hypers, update_all
+from .update import REFUSED, plan_update, read_hypers, update_all
 
 
 class _Body(NamedTuple):
@@ -178,7 +178,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         self._graph: StepGraph | None = None  # capturable=True: the step's captured device work (step_graph.py)
-        self._missing_streak = 0  # capturable among ranks: steps in a row this rank missed a gradient
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=config.adam_w_mode if decoupled_weight_decay is None
@@ -672,14 +671,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
-            if hypers is not REFUSED:
-                hypers = [self._graph_hyper(h, part.group_index) for h, part in zip(hypers, self.partitions)]
+            hypers = self._graph.hypers(hypers, self.partitions)
             if clip is None and refused is None:
-                key = self._graph_key(need_norm or amp, scaler, hypers, flags)
+                key = self._graph.key(self.partitions, self.state, need_norm or amp, scaler, hypers, flags,
+                                      self.topology.world_size == 1, self._names)
             if key is not None:
-                vector = self._graph.static("stats", vector)
-                scaler = ScalerInputs(*(self._graph.static(name, t) if isinstance(t, torch.Tensor) else t
-                                        for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
+                vector, scaler = self._graph.static("stats", vector), self._graph.scaler(scaler)
 
         def body() -> _Body:
             """The step's device work: the stats all-reduce, the factors and the verdict, the update, the gather."""
@@ -709,49 +706,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if refused is not None:
             raise refused
         return loss
-
-    def _graph_hyper(self, hyper: Hyper, group_index: int) -> Hyper:
-        """capturable: the group's lr (read as a number, update.read_hypers) in a static device tensor (a number
-        would be baked into the graph)."""
-        device = self.partitions[0].grad_shard.device
-        lr = self._graph.lr(("lr", group_index), hyper.values["lr"], device)
-        return hyper._replace(values={**hyper.values, "lr": lr})
-
-    def _graph_key(self, with_norm: bool, scaler: ScalerInputs, hypers, flags: tuple[bool, ...]) -> tuple | None:
-        """Every host decision the step's body makes, or None where one must be made afresh (a count or a state
-        that user code set, a new state, which parameters got a gradient on another rank): equal keys, equal
-        device work (step_graph.py)."""
-        if not all(flags) and self.topology.world_size > 1:  # the body reads the other ranks' has-grad flags
-            self._note_uncaptured(flags)
-            return None
-        self._missing_streak = 0
-        counts, start = [], 0
-        for part in self.partitions:
-            mine = flags[start:start + len(part.params)]
-            start += len(part.params)
-            steady = None if part.step_counts is None else part.step_counts.steady(self.state, part, mine)
-            if steady is None:
-                return None
-            counts.append(steady)
-
-        def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
-            return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
-        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if all(flags) else flags,
-                tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
-
-    def _note_uncaptured(self, flags: tuple[bool, ...]) -> None:
-        """capturable among ranks: warn once when this rank misses gradients step after step (those steps run
-        eagerly), naming the parameters."""
-        self._missing_streak += 1
-        if self._missing_streak != 10:
-            return
-        params = [p for part in self.partitions for p in part.params]
-        missing = [self._names.get(p, f"of shape {tuple(p.shape)}") for p, f in zip(params, flags) if not f]
-        warnings.warn(f"capturable=True: 10 steps in a row ran eagerly, not as the captured CUDA graph, because "
-                      f"this rank saw no gradient for {len(missing)} parameters ({', '.join(map(str, missing[:5]))}"
-                      f"{', ...' if len(missing) > 5 else ''}), so each step reads whether another rank saw one. "
-                      "Freeze parameters the model never uses (requires_grad=False) before building the optimizer",
-                      UserWarning, stacklevel=4)
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists

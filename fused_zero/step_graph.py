@@ -27,6 +27,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .amp import ScalerInputs
+from .update import REFUSED
+
 #: eager steps with one key before that key's body is captured (the kernels compiled, NCCL's communicators
 #: made, the allocator warm)
 WARMUP = 2
@@ -109,6 +112,7 @@ class StepGraph:
         self._seen: dict = {}  # key -> eager steps run with it (captured after WARMUP)
         self._failed: set = set()  # keys whose capture raised: run eagerly
         self._static: dict = {}
+        self._missing_streak = 0  # among ranks: steps in a row this rank missed a gradient (no key)
         self.captures = 0  # graphs captured so far
         self.replays = 0
 
@@ -130,6 +134,59 @@ class StepGraph:
             t = self._static[name] = torch.zeros((), dtype=torch.float64, device=device)
         t.fill_(value)
         return t
+
+    def hypers(self, hypers, partitions: list):
+        """Each partition's hyperparameters with its group's lr (read as a number, update.read_hypers) in a static
+        device tensor (``REFUSED`` as it is)."""
+        if hypers is REFUSED:
+            return hypers
+        device = partitions[0].grad_shard.device if partitions else None
+        return [h._replace(values={**h.values, "lr": self.lr(("lr", part.group_index), h.values["lr"], device)})
+                for h, part in zip(hypers, partitions)]
+
+    def scaler(self, scaler: ScalerInputs) -> ScalerInputs:
+        """The GradScaler's inverse scale and ``found_inf`` (fresh tensors every step) in static tensors."""
+        return ScalerInputs(*(self.static(name, t) if isinstance(t, torch.Tensor) else t
+                              for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
+
+    # -- the key: every host decision the body makes ----------------------------------------------------------
+    def key(self, partitions: list, state: dict, with_norm: bool, scaler: ScalerInputs, hypers,
+            flags: tuple[bool, ...], alone: bool, names: dict) -> tuple | None:
+        """Every host decision the step's body makes, or None where one must be made afresh (a count or a state
+        that user code set, a new state, which parameters got a gradient on another rank): equal keys, equal
+        device work. ``flags``: this rank's has-grad flags (``alone``: they are the answer; among ranks a missing
+        one must be asked of the others, a read)."""
+        if not all(flags) and not alone:
+            self._missing(partitions, flags, names)
+            return None
+        self._missing_streak = 0
+        counts, start = [], 0
+        for part in partitions:
+            mine = flags[start:start + len(part.params)]
+            start += len(part.params)
+            steady = None if part.step_counts is None else part.step_counts.steady(state, part, mine)
+            if steady is None:
+                return None
+            counts.append(steady)
+
+        def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
+            return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
+        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if all(flags) else flags,
+                tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
+
+    def _missing(self, partitions: list, flags: tuple[bool, ...], names: dict) -> None:
+        """Among ranks: warn once when this rank misses gradients ten steps in a row (those steps run eagerly),
+        naming the parameters."""
+        self._missing_streak += 1
+        if self._missing_streak != 10:
+            return
+        params = [p for part in partitions for p in part.params]
+        missing = [names.get(p, f"of shape {tuple(p.shape)}") for p, f in zip(params, flags) if not f]
+        warnings.warn(f"capturable=True: 10 steps in a row ran eagerly, not as the captured CUDA graph, because "
+                      f"this rank saw no gradient for {len(missing)} parameters ({', '.join(map(str, missing[:5]))}"
+                      f"{', ...' if len(missing) > 5 else ''}), so each step reads whether another rank saw one. "
+                      "Freeze parameters the model never uses (requires_grad=False) before building the optimizer",
+                      UserWarning, stacklevel=5)
 
     # -- the body --------------------------------------------------------------------------------------------
     def run(self, key, body: Callable[[], Any]):
