@@ -671,12 +671,17 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
-            hypers = self._graph.hypers(hypers, self.partitions)
-            if clip is None and refused is None:
-                key = self._graph.key(self.partitions, self.state, need_norm or amp, scaler, hypers, flags,
-                                      self.topology.world_size == 1, self._names)
+            graph = self._graph
+            hypers = graph.hypers(hypers, self.partitions)
+            if refused is None and (clip is None or graph.clip_serves(clip)):
+                key = graph.key(self.partitions, self.state, need_norm or amp, scaler, hypers, flags,
+                                self.topology.world_size == 1, self._names, clip)
             if key is not None:
-                vector, scaler = self._graph.static("stats", vector), self._graph.scaler(scaler)
+                if clip is None:
+                    vector = graph.static("stats", vector)
+                else:
+                    clip = graph.clip(clip)
+                scaler = graph.scaler(scaler)
 
         def body() -> _Body:
             """The step's device work: the stats all-reduce, the factors and the verdict, the update, the gather."""

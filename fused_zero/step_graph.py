@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .amp import ScalerInputs
+from .amp import PendingClip, ScalerInputs
 from .update import REFUSED
 
 #: eager steps with one key before that key's body is captured (the kernels compiled, NCCL's communicators
@@ -149,13 +149,32 @@ class StepGraph:
         return ScalerInputs(*(self.static(name, t) if isinstance(t, torch.Tensor) else t
                               for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
 
+    @staticmethod
+    def clip_serves(clip: PendingClip) -> bool:
+        """Whether a step after ``clip_grad_norm_`` can replay: the clip's norm is final (resolved: no scaler
+        turned up only at step(), which writes the unscaled norm into the tensor the user holds) and it is the
+        step's only clip (a second one chains factors on the host)."""
+        return clip.resolved and clip.previous is None
+
+    def clip(self, clip: PendingClip) -> PendingClip:
+        """``clip`` with its device values (its all-reduce's norm, verdicts and returned norm: fresh tensors every
+        step) in static tensors."""
+        stats = clip.stats
+        stats = stats._replace(sq_norm=self.static("clip_sq_norm", stats.sq_norm),
+                               nonfinite=self.static("clip_nonfinite", stats.nonfinite),
+                               disagree=None if stats.disagree is None else self.static("clip_disagree", stats.disagree))
+        return clip._replace(stats=stats, total=self.static("clip_total", clip.total))
+
     # -- the key: every host decision the body makes ----------------------------------------------------------
     def key(self, partitions: list, state: dict, with_norm: bool, scaler: ScalerInputs, hypers,
-            flags: tuple[bool, ...], alone: bool, names: dict) -> tuple | None:
+            flags: tuple[bool, ...], alone: bool, names: dict, clip: PendingClip | None = None) -> tuple | None:
         """Every host decision the step's body makes, or None where one must be made afresh (a count or a state
         that user code set, a new state, which parameters got a gradient on another rank): equal keys, equal
         device work. ``flags``: this rank's has-grad flags (``alone``: they are the answer; among ranks a missing
-        one must be asked of the others, a read)."""
+        one must be asked of the others, a read). After ``clip_grad_norm_`` (``clip``, which ``clip_serves``) its
+        all-reduce has already told every rank which parameters got a gradient anywhere: those are the flags."""
+        if clip is not None:
+            flags, alone = tuple(f for part in clip.stats.has_grad for f in part), True
         if not all(flags) and not alone:
             self._missing(partitions, flags, names)
             return None
@@ -172,6 +191,7 @@ class StepGraph:
         def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
             return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
         return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if all(flags) else flags,
+                None if clip is None else ("clip", clip.max_norm, clip.stats.disagree is None),
                 tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
 
     def _missing(self, partitions: list, flags: tuple[bool, ...], names: dict) -> None:

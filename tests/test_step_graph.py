@@ -79,7 +79,7 @@ def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32, captur
                     if amp and step == 6:
                         loss = loss * float("inf")  # an overflow: the step is skipped on every rank
                     scaler.scale(loss).backward()
-            if "user_clip" in recipe and step % 4 == 3:
+            if "user_clip" in recipe and step % 4 == 3 or "clip_each_step" in recipe:
                 if amp:
                     scaler.unscale_(opt)
                 opt.clip_grad_norm_(0.05)
@@ -147,6 +147,18 @@ def test_replayed_steps_equal_eager_steps_bitwise_on_two_ranks(stage, recipe):
         assert replayed["replays"] >= 2, replayed
         if recipe == "accumulate+clip":
             assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_steps_after_clip_grad_norm_replay_too(stage, world_size):
+    """The frameworks' way (Accelerate, HF Trainer, Lightning): scaler.unscale_, clip_grad_norm_, scaler.step
+    every step. The clip's all-reduce runs eagerly before step(); the step's body replays with the clip's norm
+    and verdicts copied into static tensors. The first step runs eagerly (its states are new, and the scaler
+    was not known to the clip)."""
+    for eager, replayed in run_ranks(_both, world_size, stage, "amp+clip_each_step", timeout=200):
+        _same(eager, replayed)
+        assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
 
 
 @pytest.mark.parametrize("stage", [1, 2])
