@@ -11,12 +11,15 @@ inverse scale and ``found_inf``, each group's lr (so a schedule is followed; the
 in the key).
 
 The body's host decisions (which parameters got a gradient, which step counts are equal, which options and
-hyperparameters apply, whether a clip or a scaler came) make the step's ``key``. ``StepGraph.run`` runs the
-body eagerly until the same key has come ``warmup`` steps in a row, then captures it and replays it while the
-key holds; any other key runs eagerly (a first step creating states, a step after ``clip_grad_norm_``, a rank
-that saw no gradient for some parameter, a refused step) and the graph is captured again once the new key has
-held ``warmup`` steps. A replay does what the eager body does, bit for bit (tests/test_step_graph.py checks it
-on CPU with ``tests/_graph_twin.py``, a replay of the recorded ops that stands in for the CUDA graph there).
+hyperparameters apply, whether a clip or a scaler came) make the step's ``key`` (``StepGraph.key``).
+``StepGraph.run`` runs a key's first ``WARMUP`` steps eagerly, then captures its body and replays it whenever
+the key comes again (the last ``MAX_GRAPHS`` keys keep their graphs). After one ``clip_grad_norm_`` (its
+all-reduce ran before step()) the body reads the clip's norm and verdicts from static copies. A step with no
+key runs eagerly: a first step creating states, a step after two clips or after one made before the scaler
+was known, a rank among several that saw no gradient for some parameter (it must read whether another rank
+did), a refused step. A capture that fails is warned about once and its key runs eagerly. A replay does what
+the eager body does, bit for bit (tests/test_step_graph.py checks it on CPU with ``tests/_graph_twin.py``, a
+replay of the recorded ops that stands in for the CUDA graph there).
 """
 from __future__ import annotations
 
