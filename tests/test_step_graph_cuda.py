@@ -27,14 +27,14 @@ def _warmup():
     sg.WARMUP = before
 
 
-def _train(stage, capture, amp, dtype):
+def _train(stage, capture, amp, dtype, clip_call):
     import fused_zero.step_graph as sg
     from fused_zero import ShardedOptimizer
 
     sg.WARMUP = 2 if capture else 10 ** 9
     model = TinyNet(dtype=dtype).cuda()
     opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000, capturable=True,
-                           max_grad_norm=0.05)
+                           max_grad_norm=None if clip_call else 0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3, enabled=amp)
     data = [tuple(t.cuda() for t in batch(step, 0, dtype=dtype)) for step in range(STEPS)]
@@ -51,6 +51,9 @@ def _train(stage, capture, amp, dtype):
             if amp and step == 6:
                 loss = loss * float("inf")
             scaler.scale(loss).backward()
+            if clip_call:  # the frameworks' way: unscale_, clip_grad_norm_, step, every step
+                scaler.unscale_(opt)
+                opt.clip_grad_norm_(0.05)
             scaler.step(opt)
             scaler.update()
             sched.step()
@@ -59,12 +62,13 @@ def _train(stage, capture, amp, dtype):
     return [p.detach().clone() for p in model.parameters()], states, opt._graph.captures, opt._graph.replays
 
 
+@pytest.mark.parametrize("clip_call", [False, True], ids=["max_grad_norm", "clip_grad_norm_"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("amp", [False, True], ids=["clip", "scaler_and_clip"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_cuda_graph_replays_equal_eager_steps_bitwise_and_never_sync(stage, amp, dtype):
-    eager, eager_states, _, _ = _train(stage, False, amp, dtype)
-    replayed, replayed_states, captures, replays = _train(stage, True, amp, dtype)
+def test_cuda_graph_replays_equal_eager_steps_bitwise_and_never_sync(stage, amp, dtype, clip_call):
+    eager, eager_states, _, _ = _train(stage, False, amp, dtype, clip_call)
+    replayed, replayed_states, captures, replays = _train(stage, True, amp, dtype, clip_call)
     assert captures == 1 and replays == STEPS - 3
     assert all(torch.equal(p, q) for p, q in zip(eager, replayed))
     for s, t in zip(eager_states, replayed_states):
