@@ -105,13 +105,18 @@ class PendingClip(NamedTuple):
     # norm that a GradScaler found at step() may show to be scaled): (that clip, the factor)
     previous: tuple[PendingClip, torch.Tensor] | None = None
 
-    def coef(self, scaler: ScalerInputs) -> torch.Tensor:
-        """The factor the shards still need; unscales the returned norm in place if a scaler turned up at step()
-        (the usual ``unscale_(opt)`` before the first step's clip: the scaler is not known yet)."""
+    def unscales_at_step(self, scaler: ScalerInputs) -> bool:
+        """Whether ``coef`` unscales the returned norm in place: a scaler turned up only at step() (the usual
+        ``unscale_(opt)`` before the first step's clip: the scaler is not known yet)."""
         from torch.amp.grad_scaler import OptState
 
-        if not self.resolved and scaler.inv_scale is not None and scaler.state is not None \
-                and scaler.state["stage"] is OptState.UNSCALED:
+        return not self.resolved and scaler.inv_scale is not None and scaler.state is not None \
+            and scaler.state["stage"] is OptState.UNSCALED
+
+    def coef(self, scaler: ScalerInputs) -> torch.Tensor:
+        """The factor the shards still need; unscales the returned norm in place if a scaler turned up at step()
+        (``unscales_at_step``)."""
+        if self.unscales_at_step(scaler):
             norm, owed = self._unscaled(scaler.inv_scale)
             return torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) * owed
         return torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)

@@ -673,7 +673,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
             graph = self._graph
             hypers = graph.hypers(hypers, self.partitions)
-            if refused is None and (clip is None or graph.clip_serves(clip)):
+            if refused is None and (clip is None or graph.clip_serves(clip, scaler)):
                 key = graph.key(self.partitions, self.state, need_norm or amp, scaler, hypers, flags,
                                 self.topology.world_size == 1, self._names, clip)
             if key is not None:

@@ -153,11 +153,11 @@ class StepGraph:
                               for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
 
     @staticmethod
-    def clip_serves(clip: PendingClip) -> bool:
-        """Whether a step after ``clip_grad_norm_`` can replay: the clip's norm is final (resolved: no scaler
-        turned up only at step(), which writes the unscaled norm into the tensor the user holds) and it is the
-        step's only clip (a second one chains factors on the host)."""
-        return clip.resolved and clip.previous is None
+    def clip_serves(clip: PendingClip, scaler: ScalerInputs) -> bool:
+        """Whether a step after ``clip_grad_norm_`` can replay: the clip's norm is final (no scaler turned up only
+        at step(), which writes the unscaled norm into the tensor the user holds) and it is the step's only clip
+        (a second one chains factors on the host)."""
+        return clip.previous is None and not clip.unscales_at_step(scaler)
 
     def clip(self, clip: PendingClip) -> PendingClip:
         """``clip`` with its device values (its all-reduce's norm, verdicts and returned norm: fresh tensors every

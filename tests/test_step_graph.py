@@ -149,14 +149,15 @@ def test_replayed_steps_equal_eager_steps_bitwise_on_two_ranks(stage, recipe):
             assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
 
 
+@pytest.mark.parametrize("recipe", ["amp+clip_each_step", "clip_each_step"])
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_steps_after_clip_grad_norm_replay_too(stage, world_size):
+def test_steps_after_clip_grad_norm_replay_too(stage, world_size, recipe):
     """The frameworks' way (Accelerate, HF Trainer, Lightning): scaler.unscale_, clip_grad_norm_, scaler.step
-    every step. The clip's all-reduce runs eagerly before step(); the step's body replays with the clip's norm
-    and verdicts copied into static tensors. The first step runs eagerly (its states are new, and the scaler
-    was not known to the clip)."""
-    for eager, replayed in run_ranks(_both, world_size, stage, "amp+clip_each_step", timeout=200):
+    every step (or clip_grad_norm_ and step without a scaler). The clip's all-reduce runs eagerly before step();
+    the step's body replays with the clip's norm and verdicts copied into static tensors. The first step runs
+    eagerly (its states are new, and the scaler was not known to the clip)."""
+    for eager, replayed in run_ranks(_both, world_size, stage, recipe, timeout=200):
         _same(eager, replayed)
         assert replayed["captures"] == 1 and replayed["replays"] == STEPS - 3
 
