@@ -84,12 +84,9 @@ class _Recorder(TorchDispatchMode):
 class GraphTwin:
     """``capture()`` / ``replay()`` as step_graph.new_graph expects."""
 
-    instances: list["GraphTwin"] = []
-
     def __init__(self) -> None:
         self.ops = None
         self.replays = 0
-        GraphTwin.instances.append(self)
 
     @contextmanager
     def capture(self):
