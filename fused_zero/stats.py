@@ -90,10 +90,13 @@ def reduce_stats(comm: Comm, partitions: list[Partition], stats: torch.Tensor, f
     if all(flags):  # this rank saw every gradient, so every rank's sum is positive: nothing to read
         has_grad = tuple((True,) * len(part.params) for part in partitions)
     elif n == 1:  # alone: its own flags are the answer
-        it = iter(flags)
-        has_grad = tuple(tuple(next(it) for _ in part.params) for part in partitions)
+        has_grad = per_partition(flags, partitions)
     else:
-        host = to_host(stats[HEAD:], "has-grad flags")
-        it = iter(v > 0 for v in host)
-        has_grad = tuple(tuple(next(it) for _ in part.params) for part in partitions)
+        has_grad = per_partition([v > 0 for v in to_host(stats[HEAD:], "has-grad flags")], partitions)
     return StepStats(stats[0], stats[1], has_grad, disagree)
+
+
+def per_partition(flags, partitions: list[Partition]) -> tuple[tuple[bool, ...], ...]:
+    """Flat per-parameter flags (partition after partition, the stats vector's order) cut per partition."""
+    it = iter(flags)
+    return tuple(tuple(next(it) for _ in part.params) for part in partitions)

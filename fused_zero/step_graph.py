@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .amp import PendingClip, ScalerInputs
+from .stats import per_partition
 from .update import REFUSED
 
 #: eager steps with one key before that key's body is captured (the kernels compiled, NCCL's communicators
@@ -89,8 +90,9 @@ def refusal(capturable: bool, config, device: torch.device | None, host_checked:
 
 
 def check_not_capturing() -> None:
-    """A step() inside the user's own CUDA graph capture: refused (its host bookkeeping would not replay)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    """A step() inside the user's own CUDA graph capture: refused (its host bookkeeping would not replay). Called
+    only for parameters on CUDA, once a step."""
+    if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("ShardedOptimizer.step() cannot be captured in your own CUDA graph: it keeps host "
                            "bookkeeping every step that a replay would skip. Build it with capturable=True: it "
                            "captures its own step's device work after warm-up steps and replays it, with the "
@@ -176,16 +178,14 @@ class StepGraph:
         device work. ``flags``: this rank's has-grad flags (``alone``: they are the answer; among ranks a missing
         one must be asked of the others, a read). After ``clip_grad_norm_`` (``clip``, which ``clip_serves``) its
         all-reduce has already told every rank which parameters got a gradient anywhere: those are the flags."""
-        if clip is not None:
-            flags, alone = tuple(f for part in clip.stats.has_grad for f in part), True
-        if not all(flags) and not alone:
+        every = all(flags) if clip is None else all(map(all, clip.stats.has_grad))
+        if not every and not alone and clip is None:
             self._missing(partitions, flags, names)
             return None
         self._missing_streak = 0
-        counts, start = [], 0
-        for part in partitions:
-            mine = flags[start:start + len(part.params)]
-            start += len(part.params)
+        has_grad = clip.stats.has_grad if clip is not None else per_partition(flags, partitions)
+        counts = []
+        for part, mine in zip(partitions, has_grad):
             steady = None if part.step_counts is None else part.step_counts.steady(state, part, mine)
             if steady is None:
                 return None
@@ -193,7 +193,7 @@ class StepGraph:
 
         def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
             return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
-        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if all(flags) else flags,
+        return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if every else has_grad,
                 None if clip is None else ("clip", clip.max_norm, clip.stats.disagree is None),
                 tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
 
