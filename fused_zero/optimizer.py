@@ -32,7 +32,7 @@ from .comm.collectives import Comm, collectives_checked_on_host, default_world_s
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology
 from .config import ZeroConfig
-from .comm.grad_sync import GradSync, HandSetGrads
+from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, queue_end_of_backward
 from .deferred import DeferredFlags
@@ -580,7 +580,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
         if self._unhooked:
             self._take_unfrozen()
-        _, hand_set = self._refusal(self.grad_sync.prepare_step, (HandSetGrads,))
+        hand_set = self._reduce_grads()
         refusing = edited is not None or hand_set is not None
         self._raise_if_disagreed()
         previous = None
@@ -645,7 +645,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # 1. reduce, and take in what user code did to the parameters since the last step
         if self._unhooked:
             self._take_unfrozen()
-        _, hand_set = self._refusal(self.grad_sync.prepare_step, (HandSetGrads,))  # (finished, refused or not)
+        hand_set = self._reduce_grads()
         refused = next((e for e in (edited, bad_hyper, hand_set) if e is not None), None)
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
@@ -741,14 +741,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         through the step's collectives with the update skipped and raises at their end, nothing changed; its
         all-reduce's checksum says it refused, so the other ranks skip the step too and raise at their next
         step() (as for any disagreement), or at this one where every rank refused alike. Serves a bad
-        hyperparameter (``update.read_hypers``), an edit of the parameters (``_check_edits``) and a .grad set by
-        hand at stages 2-3 (``grad_sync.HandSetGrads``)."""
+        hyperparameter (``update.read_hypers``) and an edit of the parameters (``_check_edits``); a gradient the
+        step cannot take comes the same way (``_reduce_grads``)."""
         try:
             return check(), None
         except errors as error:
             if self.topology.world_size == 1:
                 raise
             return None, error
+
+    def _reduce_grads(self) -> Exception | None:
+        """Every reduction of the step started and finished; the error this rank found in its gradients before
+        them (a .grad set by hand at stages 2-3, a sparse or reshaped one at stage 1), which ``_refusal`` serves:
+        its reductions ran without those gradients, so the ranks stay in step."""
+        refused = self.grad_sync.prepare_step()
+        if refused is not None and self.topology.world_size == 1:  # alone: raised now, and found again next time
+            self.grad_sync.refused = None  # (a .grad mended since is reduced then)
+            raise refused
+        return refused
 
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
@@ -787,8 +797,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
                 "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
-                "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand, a param "
-                "group's parameters edited); set hyperparameters (and call clip_grad_norm_ / the scaler) "
+                "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
+                "parameter, a param group's parameters edited); set hyperparameters (and call clip_grad_norm_ / the scaler) "
                 "identically on every rank")
 
     def check_agreement(self) -> None:

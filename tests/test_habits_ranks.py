@@ -707,6 +707,48 @@ def test_a_hand_set_grad_on_some_ranks_raises_on_every_rank_without_hanging():
     assert results[0]["after"] == results[1]["after"]
 
 
+def _bad_kept_grad_on_one_rank(rank, world_size, kind, clip):
+    """Stage 1 reduces the kept .grad at step(): one made unlike its parameter on rank 1 only (sparse, or
+    reshaped or retyped through .grad.data) is refused there after the step's collectives, which ran without it;
+    before, rank 1 raised before its reductions and rank 0 waited in them (a clip_grad_norm_ first: the step
+    after it must not reduce again)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=1, bucket_numel=1000)
+    p = next(q for q in model.parameters() if q.requires_grad)
+    out = {}
+    for t in range(4):
+        _train(model, opt, t, rank)
+        if rank == 1 and t == 1:
+            if kind == "sparse":
+                p.grad = p.grad.to_sparse()
+            else:
+                p.grad.data = torch.zeros(p.numel() + 1) if kind == "shape" else p.grad.double()
+        if clip:
+            out[f"clip{t}"] = _caught(lambda: opt.clip_grad_norm_(1.0))
+        before = [q.detach().clone() for q in model.parameters()]
+        out[t] = _caught(opt.step)
+        if t == 1:
+            out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out["after"] = [q.detach().clone() for q in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("kind", ["sparse", "shape", "dtype"])
+def test_stage1_a_bad_kept_grad_on_one_rank_raises_on_every_rank_without_hanging(kind, clip):
+    first, second = run_ranks(_bad_kept_grad_on_one_rank, 2, kind, clip, timeout=TIMEOUT)
+    words = "sparse gradients" if kind == "sparse" else "a gradient must match its parameter"
+    assert second[1] is not None and second[1][0] == "RuntimeError" and words in second[1][1], second[1]
+    assert first[1] is None and first[0] is None and second[0] is None
+    learnt = first["clip2" if clip else 2]  # rank 0 learns at its next call
+    assert learnt is not None and "ranks disagree" in learnt[1] and "unlike its parameter" in learnt[1], learnt
+    assert first["unchanged"] and second["unchanged"]
+    assert first[3] is None and second[3] is None  # and trains on, alike on every rank
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
 def _edits_on_one_rank(rank, world_size, stage):
     """Edits that step() refuses, made on rank 1 only between backward and step (each undone after): refused
     there after the step's collectives, the others learn at their next step() (before: an IndexError or

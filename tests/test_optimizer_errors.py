@@ -3,6 +3,7 @@
 Cross-rank checks run on 2 gloo ranks (every rank must raise, then the group must still
 work); the rest run in the pytest process without a process group.
 """
+import copy
 import re
 
 import pytest
@@ -82,6 +83,34 @@ def test_sparse_gradient_raises_naming_the_fix(stage):
         head(emb(torch.tensor([[1, 2, 3]]))).sum().backward()
         opt.step()
     assert re.search(r"sparse=False|dense", str(info.value)), str(info.value)
+
+
+def test_stage1_refused_grad_then_mended_steps_as_torch():
+    """A kept .grad the step cannot take is refused before anything changes; mended, the next step() reduces
+    it (the refusal is not remembered alone) and equals torch AdamW."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model.parameters(), stage=1, lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    good = model.weight.grad
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in (good.to_sparse(), torch.zeros(good.numel())):
+        if bad.is_sparse:
+            model.weight.grad = bad
+        else:
+            model.weight.grad.data = bad
+        with pytest.raises(RuntimeError, match="sparse|must match its parameter"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        model.weight.grad = None
+        model.weight.grad = good.clone()
+    opt.step()
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
 def test_complex_parameter_raises_type_error():

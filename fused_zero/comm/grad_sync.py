@@ -98,6 +98,8 @@ class GradEntry(NamedTuple):
 class GradSync:
     """What both reducers share: the buckets in their one order, ``present``, the pipe, the verbs around a step."""
 
+    #: the refusal ``prepare_step`` keeps for the rest of its round (stage 1), or None
+    refused: RuntimeError | None = None
     #: whether ``.grad`` is freed once packed (the shards stand in for it)
     frees_grads = False
 
@@ -148,8 +150,11 @@ class GradSync:
         """The end of a backward (the optimizer's callback)."""
 
     # -- step -------------------------------------------------------------
-    def prepare_step(self) -> None:
-        """Every reduction of this step started and finished (or a clear error)."""
+    def prepare_step(self) -> Exception | None:
+        """Every reduction of this step started and finished. Returns the error this rank found in its gradients
+        before any of them (a ``.grad`` the step cannot take), which only this rank may have found: its reductions
+        still ran, without that gradient, so no rank waits in a collective this one left (the optimizer skips the
+        step and raises it: ``ShardedOptimizer._refusal``)."""
         raise NotImplementedError
 
     def grads_edited(self) -> bool:
@@ -222,6 +227,9 @@ class ReduceAtStep(GradSync):
         # .grad's version counter when backward left it, per partition and position (None: not seen)
         self._grad_versions = [[None] * len(part.params) for part in partitions]
         self._carry: list[torch.Tensor] | None = None  # per partition: a clip's share, added after the reduction
+        # what prepare_step refused in this round's .grad (it reduced the rest): the step after a clip_grad_norm_
+        # returns it again rather than reducing a second time (its peers reduced once)
+        self.refused: RuntimeError | None = None
 
     def hooked(self, params) -> list[torch.nn.Parameter]:
         """One hook per bucket: nothing is reduced in backward, a hook only has to see that a backward runs
@@ -248,6 +256,7 @@ class ReduceAtStep(GradSync):
 
     def _forget(self) -> None:
         """.grad changed or was zeroed: the shards are reduced from it again at the next step."""
+        self.refused = None
         if self.state is RoundState.REDUCED:
             self.state = RoundState.EMPTY
 
@@ -281,18 +290,21 @@ class ReduceAtStep(GradSync):
         for (device, _), gs in grads.items():
             torch._foreach_mul_(gs, coef.to(device))
 
-    def prepare_step(self) -> None:
+    def prepare_step(self) -> Exception | None:
+        if self.refused is not None:
+            return self.refused
         if self.state is not RoundState.REDUCED:
-            for p, entry in self.entries.items():  # the kept .grad is packed flat: it must be like its parameter
-                g = p.grad
-                if g is not None and entry.buckets and not grad_ok(g, entry):
-                    _check_grad(p, entry, self.names)
+            refused, kept = self._check_kept()
             self.present.clear()
             for bucket in self.buckets:
-                bucket.start(self.present, accumulate=False, free_grads=False, block=True)
+                bucket.start(self.present, accumulate=False, free_grads=False, block=True, late=kept)
             for e in self._empty:
                 if e.part.params[e.index].grad is not None:
                     self.present.flags[e.pi][e.index] = True
+            if refused is not None:  # reduced without the refused gradients; .grad is reduced again at the next step
+                self.wait()
+                self.refused = refused
+                return refused
             self.state = RoundState.REDUCED
             if self._carry is not None:  # a clip before the last backward (apply_clip)
                 self.wait()
@@ -300,6 +312,25 @@ class ReduceAtStep(GradSync):
                     part.grad_shard.add_(c)
                 self._carry = None
         self.wait()
+        return None
+
+    def _check_kept(self) -> tuple[RuntimeError | None, dict | None]:
+        """The kept ``.grad`` is packed flat: each must be like its parameter. ``(None, None)`` when all are, else
+        the first refusal (``_check_grad``'s words) and the gradients to pack instead (by parameter id: the
+        others, the refused ones packed as zeros)."""
+        refused = None
+        bad = set()
+        for p, entry in self.entries.items():
+            g = p.grad
+            if g is not None and entry.buckets and not grad_ok(g, entry):
+                try:
+                    _check_grad(p, entry, self.names)
+                except RuntimeError as error:
+                    refused = refused or error
+                    bad.add(id(p))
+        if refused is None:
+            return None, None
+        return refused, {id(p): p.grad for p in self.entries if p.grad is not None and id(p) not in bad}
 
     def grads_edited(self) -> bool:
         """Whether user code wrote a kept ``.grad`` in place after backward produced it.
@@ -323,8 +354,10 @@ class ReduceAtStep(GradSync):
         self._start_afresh()  # the optimizer's zero_grad zeroes .grad: not an edit (grads_edited)
 
     def _start_afresh(self) -> None:
-        """No clip share to add, and no .grad version to compare (grads_edited) until the next backward."""
+        """No clip share to add, no refusal, and no .grad version to compare (grads_edited) until the next
+        backward."""
         self._carry = None
+        self.refused = None
         for versions in self._grad_versions:
             versions[:] = [None] * len(versions)
 
@@ -478,7 +511,7 @@ class ReduceInBackward(GradSync):
             for part in self.partitions:
                 part.grad_shard.zero_()
 
-    def prepare_step(self) -> None:
+    def prepare_step(self) -> Exception | None:
         stale = self.unreduced_grads()
         if stale and self._accumulated:
             raise RuntimeError(
@@ -488,19 +521,18 @@ class ReduceInBackward(GradSync):
         if stale and self.state is RoundState.EMPTY and _all_zero([p.grad for p in stale]):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
-        if stale:
-            self.wait()  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
-            raise HandSetGrads(
+        self.wait()
+        if stale:  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
+            return HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
                 "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
                 "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
-        self.wait()
+        return None
 
 
 class HandSetGrads(RuntimeError):
-    """Stages 2-3: a ``.grad`` no backward produced (assigned by hand), found before any of the step's collectives.
-    It may be on some ranks only: the optimizer then goes through the step skipped and raises at its end
-    (``ShardedOptimizer._refusal``), so no rank waits in a collective this one left."""
+    """Stages 2-3: a ``.grad`` no backward produced (assigned by hand), found before any of the step's collectives
+    (``prepare_step`` returns it)."""
 
 
 def _all_zero(grads: list[torch.Tensor]) -> bool:
