@@ -49,6 +49,20 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
                  b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
 
 
+def check_foreach_tensors(lr, betas, foreach, capturable) -> None:
+    """torch.optim.AdamW's constructor refuses a Tensor lr or betas with foreach=True unless capturable (its foreach
+    path reads them as numbers): refused here alike, in its words, though fused_zero's update takes them either way
+    (foreach= changes nothing here; leave it out)."""
+    if not foreach or capturable:
+        return
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    if isinstance(betas, (tuple, list)):
+        for i, beta in enumerate(betas[:2]):
+            if isinstance(beta, torch.Tensor):
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+
+
 def check_flags(foreach, fused, capturable, differentiable, optimizer_capturable: bool = False) -> None:
     """AdamW's implementation flags: fused_zero always runs its own fused update. ``capturable`` (a group's entry)
     must be the optimizer's own setting, made when it is built (``optimizer_capturable``; step_graph.py)."""
@@ -60,6 +74,8 @@ def check_flags(foreach, fused, capturable, differentiable, optimizer_capturable
                          "it captures its step's device work as one CUDA graph), made when it is built; build it "
                          f"with ShardedOptimizer(..., capturable={bool(capturable)}), or leave the group's entry as "
                          "the optimizer's")
+    if fused and differentiable:  # torch's words and type
+        raise RuntimeError("`fused` does not support `differentiable`")
     if differentiable:
         raise ValueError("differentiable=True is not supported: the sharded update runs outside autograd; "
                          "use differentiable=False")

@@ -36,7 +36,8 @@ from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, queue_end_of_backward
 from .deferred import DeferredFlags
-from .hyper import agreement_key, check_flags, check_group, check_hyperparameters, check_param
+from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
+    check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from .ownership import claim, others_on_group, release
@@ -126,6 +127,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                        param_comm=param_comm, grad_comm=grad_comm, quant_block=quant_block,
                                        ).items() if v is not _UNSET}
         config = ZeroConfig.resolve(config, given)
+        check_foreach_tensors(lr, betas, foreach, capturable)
         betas = check_hyperparameters(lr, betas, eps, weight_decay)
         check_flags(foreach, fused, capturable, differentiable, bool(capturable))
         if isinstance(params, nn.Module):
@@ -172,6 +174,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
+        self._state_len = -1  # len(self.state) when last put in param_groups order (_order_state)
         if self._rendezvous is not None:
             self._rendezvous.progress = Relay(self._steps_finished)
         self._last_update = None  # what the last update used: the next stats all-reduce checks it
@@ -830,6 +833,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._steps_done += 1
+        if len(self.state) != self._state_len:  # new states (a first step, a new group): in torch's order
+            self._order_state()
         self._verdicts.end_step()
         self.grad_sync.end_step()
         self._clip = None
@@ -842,6 +847,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._reduce_comm.reset_traffic()
         for kind, n in (*self._stage.traffic().items(), *own.items()):
             self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
+
+
+    def _order_state(self) -> None:
+        """``self.state`` in param_groups order, as torch.optim's first step creates it (the partitions create the
+        states in their layout order, which is backward's): ``list(optimizer.state.values())[0]`` is the first
+        parameter's. Other keys keep their place after them."""
+        state = self.state
+        first = [p for p in dict.fromkeys(p for g in self.param_groups for p in g["params"]) if p in state]
+        ids = {id(p) for p in first}
+        for key in first + [k for k in state if id(k) not in ids]:
+            state[key] = state.pop(key)
+        self._state_len = len(state)
 
 
 ShardOwner.register(ShardedOptimizer)  # what fused_zero.checkpoint saves and loads

@@ -83,6 +83,7 @@ class StateAccess:
             state_dict = state_dict if result is None else result
         with self.collective_call("load_state_dict()"):
             load_optim_state(self, state_dict)
+        self._order_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -251,3 +251,98 @@ def test_moments_without_a_step_are_refused_at_load():
     del sd["state"][i]["step"]
     with pytest.raises(ValueError, match=rf"state {i} .* holds \['exp_avg', 'exp_avg_sq'\] but no 'step'"):
         opt.load_state_dict(sd)
+
+
+# --- details torch's own optimizer tests check (test_state_dict_deterministic, test_can_load_older_state_dict,
+# test_errors), found by porting them -----------------------------------------------------------------------
+
+
+def _twins(stage, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **kw)
+    return model, opt, ref, torch.optim.AdamW(ref.parameters(), **kw)
+
+
+def _steps(model, opt, steps, start):
+    for t in range(start, start + steps):
+        g = torch.Generator().manual_seed(t)
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _params(model, opt, stage):
+    with opt.full_parameters() if stage == 3 else contextlib.nullcontext():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dict_numbers_a_repeated_parameter_by_its_first_place(stage):
+    """torch's test_state_dict_deterministic ends by extending param_groups with themselves: a parameter listed
+    twice keeps its first number (before: its last, and the first group's parameters had no state)."""
+    model, opt, ref, ref_opt = _twins(stage)
+    _steps(model, opt, 1, 0)
+    _steps(ref, ref_opt, 1, 0)
+    for o in (opt, ref_opt):
+        o.param_groups.extend(o.param_groups)
+    mine, theirs = opt.state_dict(), ref_opt.state_dict()
+    assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]] \
+        == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) == [0, 1, 2, 3]
+    for i, s in theirs["state"].items():
+        assert all(torch.equal(mine["state"][i][k], v) for k, v in s.items()), i
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("flag, kw", [("maximize", dict(maximize=True, weight_decay=0.1)),
+                                      ("amsgrad", dict(amsgrad=True))])
+def test_loading_a_state_dict_without_a_flag_takes_torchs_default(stage, flag, kw):
+    """torch's test_can_load_older_state_dict: a saved group that lacks maximize (amsgrad, foreach, fused,
+    differentiable) loads as torch's default for it (Adam.__setstate__), not the optimizer's value."""
+    model, opt, ref, ref_opt = _twins(stage, **kw)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        _steps(m, o, 3, 0)
+        sd = copy.deepcopy(o.state_dict())
+        for g in sd["param_groups"]:
+            for key in (flag, "foreach", "fused", "differentiable"):
+                g.pop(key, None)
+        o.load_state_dict(sd)
+        assert o.param_groups[0][flag] is False and o.param_groups[0]["foreach"] is None
+        _steps(m, o, 3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(_params(model, opt, stage), ref.parameters()))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(lr=torch.tensor(0.001), foreach=True), "lr as a Tensor is not supported for capturable=False and foreach"),
+    (dict(betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True), r"betas\[0\] as a Tensor is not supported"),
+])
+def test_tensor_hyperparameters_with_foreach_refused_as_torch(kw, words):
+    """torch's test_errors (AdamW's CPU error inputs): the same ValueError and words."""
+    for cls in (torch.optim.AdamW, ShardedOptimizer):
+        with pytest.raises(ValueError, match=words):
+            cls([torch.nn.Parameter(torch.randn(2))], **kw)
+    ShardedOptimizer([torch.nn.Parameter(torch.randn(2))], **{**kw, "foreach": False})  # served without foreach
+
+
+def test_fused_with_differentiable_refused_in_torchs_words():
+    with pytest.raises(RuntimeError, match="`fused` does not support `differentiable`"):
+        ShardedOptimizer([torch.nn.Parameter(torch.randn(2))], fused=True, differentiable=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_is_in_param_groups_order_as_torchs(stage):
+    """``optimizer.state`` iterates in param_groups order, as torch's first step creates it (the shards create
+    states in backward's order): ``list(opt.state.values())[0]`` is the first parameter's, also after a load."""
+    model, opt, ref, ref_opt = _twins(stage)
+    _steps(model, opt, 1, 0)
+    _steps(ref, ref_opt, 1, 0)
+    params = list(model.parameters())
+    assert list(opt.state) == params
+    assert [id(ref_opt.state[q]) for q in ref.parameters()] == [id(v) for v in ref_opt.state.values()]
+    sd = opt.state_dict()
+    sd["state"] = dict(reversed(list(sd["state"].items())))
+    opt.load_state_dict(sd)
+    assert list(opt.state) == params

@@ -43,7 +43,9 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     """
     index = opt.shard_index()
     params = [p for g in opt.param_groups for p in g["params"]]
-    number = {id(p): i for i, p in enumerate(params)}
+    number: dict[int, int] = {}  # a parameter listed twice keeps its first number, as torch's state_dict
+    for i, p in enumerate(params):  # (param_groups extended by hand: torch's test_state_dict_deterministic)
+        number.setdefault(id(p), i)
     shapes = shapes_of(index)
     mine = [(part.shard_numel, [tuple(pc) for pc in part.pieces]) for part in index]
     tables = comm.all_gather_object(mine)
@@ -91,10 +93,7 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
         extra = {k: v for k, v in mine.items() if k not in OWN_KEYS}
         if extra:  # what user code or a state-dict pre-hook put there: kept as torch keeps it
             state.setdefault(i, {}).update(extra)
-    members, start = [], 0
-    for g in opt.param_groups:
-        members.append(range(start, start + len(g["params"])))
-        start += len(g["params"])
+    members = [[number[id(p)] for p in g["params"]] for g in opt.param_groups]
     for k, v in opt.state.items():  # state kept under a key that is no parameter: packed as it is, as torch does
         if not isinstance(k, torch.Tensor):
             state.setdefault(k, v)

@@ -23,6 +23,9 @@ from .view import BASE_KINDS, OPTION_OF_KIND, ModelView, group_hyper
 # torch.optim.AdamW group keys that say how torch runs, not what the hyperparameters are
 TORCH_ONLY = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 REQUIRED = ("lr", "betas", "eps", "weight_decay")  # hyperparameters every saved group must carry
+# what torch.optim.Adam's __setstate__ gives a loaded group that lacks the key (an older torch's state dict: torch's
+# test_can_load_older_state_dict): the loaded group replaces the optimizer's, so the optimizer's value is not kept
+SETSTATE_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
 
 def torch_param_groups(hypers, members, adam_w_mode: bool) -> list[dict]:
@@ -124,7 +127,8 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     if bad:
         raise ValueError(f"the optimizer state does not fit the parameters: {', '.join(bad)}; pass the state dict "
                          "of an optimizer over this model, with the same param groups in the same order")
-    hypers = [{k: v for k, v in group_hyper(g).items() if _takes(k, mine)} for g, mine in zip(saved, groups)]
+    hypers = [{**{k: v for k, v in SETSTATE_DEFAULTS.items() if k not in g and k in mine},
+               **{k: v for k, v in group_hyper(g).items() if _takes(k, mine)}} for g, mine in zip(saved, groups)]
     return states, hypers
 
 
