@@ -17,6 +17,7 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -51,6 +52,19 @@ from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
 from .update import REFUSED, plan_update, read_hypers, update_all
+
+
+def _check_clip_args(max_norm, norm_type) -> None:
+    """clip_grad_norm_'s max_norm is a number (torch would fail dividing by it) and norm_type the 2-norm."""
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, numbers.Real) or (
+            isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and not max_norm.is_complex())):
+        raise TypeError(f"max_norm must be a real number, got {type(max_norm).__name__} {max_norm!r}: pass the norm "
+                        "to clip to, e.g. clip_grad_norm_(1.0)")
+    if norm_type != 2.0:
+        raise ValueError(f"only the 2-norm is supported (norm_type=2.0, the default), got norm_type={norm_type}: "
+                         "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
+                         "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
+                         "and measure it yourself")
 
 
 class _Body(NamedTuple):
@@ -217,7 +231,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise RuntimeError("stage 3 lays out every parameter of the model at construction; pass all "
                                    "param groups to ShardedOptimizer(..., module=model) instead of add_param_group")
-            self._build()
+            # every rank adds it (a lone call raises at once, naming it), and the ranks agree on the new layout
+            # before the rebuild changes anything: refused, the group is taken back and the optimizer trains on
+            building = False
+            try:
+                with self.collective_call("add_param_group()"):
+                    self._stage.check_groups(self.param_groups, self._names)
+                    building = True
+                    self._build()
+            except (TypeError, ValueError, RuntimeError):
+                if not building:
+                    self.param_groups.pop()
+                raise
 
     def _check_disjoint(self) -> None:
         """Parameters that are views of one memory (``nn.Parameter(w.data[:4])`` beside ``w``) are refused: each
@@ -569,11 +594,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """
         self._check_open()
         self._settle_update()
-        if norm_type != 2.0:
-            raise ValueError(f"only the 2-norm is supported (norm_type=2.0, the default), got norm_type={norm_type}: "
-                             "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
-                             "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
-                             "and measure it yourself")
+        # a bad max_norm or norm_type may be on one rank only: raised by the step() that follows, after its
+        # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
+        # would each scale their own shard), so the others skip that step too and raise at their next call
+        _, bad_clip = self._refusal(lambda: _check_clip_args(max_norm, norm_type))
         _, edited = self._refusal(self._check_layout)  # (step() raises it: it refuses again there)
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(
@@ -584,22 +608,25 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
-        refusing = edited is not None or hand_set is not None
+        refusing = edited is not None or hand_set is not None or bad_clip is not None
         self._raise_if_disagreed()
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
+            bad_clip = bad_clip or self._clip.refused
             previous = self._apply_clip(during_backward=False)
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
-        stats = self._stats(with_norm=True, site="clip_grad_norm_", refusing=refusing)
+        stats = self._stats(with_norm=True, site=("clip_grad_norm_", None if bad_clip else agreement_key(max_norm)),
+                            refusing=refusing)
         total = stats.total_norm(inv_scale)
         if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
             raise RuntimeError(  # torch's words; the same on every rank (the global norm)
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        self._clip = PendingClip(max_norm, stats, total, resolved=grad_scaler is not None,
-                                 previous=None if previous is None or previous[0].resolved else previous)
+        self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=grad_scaler is not None,
+                                 previous=None if previous is None or previous[0].resolved else previous,
+                                 refused=bad_clip)  # (bad_clip: step() raises it after its collectives)
         return total
 
     @torch.no_grad()
@@ -649,7 +676,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
-        refused = next((e for e in (edited, bad_hyper, hand_set) if e is not None), None)
+        refused = next((e for e in (edited, bad_hyper, hand_set, self._clip and self._clip.refused) if e is not None),
+                       None)
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
         for part in self.partitions:
@@ -768,7 +796,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
         return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
 
-    def _stats(self, with_norm: bool, site: str, refusing: bool) -> StepStats:
+    def _stats(self, with_norm: bool, site, refusing: bool) -> StepStats:
         """The one all-reduce of clip_grad_norm_ (step() runs its two halves apart: its device body may be a
         replayed graph). The verdict stays on the device (``StepStats.disagree``) and is posted to ``_verdicts``."""
         vector, flags = self._stats_input(with_norm, site, refusing)
@@ -776,7 +804,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._verdicts.post(stats.disagree)
         return stats
 
-    def _stats_input(self, with_norm: bool, site: str, refusing: bool) -> tuple[torch.Tensor, tuple[bool, ...]]:
+    def _stats_input(self, with_norm: bool, site, refusing: bool) -> tuple[torch.Tensor, tuple[bool, ...]]:
         """The stats all-reduce's input on the device, sent without a wait, and this rank's has-grad flags (per
         partition, per parameter, flat). Its checksum covers what every rank must agree on now (``_stats_agreed``), how it got
         here (``site``: step or clip_grad_norm_; ``refusing``: this rank refuses the step), and what the last

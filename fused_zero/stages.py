@@ -70,6 +70,13 @@ class Stage1:
         self.tiers = Tiers.from_config(config, self.staging, self.shards_params)
 
     # -- construction -----------------------------------------------------
+    def check_groups(self, groups: list[dict], names: dict) -> None:
+        """Raise on every rank unless every rank holds the same parameters in the same groups and order."""
+        signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
+                     for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
+        self.topology.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
+                             "in the same groups and order, on every rank")
+
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
               begin_backward: Callable[[], None], previous: list[Partition],
               first_forward: Callable[[], None] | None = None) -> tuple[list[Partition], list[list[int]]]:
@@ -79,10 +86,7 @@ class Stage1:
         """
         self.names = names
         self.check_offload()
-        signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
-                     for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
-        self.topology.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
-                             "in the same groups and order, on every rank")
+        self.check_groups(groups, names)
         built = {id(part.params[0]): part for part in previous}
         built_params = {p for part in previous for p in part.params}
         partitions, positions, position = [], [], {}

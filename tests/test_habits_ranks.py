@@ -749,6 +749,81 @@ def test_stage1_a_bad_kept_grad_on_one_rank_raises_on_every_rank_without_hanging
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 
+def _clip_args_differ(rank, world_size, stage, case):
+    """clip_grad_norm_'s arguments on rank 1 unlike rank 0's: a max_norm that is no number or norm_type=1 (before:
+    raised there before the clip's all-reduce, or later inside the update, and the ranks hung), or another
+    max_norm (before: each rank scaled its own shard of the update by its own factor, silently)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    args = {"str": ("1.0",), "none": (None,), "norm_type": (1.0, 1.0), "other": (0.01,), "nan": (float("nan"),)}[case]
+    out = {}
+    for t in range(4):
+        _train(model, opt, t, rank)
+        out[f"clip{t}"] = _caught(lambda: opt.clip_grad_norm_(*(args if rank == 1 and t == 1 else (1.0,))))
+        with opt.full_parameters():
+            before = [p.detach().clone() for p in model.parameters()]
+        out[t] = _caught(opt.step)
+        with opt.full_parameters():
+            out[f"unchanged{t}"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", ["str", "none", "norm_type", "other", "nan"])
+def test_clip_arguments_on_one_rank_skip_the_step_and_raise_on_every_rank(stage, case):
+    first, second = run_ranks(_clip_args_differ, 2, stage, case, timeout=TIMEOUT)
+    for out in (first, second):
+        assert all(out[f"clip{t}"] is None for t in (0, 1, 3)), out  # (the step raises the refusal)
+        assert out["clip2"] is not None and "ranks disagree" in out["clip2"][1], out["clip2"]  # the next call
+        assert out["unchanged1"] and not out["unchanged0"] and not out["unchanged3"]
+        assert out[3] is None
+    if case in ("other", "nan"):
+        assert first[1] is None and second[1] is None
+    else:
+        words = {"norm_type": ("ValueError", "only the 2-norm")}.get(case, ("TypeError", "max_norm must be a real"))
+        assert second[1] is not None and second[1][0] == words[0] and words[1] in second[1][1], second[1]
+        assert first[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+def _add_param_group_unlike(rank, world_size, stage, kind):
+    """add_param_group on rank 1 only (before: it waited in the rebuild's agreement while rank 0 waited in the next
+    step: a hang), or with another parameter on each rank (refused on both, but the group stayed in param_groups
+    and every later step() was refused as an edit)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    _train(model, opt, 0, rank)
+    opt.step()
+    extra = torch.nn.Parameter(torch.randn(8 + (4 * rank if kind == "differs" else 0), 8))
+    out = {"add": None}
+    if kind == "differs" or rank == 1:
+        out["add"] = _caught(lambda: opt.add_param_group({"params": [extra]}))
+    out["groups"] = len(opt.param_groups)
+    for t in (1, 2):
+        _train(model, opt, t, rank)
+        out[t] = _caught(opt.step)
+    out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind", ["one_rank", "differs"])
+def test_add_param_group_unlike_across_ranks_is_refused_and_training_goes_on(stage, kind):
+    first, second = run_ranks(_add_param_group_unlike, 2, stage, kind, timeout=TIMEOUT)
+    words = "add_param_group() is collective" if kind == "one_rank" else "parameters differ across ranks"
+    assert second["add"] is not None and words in second["add"][1], second["add"]
+    assert (first["add"] is None) == (kind == "one_rank")
+    for out in (first, second):
+        assert out["groups"] == 1 and out[1] is None and out[2] is None, out
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
 def _edits_on_one_rank(rank, world_size, stage):
     """Edits that step() refuses, made on rank 1 only between backward and step (each undone after): refused
     there after the step's collectives, the others learn at their next step() (before: an IndexError or
