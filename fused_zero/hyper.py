@@ -107,7 +107,10 @@ def agreement_key(value):
                                           and not isinstance(value, numbers.Real) else float(value))
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
-            values = as_float(value)
+            try:
+                values = as_float(value)
+            except (RuntimeError, NotImplementedError):  # a meta tensor: no value to compare (the step refuses
+                values = ("unreadable", value.device.type)  # it, on this rank perhaps alone: read_hypers)
         else:
             values = tuple(value.flatten().tolist()) if value.device.type == "cpu" else value.device.type  # host tensor
         return ("tensor", str(value.dtype), tuple(value.shape), values)

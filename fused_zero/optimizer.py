@@ -661,10 +661,19 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             message = framework_without_integration(self)
             if message is not None:
                 raise RuntimeError(message)
-        loss = None
+        loss, failed = None, None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                try:
+                    loss = closure()
+                except Exception as error:  # noqa: BLE001 - raised again at the step's end
+                    if self.topology.world_size == 1:
+                        raise
+                    # perhaps on this rank alone, after its backward: the step goes through its collectives
+                    # skipped and raises it (a closure that raised inside its forward, alone, leaves the others in
+                    # their backward's collectives, as DDP)
+                    failed = error
+                    self._recover_if_dropped()
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
         _, edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters
@@ -676,8 +685,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
-        refused = next((e for e in (edited, bad_hyper, hand_set, self._clip and self._clip.refused) if e is not None),
-                       None)
+        refused = next((e for e in (failed, edited, bad_hyper, hand_set, self._clip and self._clip.refused)
+                        if e is not None), None)
         self._raise_if_disagreed()
         self._stage.before_update(self.partitions)
         for part in self.partitions:
@@ -829,7 +838,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
                 "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
                 "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
-                "parameter, a param group's parameters edited); set hyperparameters (and call clip_grad_norm_ / the scaler) "
+                "parameter, a param group's parameters edited, a bad clip_grad_norm_ argument, a closure that "
+                "raised); set hyperparameters (and call clip_grad_norm_ / the scaler) "
                 "identically on every rank")
 
     def check_agreement(self) -> None:

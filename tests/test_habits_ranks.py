@@ -824,6 +824,47 @@ def test_add_param_group_unlike_across_ranks_is_refused_and_training_goes_on(sta
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 
+class _ClosureFailed(Exception):
+    pass
+
+
+def _step_fails_on_one_rank(rank, world_size, stage, kind):
+    """step(closure) whose closure raises after its backward on rank 1 only, or a group's lr a tensor no value can
+    be read from (a meta tensor) on rank 1 only: that rank's step goes through the collectives skipped and raises,
+    the others learn at their next step (before: rank 1 left its step before the collectives, and the ranks hung,
+    or gloo aborted on a collective mismatch)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    out = {}
+    for t in range(4):
+        def closure():
+            _train(model, opt, t, rank)
+            if rank == 1 and t == 1 and kind == "closure":
+                raise _ClosureFailed("closure failed after backward")
+        lr = opt.param_groups[0]["lr"]
+        if rank == 1 and t == 1 and kind == "lr_meta":
+            opt.param_groups[0]["lr"] = torch.tensor(lr, device="meta")
+        out[t] = _caught(lambda: opt.step(closure))
+        opt.param_groups[0]["lr"] = lr
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["closure", "lr_meta"])
+def test_a_step_failing_on_one_rank_raises_on_every_rank_without_hanging(stage, kind):
+    first, second = run_ranks(_step_fails_on_one_rank, 2, stage, kind, timeout=TIMEOUT)
+    words = ("_ClosureFailed", "closure failed") if kind == "closure" else ("TypeError", "lr must be a real number")
+    assert second[1] is not None and second[1][0] == words[0] and words[1] in second[1][1], second[1]
+    assert first[1] is None and first[0] is None and second[0] is None
+    assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
+    assert first[3] is None and second[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
 def _edits_on_one_rank(rank, world_size, stage):
     """Edits that step() refuses, made on rank 1 only between backward and step (each undone after): refused
     there after the step's collectives, the others learn at their next step() (before: an IndexError or
