@@ -10,6 +10,7 @@ tensors, and leaves the parameters as they are (masters come from them, or from 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 
 import torch
 
@@ -103,6 +104,35 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
     return {"state": state, "param_groups": groups}
 
 
+def _frozen_states(sd, opt, index) -> list[tuple]:
+    """(parameter, its saved state copied whole, or None) for the parameters frozen when ``opt`` was built: kept
+    whole, as torch's AdamW keeps them (they train nothing here; state_dict() gives them back, and a rebuild after
+    unfreezing loads them)."""
+    owned = {id(p) for part in index for p in part.params}
+    out = []
+    for saved, group in zip(sd["param_groups"], opt.param_groups):
+        for i, p in zip(saved["params"], group["params"]):
+            if id(p) not in owned:
+                s = sd["state"].get(i, sd["state"].get(str(i)))
+                if s and not isinstance(s, Mapping):
+                    raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
+                out.append((p, _whole_copy(s) if s else None))
+    return out
+
+
+def _param_names(sd) -> list:
+    """Each saved group's "param_names" as a list (None where it has none)."""
+    out = []
+    for gi, saved in enumerate(sd["param_groups"]):
+        names = saved.get("param_names")
+        if names is not None and (isinstance(names, (str, bytes)) or not isinstance(names, (list, tuple))
+                                  or len(names) != len(saved["params"])):
+            raise TypeError(f"param group {gi} of the state dict has param_names {names!r}: a list with one name "
+                            "per parameter, as torch's state_dict() of named parameters writes it")
+        out.append(None if names is None else list(names))
+    return out
+
+
 def _whole_copy(state: dict) -> dict:
     """A frozen parameter's state as torch keeps it: its tensors copied whole, the rest as it is."""
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
@@ -162,9 +192,13 @@ def load_state_dict(opt, sd) -> None:
         staged = slice_into_shards(index, lambda part: part.kinds, source)
         steps = {p: float(s["step"]) for p, s in states.items() if "step" in s}
         extras = {p: {k: v for k, v in s.items() if k not in OWN_KEYS} for p, s in states.items()}
-        return index, staged, steps, hypers, extras, pending
+        # everything else the load takes from sd is read here too, so nothing after the ranks agreed can fail on
+        # one rank alone (and leave it half-loaded, or the others waiting in the load's collectives)
+        return index, staged, steps, hypers, extras, pending, unowned_state(sd), _frozen_states(sd, opt, index), \
+            _param_names(sd)
 
-    (index, staged, steps, hypers, extras, pending), _ = comm.agree(prepare, errors=(CheckpointError,))
+    (index, staged, steps, hypers, extras, pending, unowned, frozen, param_names), _ = comm.agree(
+        prepare, errors=(CheckpointError,))
     for part in index:
         for p in part.params:
             opt.state.pop(p, None)
@@ -175,21 +209,15 @@ def load_state_dict(opt, sd) -> None:
     # state under keys that are no parameter's index: replaced by the loaded ones, copied as they are (torch)
     for k in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
         del opt.state[k]
-    opt.state.update(unowned_state(sd))
-    # the states of parameters frozen when this optimizer was built: kept whole, as torch's AdamW keeps them (they
-    # train nothing here; state_dict() gives them back, and a rebuild after unfreezing loads them)
-    owned = {id(p) for part in index for p in part.params}
-    for saved, group in zip(sd["param_groups"], opt.param_groups):
-        for i, p in zip(saved["params"], group["params"]):
-            if id(p) not in owned:
-                opt.state.pop(p, None)
-                s = sd["state"].get(i, sd["state"].get(str(i)))
-                if s:
-                    opt.state[p] = _whole_copy(s)
-    for group, hyper, saved in zip(opt.param_groups, hypers, sd["param_groups"]):
+    opt.state.update(unowned)
+    for p, s in frozen:
+        opt.state.pop(p, None)
+        if s is not None:
+            opt.state[p] = s
+    for group, hyper, names in zip(opt.param_groups, hypers, param_names):
         group.update(hyper)
-        if "param_names" in saved:  # the loaded names replace the group's, as torch's load_state_dict does
-            group["param_names"] = list(saved["param_names"])
+        if names is not None:  # the loaded names replace the group's, as torch's load_state_dict does
+            group["param_names"] = names
     opt.load_shards(staged)
     for k, part in enumerate(opt.partitions):
         part.pending_master = pending.get(k)
