@@ -104,9 +104,6 @@ class PendingClip(NamedTuple):
     # a clip this step before this one, not resolved, and the factor it was applied to the shards with (from a
     # norm that a GradScaler found at step() may show to be scaled): (that clip, the factor)
     previous: tuple[PendingClip, torch.Tensor] | None = None
-    # what this rank refused in the clip's arguments (a bad max_norm on it alone): step() goes through its
-    # collectives skipped and raises it, as for its own refusals (ShardedOptimizer._refusal)
-    refused: Exception | None = None
 
     def unscales_at_step(self, scaler: ScalerInputs) -> bool:
         """Whether ``coef`` unscales the returned norm in place: a scaler turned up only at step() (the usual

@@ -46,12 +46,17 @@ from .sharding.partition import Partition
 from .profiling import UPDATE, label
 from .stages import make_stage
 from .state_io import StateAccess
-from .state_views import attach_all
+from .state_views import attach_all, check_state_edits
 from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
 from .update import REFUSED, plan_update, read_hypers, update_all
+
+
+def _norm_key(max_norm) -> object:
+    """What ranks compare of a clip's max_norm: its value (1 and 1.0 alike; a tensor's read once)."""
+    return float(max_norm) if isinstance(max_norm, numbers.Real) else agreement_key(max_norm)
 
 
 def _check_clip_args(max_norm, norm_type) -> None:
@@ -184,6 +189,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._habits_checked = False
         self._framework_checked = False
         self._clip: PendingClip | None = None  # clip_grad_norm_ called since the last step
+        # this step's clips, also those a backward since applied: what each agreed on (max_norm), and a refusal of
+        # their arguments on this rank (raised by the step, after its collectives)
+        self._clipped: tuple = ()
+        self._clip_refused: Exception | None = None
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
@@ -571,7 +580,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if not set_to_none:  # zeroes the gradient shards the update behind step() may still read
             self._settle_update()
         self.grad_sync.zero_grad(set_to_none)
-        self._clip = None
+        self._forget_clips()
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
@@ -598,7 +607,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
         # would each scale their own shard), so the others skip that step too and raise at their next call
         _, bad_clip = self._refusal(lambda: _check_clip_args(max_norm, norm_type))
-        _, edited = self._refusal(self._check_layout)  # (step() raises it: it refuses again there)
+        # (step() raises these: it refuses again there; the clip's checksum carries them to the step that follows,
+        # which makes no all-reduce of its own)
+        _, edited = self._refusal(self._check_edits)
+        _, unfit = self._refusal(lambda: self._stage.check_fit(self.partitions))  # (p.data = t of another shape)
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(
                 "clip_grad_norm_() inside optimizer.no_sync(), while gradients still accumulate: it clips the global "
@@ -608,16 +620,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
-        refusing = edited is not None or hand_set is not None or bad_clip is not None
+        refusing = edited is not None or hand_set is not None or bad_clip is not None or unfit is not None
         self._raise_if_disagreed()
+        bad_clip = bad_clip or self._clip_refused  # (an earlier clip's this step, applied by a backward since too)
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
-            bad_clip = bad_clip or self._clip.refused
             previous = self._apply_clip(during_backward=False)
         grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
-        stats = self._stats(with_norm=True, site=("clip_grad_norm_", None if bad_clip else agreement_key(max_norm)),
-                            refusing=refusing)
+        clipped = self._clipped + (None if bad_clip else _norm_key(max_norm),)
+        stats = self._stats(with_norm=True, site=("clip_grad_norm_", clipped), refusing=refusing)
         total = stats.total_norm(inv_scale)
         if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
             raise RuntimeError(  # torch's words; the same on every rank (the global norm)
@@ -625,8 +637,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
         self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=grad_scaler is not None,
-                                 previous=None if previous is None or previous[0].resolved else previous,
-                                 refused=bad_clip)  # (bad_clip: step() raises it after its collectives)
+                                 previous=None if previous is None or previous[0].resolved else previous)
+        self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
         return total
 
     @torch.no_grad()
@@ -685,10 +697,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
-        refused = next((e for e in (failed, edited, bad_hyper, hand_set, self._clip and self._clip.refused)
-                        if e is not None), None)
         self._raise_if_disagreed()
-        self._stage.before_update(self.partitions)
+        # what user code did to the parameters (p.data = t, model.to(), a write between stage-3 steps): a change the
+        # flat buffers cannot take may be on this rank alone
+        _, unfit = self._refusal(lambda: self._stage.before_update(self.partitions))
+        refused = next((e for e in (failed, edited, bad_hyper, hand_set, self._clip_refused, unfit)
+                        if e is not None), None)
+        if refused is not None:  # the update keeps its shape and changes nothing, user code's state edits included
+            hypers = REFUSED
         for part in self.partitions:
             part.pending_master = None  # masters load_state_dict kept for weights that never came
         # 2. update
@@ -707,7 +723,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if clip is not None:  # (a backward since would have applied it: _begin_backward)
             agreed = self._agreed()  # clip_grad_norm_'s all-reduce serves this step; the next one checks this
         else:
-            vector, flags = self._stats_input(need_norm or amp, "step", refused is not None)
+            # (clips a backward applied since: their norms agree in this all-reduce, so a mismatch skips this step)
+            vector, flags = self._stats_input(need_norm or amp, ("step", self._clipped) if self._clipped else "step",
+                                              refused is not None)
             agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
@@ -771,9 +789,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _check_edits(self) -> None:
         """What user code changed since the build that this optimizer cannot serve: a parameter frozen when
-        laid out now given a gradient, a param group's parameter list edited."""
+        laid out now given a gradient, a param group's parameter list edited, a state[p] entry replaced by what
+        the update cannot take."""
         refuse_unfrozen(self._stage.frozen, self._names)
         self._check_layout()
+        for part in self.partitions:
+            check_state_edits(self.state, part)
 
     def _refusal(self, check, errors=(TypeError, ValueError, RuntimeError, LookupError)):
         """``(check(), None)``, or ``(None, error)`` for an ``errors`` it raised, which only this rank may have found:
@@ -832,7 +853,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._last_update = None  # what the skipped step would have used: not checked again at the next one
             if not every:  # inside step() or clip_grad_norm_: this step's gradients are dropped
                 self.grad_sync.end_step()
-                self._clip = None
+                self._forget_clips()
             raise RuntimeError(
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
@@ -871,11 +892,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._steps_done += 1
-        if len(self.state) != self._state_len:  # new states (a first step, a new group): in torch's order
+        if len(self.__dict__["state"]) != self._state_len:  # new states (a first step, a new group): in torch's order
+            # (not the property: it would wait for the update running behind this step)
             self._order_state()
         self._verdicts.end_step()
         self.grad_sync.end_step()
-        self._clip = None
+        self._forget_clips()
         self._last_traffic = self.comm.traffic()
         self.comm.reset_traffic()
         for kind, n in self.topology.replicate_traffic().items():  # HSDP: what crossed between the replicas, apart
@@ -887,11 +909,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
 
 
+    def _forget_clips(self) -> None:
+        self._clip, self._clipped, self._clip_refused = None, (), None
+
     def _order_state(self) -> None:
         """``self.state`` in param_groups order, as torch.optim's first step creates it (the partitions create the
         states in their layout order, which is backward's): ``list(optimizer.state.values())[0]`` is the first
-        parameter's. Other keys keep their place after them."""
-        state = self.state
+        parameter's. Other keys keep their place after them. (The update behind a step touches the shards only.)"""
+        state = self.__dict__["state"]
         first = [p for p in dict.fromkeys(p for g in self.param_groups for p in g["params"]) if p in state]
         ids = {id(p) for p in first}
         for key in first + [k for k in state if id(k) not in ids]:

@@ -183,9 +183,21 @@ class Stage1:
         pass
 
     def before_update(self, partitions: list[Partition]) -> None:
-        """Take in what user code did to the parameters since the last step (load_state_dict, .to(), ...)."""
+        """Take in what user code did to the parameters since the last step (load_state_dict, .to(), ...); raises
+        the first change that cannot be taken in after taking in every other (the step is then refused)."""
+        refused = None
         for part in partitions:
-            part.adopt_outside_changes(self.names)
+            try:
+                part.adopt_outside_changes(self.names)
+            except RuntimeError as error:
+                refused = refused or error
+        if refused is not None:
+            raise refused
+
+    def check_fit(self, partitions: list[Partition]) -> None:
+        """Raise what ``before_update`` would refuse, changing nothing."""
+        for part in partitions:
+            part.check_fit(self.names)
 
     def after_update(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
         """The updated shards back into every rank's full parameters (behind step(): as each bucket is updated)."""
@@ -322,6 +334,9 @@ class Stage3(Stage2):
 
     def end_backward(self) -> None:
         self.gatherer.end_backward()
+
+    def check_fit(self, partitions) -> None:
+        """(Released parameters are placeholders until the step takes in what was assigned: checked there.)"""
 
     def before_update(self, partitions) -> None:
         self.gatherer.adopt_assigned()

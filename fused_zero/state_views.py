@@ -17,6 +17,8 @@ States kept on NVMe (``offload_optimizer="nvme"``) are not in memory: there ``st
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .host_read import to_host
@@ -132,9 +134,26 @@ def take_in_moments(state: dict, part, index: int) -> None:
     left as it is."""
     s = state[part.params[index]]
     pieces = part.pieces_of(index)
+    for kind, flat, view in _replaced_moments(s, part, index):
+        if flat.numel() == part.shapes[index].numel():
+            for pc in pieces:
+                part.store.write(kind, pc.shard_offset, flat[pc.param_offset:pc.param_offset + pc.numel])
+        else:  # this rank's elements
+            part.store.write(kind, pieces[0].shard_offset, flat)
+        if view is None:  # states not in memory (NVMe): state[p] holds no views
+            dict.__delitem__(s, kind)
+        else:
+            dict.__setitem__(s, kind, view)
+
+
+def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(kind, the values flat, the store's view) of each moment user code replaced in ``s`` (``state[p]`` of
+    parameter ``index`` of ``part``); raises what cannot be taken in."""
+    pieces = part.pieces_of(index)
     mine = sum(pc.numel for pc in pieces)
     full = part.shapes[index].numel()
     fresh = views_of(part, index)
+    out = []
     for kind in _moment_kinds(part):
         t, view = s.get(kind), fresh.get(kind)
         if t is None and view is None:  # states not in memory (NVMe): state[p] holds no views
@@ -148,20 +167,38 @@ def take_in_moments(state: dict, part, index: int) -> None:
                 f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back a tensor (zeros to "
                 "restart it), or take away the parameter's whole state (del optimizer.state[p]) to restart it")
         flat = t.detach().reshape(-1)
-        if flat.numel() == full:
-            for pc in pieces:
-                part.store.write(kind, pc.shard_offset, flat[pc.param_offset:pc.param_offset + pc.numel])
-        elif flat.numel() == mine and pieces:
-            part.store.write(kind, pieces[0].shard_offset, flat)
-        else:
+        if not (flat.numel() == full or (flat.numel() == mine and pieces)):
             raise ValueError(
                 f"optimizer.state[p][{kind!r}] was given {flat.numel()} elements; the parameter has {full} "
                 f"({tuple(part.shapes[index])}) and this rank holds {mine} of them: give a tensor shaped like "
                 "the parameter (or like the view it replaced)")
-        if view is None:  # states not in memory (NVMe): state[p] holds no views
-            dict.__delitem__(s, kind)
-        else:
-            dict.__setitem__(s, kind, view)
+        out.append((kind, flat, view))
+    return out
+
+
+def check_state_edits(state: dict, part) -> None:
+    """What the next step would refuse taking in user code's edits of ``part``'s ``optimizer.state[p]`` (a moment
+    that is no tensor or of another size, a step count that is no whole number >= 0), raised before the step's
+    collectives: the edit may be on this rank alone. Nothing unless some state[p] of ``part`` was edited."""
+    if not part.state_edited[0]:
+        return
+    counts = getattr(part, "step_counts", None)
+    for i, p in enumerate(part.params):
+        s = state.get(p) if p in state else None
+        if not s:
+            continue
+        count = s.get("step")
+        if count is not None and (counts is None or count is not counts.views[i]):
+            if isinstance(count, bool) or not (isinstance(count, (int, float)) or (
+                    isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex())):
+                raise TypeError(f"optimizer.state[p]['step'] of a parameter of shape {tuple(part.shapes[i])} was "
+                                f"replaced by {count!r}: a step count is a number or a 1-element tensor")
+            value = float(count)  # (a count user code put in: the step reads it on the host anyway)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"optimizer.state[p]['step'] of a parameter of shape {tuple(part.shapes[i])} was "
+                                 f"set to {value}: a step count is a whole number >= 0")
+        if counts is not None and counts.started[i] and "step" in s:
+            _replaced_moments(s, part, i)
 
 
 def attach_all(state: dict, partitions) -> None:
@@ -205,9 +242,11 @@ class StepCounts:
         self._version = self.flat._version  # after this class's own last write: a later one is user code's
         self._indices: dict = {}  # positions advanced alone -> their device index (_index_of)
 
-    def advance(self, state: dict, part, flags, skip: torch.Tensor | None) -> list[int]:
+    def advance(self, state: dict, part, flags, skip: torch.Tensor | None, edits: bool = True) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
-        device tensor, is set), giving new states their moment views; returns the advanced positions."""
+        device tensor, is set), giving new states their moment views; returns the advanced positions.
+        ``edits`` False (a step this rank refused, ``skip`` set): user code's replaced counts and moments stay
+        where they are, not taken in (check_state_edits refuses them again at the next step)."""
         views = self.views
         active = [i for i, flag in enumerate(flags) if flag]
         if not active:
@@ -222,6 +261,8 @@ class StepCounts:
             s = state[part.params[i]]
             count = s.get("step")
             if count is not views[i]:
+                if not edits:
+                    continue
                 new_keys = new_keys or list(self.keys)
                 s = own_state(state, part, part.params[i])
                 if count is None:  # a new state: step 0 and its moment views
@@ -238,7 +279,7 @@ class StepCounts:
                 dict.__setitem__(s, "step", views[i])
                 new_keys[i] = ("set", value)
                 self.started[i] = True
-        if part.state_edited[0]:  # user code wrote into some state[p] since the last step: replaced moments
+        if part.state_edited[0] and edits:  # user code wrote into some state[p] since the last step: replaced moments
             for i, p in enumerate(part.params):
                 if self.started[i] and p in state:
                     take_in_moments(state, part, i)

@@ -94,13 +94,14 @@ def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[
     advanced: list[StepCounts] = []
     jobs = []
     host = {}  # per device where an update runs on the host: the skip verdict and scale, read once a step
+    edits = hypers is not REFUSED  # a refused step takes in none of user code's state edits (one may be why)
     if hypers is REFUSED:
         if skip is None:
             raise RuntimeError("internal: a refused step's update must be skipped")
         hypers = [_PLACEHOLDER] * len(partitions)
     try:
         for part, flags, hyper in zip(partitions, has_grad, hypers):
-            job = _plan_partition(part, hyper, state, flags, grad_scale, skip, advanced, host, read_skip)
+            job = _plan_partition(part, hyper, state, flags, grad_scale, skip, advanced, host, read_skip, edits)
             if job is not None:
                 jobs.append(job)
     except BaseException:
@@ -181,14 +182,14 @@ _PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.
 
 
 def _plan_partition(part: Partition, hyper: Hyper, state: dict, flags: tuple[bool, ...], grad_scale, skip,
-                    advanced: list, host: dict, read_skip: bool) -> PartitionJob | None:
+                    advanced: list, host: dict, read_skip: bool, edits: bool = True) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
     if part.step_counts is None:
         part.step_counts = StepCounts(len(part.params), device)
     on_host = device.type == "cpu" and read_skip
     if skip is not None:
         skip = _where_it_runs(skip, device, host, "offload: the host update's skip verdict")
-    active = part.step_counts.advance(state, part, flags, skip)  # in one op, on the device
+    active = part.step_counts.advance(state, part, flags, skip, edits)  # in one op, on the device
     if not active:
         return None
     advanced.append(part.step_counts)  # what a rollback takes back

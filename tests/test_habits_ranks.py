@@ -749,7 +749,7 @@ def test_stage1_a_bad_kept_grad_on_one_rank_raises_on_every_rank_without_hanging
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 
-def _clip_args_differ(rank, world_size, stage, case):
+def _clip_args_differ(rank, world_size, stage, case, backward_between=False):
     """clip_grad_norm_'s arguments on rank 1 unlike rank 0's: a max_norm that is no number or norm_type=1 (before:
     raised there before the clip's all-reduce, or later inside the update, and the ranks hung), or another
     max_norm (before: each rank scaled its own shard of the update by its own factor, silently)."""
@@ -762,6 +762,9 @@ def _clip_args_differ(rank, world_size, stage, case):
     for t in range(4):
         _train(model, opt, t, rank)
         out[f"clip{t}"] = _caught(lambda: opt.clip_grad_norm_(*(args if rank == 1 and t == 1 else (1.0,))))
+        if backward_between:  # one more micro-batch after the clip (it applies the clip to the shards)
+            x, y = batch(t + 10, rank)
+            loss_fn(model(x, **flags(t, rank)), y).backward()
         with opt.full_parameters():
             before = [p.detach().clone() for p in model.parameters()]
         out[t] = _caught(opt.step)
@@ -773,9 +776,14 @@ def _clip_args_differ(rank, world_size, stage, case):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", ["str", "none", "norm_type", "other", "nan"])
-def test_clip_arguments_on_one_rank_skip_the_step_and_raise_on_every_rank(stage, case):
-    first, second = run_ranks(_clip_args_differ, 2, stage, case, timeout=TIMEOUT)
+@pytest.mark.parametrize("case, backward_between", [("str", False), ("none", False), ("norm_type", False),
+                                                    ("other", False), ("nan", False), ("str", True),
+                                                    ("other", True)])
+def test_clip_arguments_on_one_rank_skip_the_step_and_raise_on_every_rank(stage, case, backward_between):
+    """(``backward_between``: a backward between the clip and the step applies the clip and the step makes its own
+    all-reduce, whose checksum carries the clip's max_norm and refusal: before, the clip's refusal was dropped and
+    the step went on with each rank's own factor.)"""
+    first, second = run_ranks(_clip_args_differ, 2, stage, case, backward_between, timeout=TIMEOUT)
     for out in (first, second):
         assert all(out[f"clip{t}"] is None for t in (0, 1, 3)), out  # (the step raises the refusal)
         assert out["clip2"] is not None and "ranks disagree" in out["clip2"][1], out["clip2"]  # the next call
@@ -862,6 +870,125 @@ def test_a_step_failing_on_one_rank_raises_on_every_rank_without_hanging(stage, 
     assert first[1] is None and first[0] is None and second[0] is None
     assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
     assert first[3] is None and second[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+def _param_data_unfit_on_one_rank(rank, world_size, stage, kind, clip=False):
+    """``p.data = t`` of another shape or dtype on rank 1 only, between backward and step: refused there after
+    the step's collectives (before: raised before them, and rank 0 hung), and once mended training goes on."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    # left as it is: a parameter the forward of steps 0, 1, 2 and 4 does not use (the others' ranks go on)
+    w = model.branch.weight if kind == "shape_unmended" else model.fc1.weight
+    out = {}
+    for t in ((0, 1, 2, 4) if kind == "shape_unmended" else range(4)):
+        _train(model, opt, t, rank)
+        if rank == 1 and t == 1:
+            kept = w.detach().clone()
+            w.data = torch.zeros(3, 3) if kind.startswith("shape") else w.detach().double()
+        if clip:  # the step after it has no all-reduce of its own: the clip's must carry the refusal
+            out[f"clip{t}"] = _caught(lambda: opt.clip_grad_norm_(1.0))
+        out[t] = _caught(opt.step)
+        if rank == 1 and t == 1 and kind != "shape_unmended":
+            w.data = kept  # mended
+    out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind, clip", [("shape", False), ("dtype", False), ("dtype", True),
+                                        ("shape_unmended", False)])
+def test_param_data_unfit_on_one_rank_raises_on_every_rank_without_hanging(stage, kind, clip):
+    first, second = run_ranks(_param_data_unfit_on_one_rank, 2, stage, kind, clip, timeout=TIMEOUT)
+    what = kind.split("_")[0]
+    assert second[1] is not None and f"changed {what} from" in second[1][1], second[1]
+    assert first[1] is None and first[0] is None and second[0] is None
+    learnt = first["clip2" if clip else 2]
+    assert learnt is not None and "ranks disagree" in learnt[1], learnt
+    if kind == "shape_unmended":  # refused again at every step, never taken in (before: taken from the next step)
+        assert second[4] is not None and f"changed {what} from" in second[4][1], second[4]
+        return
+    assert first[3] is None and second[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+def _bad_load_on_one_rank(rank, world_size, stage, kind):
+    """load_state_dict of a dict whose flaw was found only after the ranks agreed it loads (param_names not a list,
+    a frozen parameter's state not a dict), on rank 1 only: now found before, raised on every rank, nothing loaded
+    (before: rank 1 raised half-way, half-loaded, and rank 0 waited in the load's gather or loaded alone)."""
+    import copy
+
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    _train(model, opt, 0, rank)
+    opt.step()
+    sd = opt.state_dict()
+    if rank == 1:
+        sd = copy.deepcopy(sd)
+        if kind == "param_names":
+            sd["param_groups"][0]["param_names"] = 5
+        else:
+            frozen = [i for g, mine in zip(sd["param_groups"], opt.param_groups)
+                      for i, p in zip(g["params"], mine["params"]) if not p.requires_grad]
+            sd["state"][frozen[0]] = "not a dict"
+    out = {"load": _caught(lambda: opt.load_state_dict(sd))}
+    _train(model, opt, 1, rank)
+    out["step"] = _caught(opt.step)
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("kind", ["param_names", "frozen_state"])
+def test_a_load_flawed_on_one_rank_raises_on_every_rank_before_loading(stage, kind):
+    first, second = run_ranks(_bad_load_on_one_rank, 2, stage, kind, timeout=TIMEOUT)
+    words = "param_names 5" if kind == "param_names" else "is a str, not a dict"
+    assert second["load"] is not None and second["load"][0] == "TypeError" and words in second["load"][1]
+    assert first["load"] is not None and "rank 1 failed" in first["load"][1] and words in first["load"][1]
+    assert first["step"] is None and second["step"] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+def _state_edit_unfit_on_one_rank(rank, world_size, stage, kind):
+    """optimizer.state[p] given what the update cannot take, on rank 1 only between backward and step: refused
+    there after the step's collectives (before: raised inside the update, and the ranks hung; a NaN step count was
+    taken in, silently), nothing taken in; once mended, training goes on alike."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    out = {}
+    for t in range(4):
+        _train(model, opt, t, rank)
+        if rank == 1 and t == 1:
+            s = opt.state[next(iter(opt.state))]
+            key = "exp_avg" if kind.startswith("exp_avg") else "step"
+            kept = s[key]
+            s[key] = {"exp_avg_str": "garbage", "exp_avg_size": torch.zeros(3), "step_str": "x",
+                      "step_nan": torch.tensor(float("nan")), "step_negative": -1.0}[kind]
+        out[t] = _caught(opt.step)
+        if rank == 1 and t == 1:
+            s[key] = kept  # mended
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    out["steps"] = sorted({float(s["step"]) for s in opt.state.values()})
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["exp_avg_str", "exp_avg_size", "step_str", "step_nan", "step_negative"])
+def test_a_state_edit_unfit_on_one_rank_raises_on_every_rank_without_hanging(stage, kind):
+    first, second = run_ranks(_state_edit_unfit_on_one_rank, 2, stage, kind, timeout=TIMEOUT)
+    assert second[1] is not None and "optimizer.state[p]" in second[1][1], second[1]
+    assert first[1] is None and first[0] is None and second[0] is None
+    assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
+    assert first[3] is None and second[3] is None
+    assert first["steps"] == second["steps"] and max(first["steps"]) == 2.0  # (steps 1 and 2 were skipped)
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 

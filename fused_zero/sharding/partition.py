@@ -91,6 +91,7 @@ class Partition:
         self.pending_master: dict | None = None
         self._versions: list[int] = []
         self._ptrs: list[int] = []
+        self._unfit: list[int] = []  # parameters adopt_outside_changes refused (p.data of another shape or dtype)
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
         self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
@@ -145,6 +146,15 @@ class Partition:
         """Remember where the parameters live and their version counters (an in-place write bumps them)."""
         self._versions = [p._version for p in self.params]
         self._ptrs = [p.data_ptr() for p in self.params]
+        for i in self._unfit:  # refused (adopt_outside_changes): compared, and refused, again at the next step
+            self._ptrs[i] = -1
+
+    def check_fit(self, names: dict) -> None:
+        """Raise what ``adopt_outside_changes`` would refuse, changing nothing (clip_grad_norm_: the step that
+        follows makes no all-reduce of its own, so a refusal must be known at the clip's)."""
+        for i, p in enumerate(self.params):
+            if p.data_ptr() != self._ptrs[i] or p._version != self._versions[i]:
+                self._check_compatible(p, self.shapes[i], names)
 
     @torch.no_grad()
     def adopt_outside_changes(self, names: dict) -> None:
@@ -157,16 +167,26 @@ class Partition:
         the values the parameter holds. A parameter whose shape, dtype or device
         changed cannot live in this buffer: a RuntimeError names the call.
         """
-        changed = []
-        for i, p in enumerate(self.params):  # the common case, nothing changed, costs two reads per parameter
-            if p.data_ptr() == self._ptrs[i] and p._version == self._versions[i]:
-                continue
+        changed = [i for i, p in enumerate(self.params)  # the common case, nothing changed: two reads a parameter
+                   if p.data_ptr() != self._ptrs[i] or p._version != self._versions[i]]
+        refused, unfit = None, []
+        for i in changed:  # all checked before any is taken in: one that cannot be is left as it is
+            try:
+                self._check_compatible(self.params[i], self.shapes[i], names)
+            except RuntimeError as error:  # (the step is refused; maybe on this rank alone)
+                refused = refused or error
+                unfit.append(i)
+        taken = [i for i in changed if i not in unfit]
+        for i in taken:
             slot = self.layout.slots[i]
-            self._bind_back(p, self.flat[slot.offset: slot.offset + slot.numel].view(self.shapes[i]), names)
-            changed.append(i)
-        if changed:
-            self._reload_master(changed, lambda i: self.params[i].detach().reshape(-1))
+            self._bind_back(self.params[i], self.flat[slot.offset: slot.offset + slot.numel].view(self.shapes[i]),
+                            names)
+        if taken:
+            self._reload_master(taken, lambda i: self.params[i].detach().reshape(-1))
+        self._unfit = unfit
         self.mark_synced()
+        if refused is not None:
+            raise refused
 
     @torch.no_grad()
     def take_in_written(self, names: dict) -> None:
