@@ -176,6 +176,18 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
     return out
 
 
+def check_step_count(step, what: str) -> float:
+    """A step count user code put in (``state[p]["step"] = t``) or a loaded state dict holds, as a float: a real
+    number or a 1-element real tensor, finite and >= 0, else TypeError / ValueError naming ``what``."""
+    if isinstance(step, bool) or not (isinstance(step, (int, float)) or (
+            isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex())):
+        raise TypeError(f"{what} has step {step!r}: a step count must be a number or a 1-element tensor")
+    value = float(step)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what} has step {value}: a step count is a whole number >= 0")
+    return value
+
+
 def check_state_edits(state: dict, part) -> None:
     """What the next step would refuse taking in user code's edits of ``part``'s ``optimizer.state[p]`` (a moment
     that is no tensor or of another size, a step count that is no whole number >= 0), raised before the step's
@@ -184,19 +196,12 @@ def check_state_edits(state: dict, part) -> None:
         return
     counts = getattr(part, "step_counts", None)
     for i, p in enumerate(part.params):
-        s = state.get(p) if p in state else None
+        s = state.get(p)  # (no entry made: get() is not defaultdict's [])
         if not s:
             continue
         count = s.get("step")
-        if count is not None and (counts is None or count is not counts.views[i]):
-            if isinstance(count, bool) or not (isinstance(count, (int, float)) or (
-                    isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex())):
-                raise TypeError(f"optimizer.state[p]['step'] of a parameter of shape {tuple(part.shapes[i])} was "
-                                f"replaced by {count!r}: a step count is a number or a 1-element tensor")
-            value = float(count)  # (a count user code put in: the step reads it on the host anyway)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"optimizer.state[p]['step'] of a parameter of shape {tuple(part.shapes[i])} was "
-                                 f"set to {value}: a step count is a whole number >= 0")
+        if count is not None and (counts is None or count is not counts.views[i]):  # (advance reads it anyway)
+            check_step_count(count, f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])}")
         if counts is not None and counts.started[i] and "step" in s:
             _replaced_moments(s, part, i)
 

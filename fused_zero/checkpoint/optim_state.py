@@ -10,14 +10,13 @@ tensors, and leaves the parameters as they are (masters come from them, or from 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
 
 import torch
 
 from ..host_read import host_copy
 from .errors import CheckpointError
 from .reshard import numel_of
-from .torch_format import check_torch_state, piece_of, shapes_of, slice_into_shards, torch_param_groups
+from .torch_format import check_torch_state, piece_of, saved_state, shapes_of, slice_into_shards, torch_param_groups
 
 GATHER_NUMEL = 1 << 20  # shard elements per all-gather: world_size x 4 MiB of fp32 in flight
 #: optimizer.state keys the shards hold (gathered, or sliced back in); any other key is user state
@@ -107,15 +106,13 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
 def _frozen_states(sd, opt, index) -> list[tuple]:
     """(parameter, its saved state copied whole, or None) for the parameters frozen when ``opt`` was built: kept
     whole, as torch's AdamW keeps them (they train nothing here; state_dict() gives them back, and a rebuild after
-    unfreezing loads them)."""
+    unfreezing loads them). Each is a dict (``check_torch_state`` checked it)."""
     owned = {id(p) for part in index for p in part.params}
     out = []
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         for i, p in zip(saved["params"], group["params"]):
             if id(p) not in owned:
-                s = sd["state"].get(i, sd["state"].get(str(i)))
-                if s and not isinstance(s, Mapping):
-                    raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
+                s = saved_state(sd, i)
                 out.append((p, _whole_copy(s) if s else None))
     return out
 

@@ -3,7 +3,6 @@ checks of one against a ShardedOptimizer (torch's wording), slicing full tensors
 shard pieces, and load_torch_state."""
 from __future__ import annotations
 
-import math
 
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -19,6 +18,7 @@ from .save_load import agree, comm_of, commit
 from .files import read_checked
 from .shards import Reader, model_tensors
 from .view import BASE_KINDS, OPTION_OF_KIND, ModelView, group_hyper
+from ..state_views import check_step_count
 
 # torch.optim.AdamW group keys that say how torch runs, not what the hyperparameters are
 TORCH_ONLY = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
@@ -98,11 +98,12 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
             check_kinds(["max_exp_avg_sq"], (), f"param group {gi} of the state dict", gi)
     for gi, (g, mine) in enumerate(zip(saved, groups)):
         for i, p in zip(g["params"], mine["params"]):
-            if id(p) not in kinds:  # frozen when this optimizer was built (frozen.py): it keeps no state
-                continue
-            states[p] = s = sd["state"].get(i, sd["state"].get(str(i), {}))
+            s = saved_state(sd, i)
             if not isinstance(s, Mapping):
                 raise TypeError(f"state {i} of the state dict is a {type(s).__name__}, not a dict")
+            if id(p) not in kinds:  # frozen when this optimizer was built (frozen.py): kept whole (optim_state.py)
+                continue
+            states[p] = s
             what = f"state {i} (parameter {name_of(p)})"
             check_kinds([k for k in s if k in OPTION_OF_KIND], kinds[id(p)], what, gi)
             held = [k for k in s if k in (*BASE_KINDS, *OPTION_OF_KIND)]
@@ -114,11 +115,7 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
             if len(moments) == 1:  # torch fails at the next step (KeyError)
                 raise ValueError(f"{what} holds {moments[0]!r} without its other moment: pass a state dict whose "
                                  "states carry both exp_avg and exp_avg_sq (or neither, to start them fresh)")
-            step = s.get("step", 0.0)
-            if not (isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1)):
-                raise TypeError(f"{what} has step {step!r}: a step count must be a number or a 1-element tensor")
-            if float(step) < 0 or not math.isfinite(float(step)):  # (a state dict's step: a host tensor)
-                raise ValueError(f"{what} has step {float(step)}: a step count is a whole number >= 0")
+            check_step_count(s.get("step", 0.0), what)  # (a state dict's step: a host tensor)
             for k, t in s.items():
                 if k in (*BASE_KINDS, *OPTION_OF_KIND) and (not isinstance(t, torch.Tensor)
                                                             or tuple(t.shape) != shapes[id(p)]):
@@ -130,6 +127,11 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     hypers = [{**{k: v for k, v in SETSTATE_DEFAULTS.items() if k not in g and k in mine},
                **{k: v for k, v in group_hyper(g).items() if _takes(k, mine)}} for g, mine in zip(saved, groups)]
     return states, hypers
+
+
+def saved_state(sd, i) -> object:
+    """State ``i`` of torch state dict ``sd`` ({} where it has none; its key may be a string: through JSON)."""
+    return sd["state"].get(i, sd["state"].get(str(i), {}))
 
 
 def _takes(key: str, group: Mapping) -> bool:

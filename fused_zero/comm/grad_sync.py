@@ -98,7 +98,9 @@ class GradEntry(NamedTuple):
 class GradSync:
     """What both reducers share: the buckets in their one order, ``present``, the pipe, the verbs around a step."""
 
-    #: the refusal ``prepare_step`` keeps for the rest of its round (stage 1), or None
+    #: the refusal ``prepare_step`` keeps for the rest of its round, or None (stage 1: what it refused in the
+    #: round's .grad, it reduced the rest; the step after a clip_grad_norm_ gets it again rather than reducing a
+    #: second time, as its peers reduced once)
     refused: RuntimeError | None = None
     #: whether ``.grad`` is freed once packed (the shards stand in for it)
     frees_grads = False
@@ -227,9 +229,6 @@ class ReduceAtStep(GradSync):
         # .grad's version counter when backward left it, per partition and position (None: not seen)
         self._grad_versions = [[None] * len(part.params) for part in partitions]
         self._carry: list[torch.Tensor] | None = None  # per partition: a clip's share, added after the reduction
-        # what prepare_step refused in this round's .grad (it reduced the rest): the step after a clip_grad_norm_
-        # returns it again rather than reducing a second time (its peers reduced once)
-        self.refused: RuntimeError | None = None
 
     def hooked(self, params) -> list[torch.nn.Parameter]:
         """One hook per bucket: nothing is reduced in backward, a hook only has to see that a backward runs

@@ -152,9 +152,14 @@ class Partition:
     def check_fit(self, names: dict) -> None:
         """Raise what ``adopt_outside_changes`` would refuse, changing nothing (clip_grad_norm_: the step that
         follows makes no all-reduce of its own, so a refusal must be known at the clip's)."""
-        for i, p in enumerate(self.params):
-            if p.data_ptr() != self._ptrs[i] or p._version != self._versions[i]:
-                self._check_compatible(p, self.shapes[i], names)
+        for i in self._changed():
+            self._check_compatible(self.params[i], self.shapes[i], names)
+
+    def _changed(self) -> list[int]:
+        """The parameters user code moved or wrote in place since ``mark_synced`` (two reads a parameter: the
+        common case, nothing changed)."""
+        ptrs, versions = self._ptrs, self._versions
+        return [i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i] or p._version != versions[i]]
 
     @torch.no_grad()
     def adopt_outside_changes(self, names: dict) -> None:
@@ -167,8 +172,7 @@ class Partition:
         the values the parameter holds. A parameter whose shape, dtype or device
         changed cannot live in this buffer: a RuntimeError names the call.
         """
-        changed = [i for i, p in enumerate(self.params)  # the common case, nothing changed: two reads a parameter
-                   if p.data_ptr() != self._ptrs[i] or p._version != self._versions[i]]
+        changed = self._changed()
         refused, unfit = None, []
         for i in changed:  # all checked before any is taken in: one that cannot be is left as it is
             try:
