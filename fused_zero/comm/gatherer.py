@@ -335,11 +335,14 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             return
         if self._checking:
             u.running -= 1
+        if self.state is TrainingState.BACKWARD:
+            # recomputation (activation checkpointing): keep. Also when it ends by an exception: non-reentrant
+            # checkpointing stops recomputing once it has what backward needs by raising through the modules
+            # (checkpointing the root's whole forward ends in the root's hook); backward still reads the unit
+            return
         if sys.exc_info()[0] is not None:
             if u.index == 0:
                 self._abort()
-            return
-        if self.state is TrainingState.BACKWARD:  # recomputation (activation checkpointing): keep
             return
         grad = torch.is_grad_enabled()
         if grad and (module is u.last or not self._gathered_into_backward(u)):
