@@ -5,6 +5,7 @@ every rank. They run once (at the first backward or step), never per step.
 """
 from __future__ import annotations
 
+import dis
 import gc
 import os
 import sys
@@ -162,16 +163,33 @@ _CLIP_CALLERS: dict = {}  # code object -> whether it calls torch.nn.utils.clip_
 
 
 def _calls_torch_clip(frame) -> bool:
-    """Whether the code of ``frame`` names torch's clip_grad_norm_ (read from its names, not run)."""
+    """Whether the code of ``frame`` names torch's clip_grad_norm_ (read from its bytecode once, not run):
+    ``clip_grad_norm_`` read off ``utils`` / ``clip_grad`` (``torch.nn.utils.clip_grad_norm_``,
+    ``nn.utils.clip_grad.clip_grad_norm_``) or off a global bound to either module, or a global bound to the
+    function itself (``from torch.nn.utils import clip_grad_norm_ as clip``). ``opt.clip_grad_norm_`` (the
+    optimizer's own), ``accelerator.clip_grad_norm_`` and ``torch.utils.checkpoint`` in the same loop are not."""
     code = frame.f_code
     found = _CLIP_CALLERS.get(code)
     if found is None:
-        names = code.co_names
-        found = "clip_grad_norm_" in names and (
-            any(n == "utils" or n.endswith(".utils") or n.endswith(".clip_grad") for n in names)
-            or frame.f_globals.get("clip_grad_norm_") is torch.nn.utils.clip_grad_norm_)
+        g = frame.f_globals
+        found = any(g.get(n) is _TORCH_CLIP for n in code.co_names)
+        if not found and "clip_grad_norm_" in code.co_names:
+            before = None
+            for ins in dis.get_instructions(code):
+                if ins.argval == "clip_grad_norm_" and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    if before is not None and (before.opname in ("LOAD_ATTR", "LOAD_METHOD")
+                                               and before.argval in ("utils", "clip_grad")
+                                               or before.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                                               and any(g.get(before.argval) is m for m in _CLIP_MODULES)):
+                        found = True
+                        break
+                before = ins
         _CLIP_CALLERS[code] = found
     return found
+
+
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+_CLIP_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
 
 def torch_clip_in_loop() -> tuple[str, int] | None:
