@@ -343,11 +343,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """The group the gradient reductions go over: the shard group, or, where another open optimizer already
         reduces over it (two models trained by one backward, each with its own optimizer), a group of its own
         (the buckets' launches move with timing, so two optimizers' reductions would interleave differently on
-        different ranks). Every rank alike: the ranks agree on it (one of them may still hold a dropped one)."""
+        different ranks), and with HSDP replicas' groups of its own as well. Every rank alike: the ranks of both
+        levels agree on it (one of them may still hold a dropped one)."""
         shared = others_on_group(self, self.comm.group)
         if self.topology.world_size > 1:
-            shared = any(self.comm.agree(lambda: shared, share=lambda v: v)[1])
-        return self.topology.own_group() if shared else self.comm
+            shared = self.topology.any_rank(shared)
+        if not shared:
+            return self.comm
+        self.topology.separate_replicas()  # HSDP: the replicas' all-reduces too
+        return self.topology.own_group()
 
     def _agreed(self) -> tuple:
         """What every rank must share: the options and every group's hyperparameters."""

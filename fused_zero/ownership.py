@@ -31,6 +31,11 @@ def claim(owner, params: list[torch.nn.Parameter]) -> list:
     return previous
 
 
+def held(p: torch.nn.Parameter) -> bool:
+    """Whether a live, open fused_zero object holds ``p`` (another optimizer trains it)."""
+    return any(o is not None and o.owns(p) for o in (r() for r in _owners.get(id(p), ())))
+
+
 def release(owner, params: list[torch.nn.Parameter]) -> None:
     """``owner`` no longer owns ``params``."""
     for p in params:

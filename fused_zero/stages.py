@@ -31,6 +31,7 @@ from .comm.grad_sync import ReduceAtStep, ReduceInBackward
 from .comm.param_sync import ParamSync
 from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
+from .ownership import held
 from .sharding.layout import build_layout
 from .sharding.partition import Partition
 from .sharding.units import plan_units, resolve_units
@@ -70,12 +71,23 @@ class Stage1:
         self.tiers = Tiers.from_config(config, self.staging, self.shards_params)
 
     # -- construction -----------------------------------------------------
-    def check_groups(self, groups: list[dict], names: dict) -> None:
-        """Raise on every rank unless every rank holds the same parameters in the same groups and order."""
+    def check_groups(self, groups: list[dict], names: dict, outside: list[nn.Parameter] = ()) -> None:
+        """Raise on every rank unless every rank holds the same parameters in the same groups and order (and the
+        same ``outside`` ones, which the build broadcasts)."""
         signature = [(gi, names.get(p, i), tuple(p.shape), str(p.dtype), p.requires_grad)
                      for gi, g in enumerate(groups) for i, p in enumerate(g["params"])]
+        signature += [("outside the groups", names.get(p, i), tuple(p.shape), str(p.dtype))
+                      for i, p in enumerate(outside)]
         self.topology.check_same(signature, "parameters", hint="build the optimizer with the same parameters, "
                              "in the same groups and order, on every rank")
+
+    def _outside(self, groups: list[dict], module: nn.Module | None) -> list[nn.Parameter]:
+        """The model's parameters in no group that no other optimizer trains (a frozen base left out of the groups,
+        peft's habit): DDP's constructor gives every rank rank 0's values of all of them, so the build does too."""
+        if module is None or self.topology.world_size == 1:
+            return []
+        grouped = {p for g in groups for p in g["params"]}
+        return [p for p in module.parameters() if p not in grouped and not held(p)]
 
     def build(self, groups: list[dict], names: dict, module: nn.Module | None, units,
               begin_backward: Callable[[], None], previous: list[Partition],
@@ -86,7 +98,9 @@ class Stage1:
         """
         self.names = names
         self.check_offload()
-        self.check_groups(groups, names)
+        outside = self._outside(groups, module) if not previous else []  # (a rebuild: broadcast at the first)
+        self.check_groups(groups, names, outside)
+        self._broadcast_values(outside)
         built = {id(part.params[0]): part for part in previous}
         built_params = {p for part in previous for p in part.params}
         partitions, positions, position = [], [], {}
@@ -144,8 +158,12 @@ class Stage1:
         known = set(self.frozen)
         new = [p for p in frozen if p not in known]
         self.frozen += new
+        self._broadcast_values(new)
+
+    def _broadcast_values(self, params: list[nn.Parameter]) -> None:
+        """Rank 0's values of ``params`` on every rank, in place."""
         if self.topology.world_size > 1:
-            for p in new:  # one by one, in place: no second copy of a large frozen base
+            for p in params:  # one by one, in place: no second copy of a large frozen base
                 t = p.data if p.data.is_contiguous() else p.data.contiguous()
                 self.topology.broadcast(t, src=0)
                 if t is not p.data:

@@ -317,3 +317,99 @@ def test_a_mesh_without_this_rank_is_refused_there():
     results = run_ranks(_mesh_without_this_rank, 4, timeout=120)
     assert results[:2] == [None, None]
     assert all(r is not None and "not this rank" in r for r in results[2:]), results
+
+
+# --- HSDP with everyday habits: two optimizers, options differing on one rank, a frozen base out of the groups --
+
+class _TwoPart(nn.Module):
+    """An embedding-like input layer and a head (optimizer A) around a trunk of blocks (optimizer B)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(D, H)
+        self.trunk = nn.Sequential(*(nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(3)))
+        self.head = nn.Linear(H, OUT)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        return self.head(self.trunk(self.inp(x)))
+
+
+def _two_optimizers_hsdp(rank, world_size, stage_a, stage_b):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, ref = _TwoPart(), DDP(_TwoPart())
+    split = lambda m: ([p for n, p in m.named_parameters() if not n.startswith("trunk.")], list(m.trunk.parameters()))
+    a, b = split(model)
+    ra, rb = split(ref.module)
+    kw_b = dict(module=model.trunk, min_unit_numel=0) if stage_b == 3 else {}
+    opt_a = ShardedOptimizer(a, stage=stage_a, mesh=mesh, bucket_numel=300, weight_decay=0.1, **LR)
+    opt_b = ShardedOptimizer(b, stage=stage_b, mesh=mesh, bucket_numel=300, weight_decay=0.0, **LR, **kw_b)
+    ref_a = torch.optim.AdamW(ra, weight_decay=0.1, **LR)
+    ref_b = torch.optim.AdamW(rb, weight_decay=0.0, **LR)
+    for t in range(4):
+        x = torch.randn(BATCH, D, generator=torch.Generator().manual_seed(10 * t + rank))
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        norms = [float(opt_a.clip_grad_norm_(0.3)), float(opt_b.clip_grad_norm_(0.3))]
+        ref_norms = [float(torch.nn.utils.clip_grad_norm_(ra, 0.3)), float(torch.nn.utils.clip_grad_norm_(rb, 0.3))]
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        for o in (opt_a, opt_b, ref_a, ref_b):
+            o.step()
+            o.zero_grad()
+    with opt_b.full_parameters() if stage_b == 3 else torch.no_grad():
+        error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.module.parameters()))
+    opt_a.close(), opt_b.close()
+    return error
+
+
+@pytest.mark.parametrize("stage_a,stage_b", [(1, 2), (2, 2), (2, 3)])
+def test_two_optimizers_over_one_hsdp_mesh_train_as_ddp(stage_a, stage_b):
+    """Each optimizer reduces over groups of its own, the replicas' too: before, the second reduced its buckets
+    over the first's replicate group, the two interleaved as their buckets landed, and gloo aborted on
+    mismatched sizes (or equal sizes would have mixed the two models' gradients)."""
+    errors = run_ranks(_two_optimizers_hsdp, 4, stage_a, stage_b, timeout=180)
+    assert max(errors) < 1e-5, errors
+
+
+def _one_rank_differs_under_hsdp(rank, world_size, what):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    kw = dict(stage=2, mesh=mesh, lr=1e-2)
+    if rank == 3:
+        kw.update({"lr": 2e-3} if what == "lr" else {"stage": 1})
+    try:
+        ShardedOptimizer(MLP().parameters(), **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["lr", "stage"])
+def test_an_option_differing_on_one_rank_under_hsdp_is_refused_on_every_rank(what):
+    """Before, the shard group holding rank 3 raised and the other one waited for it in the replicas' check."""
+    for message in run_ranks(_one_rank_differs_under_hsdp, 4, what, timeout=120):
+        assert message is not None and "differ across ranks" in message and "rank 3 has" in message, message
+
+
+def _frozen_outside_the_groups(rank, world_size, stage, hsdp):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    model = _TwoPart(seed=rank)  # every rank starts elsewhere, as DDP allows
+    model.trunk.requires_grad_(False)  # a frozen base, left out of the groups (peft's habit)
+    opt = ShardedOptimizer([p for p in model.parameters() if p.requires_grad], module=model, stage=stage,
+                           mesh=mesh, lr=1e-2)
+    values = torch.cat([p.detach().flatten() for p in model.parameters()])
+    opt.close()
+    return values
+
+
+@pytest.mark.parametrize("stage,hsdp", [(1, False), (2, False), (2, True)])
+def test_the_build_gives_frozen_parameters_outside_the_groups_rank_0s_values(stage, hsdp):
+    """As DDP's constructor does for every parameter of the module; before, stages 1-2 broadcast only the
+    parameters in the groups, and the ranks trained on different frozen weights."""
+    values = run_ranks(_frozen_outside_the_groups, 4, stage, hsdp, timeout=120)
+    want = torch.cat([p.detach().flatten() for p in _TwoPart(seed=0).parameters()])
+    for v in values:
+        assert torch.equal(v, want)

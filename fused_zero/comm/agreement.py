@@ -43,10 +43,17 @@ class Agreement:
         same data everywhere: all ranks agree on the verdict, so none is left waiting.
         """
         _, values = self.agree(lambda: value, share=lambda v: v)
-        for r in range(1, len(values)):
-            diff = _first_difference(values[r], values[0], r)
-            if diff is not None:
-                raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
+        raise_if_differ(list(enumerate(values)), what, hint)
+
+
+def raise_if_differ(values: list[tuple[int, Any]], what: str, hint: str = "") -> None:
+    """Raise ValueError naming the first rank whose value differs from the first one's; ``values``: (rank, value)
+    pairs, the reference first (every rank calls it on the same data, so all reach the same verdict)."""
+    ref_rank, ref = values[0]
+    for r, v in values[1:]:
+        diff = _first_difference(v, ref, r, ref_rank=ref_rank)
+        if diff is not None:
+            raise ValueError(f"{what} differ across ranks: {diff}" + (f"; {hint}" if hint else ""))
 
 
 def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
@@ -58,31 +65,31 @@ def _error_class(error: Exception, extra: tuple[type, ...]) -> type:
     return RuntimeError
 
 
-def _first_difference(mine: Any, ref: Any, rank: int, path: tuple = ()) -> str | None:
-    """Describe the first place where rank ``rank``'s value differs from rank 0's, or None. Nested lists and
-    tuples are entered where the differing entry is too long to show, and a (quoted name, value) pair (an
-    option or hyperparameter, as ``hyper.agreement_key`` writes a dict) is named by its name."""
+def _first_difference(mine: Any, ref: Any, rank: int, path: tuple = (), ref_rank: int = 0) -> str | None:
+    """Describe the first place where rank ``rank``'s value differs from rank ``ref_rank``'s, or None. Nested
+    lists and tuples are entered where the differing entry is too long to show, and a (quoted name, value) pair
+    (an option or hyperparameter, as ``hyper.agreement_key`` writes a dict) is named by its name."""
     if isinstance(mine, (list, tuple)) and isinstance(ref, (list, tuple)):
         if len(mine) == len(ref) == 2 and _named(mine) and mine[0] == ref[0] and mine[1] != ref[1]:
-            return _first_difference(mine[1], ref[1], rank, path + (mine[0].strip("'\""),))
+            return _first_difference(mine[1], ref[1], rank, path + (mine[0].strip("'\""),), ref_rank)
         for i in range(min(len(mine), len(ref))):
             if mine[i] != ref[i]:
                 a, b = mine[i], ref[i]
                 if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
                     if len(a) == len(b) == 2 and _named(a):  # a named entry: its name says where
-                        return _first_difference(a, b, rank, path)
+                        return _first_difference(a, b, rank, path, ref_rank)
                     if len(repr(a)) > 120:
-                        return _first_difference(a, b, rank, path + (i,))
-                return f"{_where(path)}rank {rank} has entry {i} = {a!r}, rank 0 has {b!r}"
+                        return _first_difference(a, b, rank, path + (i,), ref_rank)
+                return f"{_where(path)}rank {rank} has entry {i} = {a!r}, rank {ref_rank} has {b!r}"
         if len(mine) != len(ref):
-            return f"{_where(path)}rank {rank} has {len(mine)} entries, rank 0 has {len(ref)}"
+            return f"{_where(path)}rank {rank} has {len(mine)} entries, rank {ref_rank} has {len(ref)}"
         if type(mine) is type(ref):
             return None
     elif mine == ref:
         return None
     if path and isinstance(path[-1], str):
-        return f"{_where(path[:-1])}rank {rank} has {path[-1]} = {mine!r}, rank 0 has {ref!r}"
-    return f"{_where(path)}rank {rank} has {mine!r}, rank 0 has {ref!r}"
+        return f"{_where(path[:-1])}rank {rank} has {path[-1]} = {mine!r}, rank {ref_rank} has {ref!r}"
+    return f"{_where(path)}rank {rank} has {mine!r}, rank {ref_rank} has {ref!r}"
 
 
 def _named(pair) -> bool:

@@ -325,6 +325,10 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         _check_group_alive(self)
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def global_rank_of(self, rank: int) -> int:
+        """The global rank of this group's rank ``rank``."""
+        return global_rank() if self._local else self._global(rank)  # (a group of one: this rank)
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Handle:
         """In-place reduction over ranks; ``op`` is "sum", "max" or "min"."""
         if op not in _OPS:

@@ -23,6 +23,7 @@ builds process groups.
 """
 from __future__ import annotations
 
+from .agreement import raise_if_differ
 from .collectives import Comm, global_rank, is_device_mesh
 
 HSDP_DIMS = ("replicate", "shard")
@@ -101,6 +102,22 @@ class Topology:
             return ()
         return (self.mesh.device_type, tuple(self.mesh.shape), tuple(self.mesh.mesh_dim_names or ()))
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank of either level (every rank gets the same answer)."""
+        flag = any(self.shard.agree(lambda: flag, share=bool)[1]) if self.shard.world_size > 1 else flag
+        if self.replicate is not None:
+            flag = any(self.replicate.agree(lambda: flag, share=bool)[1])
+        return flag
+
+    def separate_replicas(self) -> None:
+        """HSDP: the replicas' all-reduces go over groups of this optimizer's own from now on (every rank calls
+        it, as ``own_group``): a second optimizer over the same mesh launches them as its buckets land, on a
+        schedule that moves with timing, so sharing a group would interleave the two differently on different
+        ranks."""
+        if self.replicate is not None:
+            self.replicate = self.replicate.duplicate()
+            self._replicate_again = None  # (made again from the new group when qgZ asks)
+
     def replicate_again(self) -> Comm | None:
         """HSDP: a second group over this rank's replicas (made at the first call, which every rank makes), for
         the second exchange of qgZ's all-reduce over them (comm/codec.py's ``TwoPhase``); None without HSDP."""
@@ -150,10 +167,17 @@ class Topology:
         self.shard.broadcast_coalesced(tensors)
 
     def check_same(self, value, what: str, hint: str = "") -> None:
-        """Every rank of both levels holds the same ``value`` (else every rank raises, naming ``what``)."""
-        self.shard.check_same(value, what, hint=hint)
-        if self.replicate is not None:
-            self.replicate.check_same(value, what, hint=hint)
+        """Every rank of both levels holds the same ``value`` (else every rank of both raises, naming ``what`` and
+        the first differing rank by its global rank). With HSDP every rank gathers every rank's value, over its
+        shard group then over its replicas, and compares them all: a verdict reached inside one shard group
+        alone would leave the others waiting in the replicas' check."""
+        if self.replicate is None:
+            self.shard.check_same(value, what, hint=hint)
+            return
+        _, row = self.shard.agree(lambda: value, share=lambda v: v)  # joins a peer's flat check_same alike
+        row = [(self.shard.global_rank_of(i), v) for i, v in enumerate(row)]
+        _, rows = self.replicate.agree(lambda: row, share=lambda v: v)
+        raise_if_differ(sorted((pair for r in rows for pair in r), key=lambda pair: pair[0]), what, hint)
 
     def agree(self, fn):
         """``fn()`` on every rank; if it raises on one, it raises on every rank of both levels."""
