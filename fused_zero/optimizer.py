@@ -314,10 +314,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             gatherer.meet_eval = Relay(self._meet_eval)
         if gatherer is not None:  # a forward after a backward that raised ends that backward first
             gatherer.recover_backward = Relay(self._recover_if_dropped)
+            gatherer.check_model = Relay(self._check_still_the_models)
         claim(self, [p for part in self.partitions for p in part.params])
         self._params = {p for part in self.partitions for p in part.params}
         self._on_cuda = any(part.flat.device.type == "cuda" for part in self.partitions)
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
+        self._watch_model_params()
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
@@ -774,6 +776,39 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise refused
         return loss
 
+    def _watch_model_params(self) -> None:
+        """Where the model holds each param group's first and last parameter (with ``module=`` only), for
+        ``_check_still_the_models``."""
+        self._watched = []
+        if self.module is None:
+            return
+        for g in self.param_groups:
+            for p in {id(q): q for q in (g["params"][:1] + g["params"][-1:])}.values():
+                name = self._names.get(p)
+                if name is not None:
+                    owner, _, leaf = name.rpartition(".")
+                    self._watched.append((owner, leaf, p))
+
+    def _check_still_the_models(self) -> None:
+        """Refuse a model whose parameters were replaced by new nn.Parameter objects since the build
+        (``model.to("meta")`` then ``to_empty()``, a module or parameter assigned anew): backward gives the new ones
+        gradients and the optimizer would train the old ones, silently, as torch.optim would. Checks each param
+        group's first and last parameter, looked up from the model (a whole model, its head or its embedding
+        replaced), not every one."""
+        for owner, leaf, p in self._watched:
+            try:
+                now = self.module.get_submodule(owner)._parameters.get(leaf)
+            except AttributeError:  # (the module on its path is gone)
+                now = None
+            if now is not p:
+                raise RuntimeError(
+                    f"the model's parameter {self._names[p]} is no longer the one the optimizer was built over: "
+                    "another nn.Parameter (or none) took its place (model.to('meta') then to_empty(), a module or "
+                    "parameter assigned anew, resize_token_embeddings) and the optimizer would train the old "
+                    "tensor. Change the model before building the optimizer, or build a new one over "
+                    "model.parameters() (save and load its state_dict() to keep the states); to change values, "
+                    "assign p.data = t instead")
+
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
         hold at step(); here each group's parameters live in flat buffers built once)."""
@@ -797,6 +832,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         the update cannot take."""
         refuse_unfrozen(self._stage.frozen, self._names)
         self._check_layout()
+        self._check_still_the_models()
         for part in self.partitions:
             check_state_edits(self.state, part)
 

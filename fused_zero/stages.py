@@ -337,6 +337,7 @@ class Stage3(Stage2):
         self.gatherer = ParamGatherer(module, plan.modules, unit_parts, self._param_sync(),
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward, secondary)
+        self.gatherer.alone = self.topology.world_size == 1
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self._overlaps(device):  # the host update overlaps the next forward, unit by unit (behind.py)
             self.behind = self.gatherer.behind = UpdateBehind(device, self._agree_group())
@@ -354,10 +355,16 @@ class Stage3(Stage2):
         self.gatherer.end_backward()
 
     def check_fit(self, partitions) -> None:
-        """(Released parameters are placeholders until the step takes in what was assigned: checked there.)"""
+        """What a gather put back (``ParamGatherer.refused``); released parameters are placeholders until the step
+        takes in what was assigned: checked there."""
+        if self.gatherer.refused is not None:
+            raise self.gatherer.refused
 
     def before_update(self, partitions) -> None:
+        refused, self.gatherer.refused = self.gatherer.refused, None
         self.gatherer.adopt_assigned()
+        if refused is not None:
+            raise refused
 
     def after_update(self, partitions, updated) -> None:
         self.gatherer.release_all()  # the next forward gathers the new values

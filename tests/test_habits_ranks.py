@@ -14,6 +14,7 @@ import datetime
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_ranks
@@ -910,6 +911,61 @@ def test_param_data_unfit_on_one_rank_raises_on_every_rank_without_hanging(stage
     if kind == "shape_unmended":  # refused again at every step, never taken in (before: taken from the next step)
         assert second[4] is not None and f"changed {what} from" in second[4][1], second[4]
         return
+    assert first[3] is None and second[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
+class _Casting(nn.Module):
+    """Each layer takes its input in its weight's dtype (a model that runs whatever a rank converted it to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x.to(self.fc1.weight.dtype)))
+        return self.fc2(h.to(self.fc2.weight.dtype)).float()
+
+
+def _converted_before_backward_on_one_rank(rank, world_size, stage, kind):
+    """Rank 1 alone converts a layer's parameters (``p.data = p.data.bfloat16()``) or the whole model (``model.half()``)
+    before its forward: at stage 2 backward's gradient hook meets the unfit ``.grad``, at stage 3 the forward's
+    gather meets the assigned tensor. Refused on rank 1 by the step, after its collectives; rank 0 at its next
+    step (before: rank 1 raised inside backward or the forward, and rank 0 waited in a reduction or gather)."""
+    from fused_zero import ShardedOptimizer
+
+    model = _Casting()
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, bucket_numel=64, min_unit_numel=0) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), **HYPER, stage=stage, bucket_numel=64)
+    out = {}
+    for t in range(4):
+        if rank == 1 and t == 1:
+            if kind == "model":
+                model.half()
+            else:
+                for q in model.fc1.parameters():
+                    q.data = q.detach().bfloat16()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+        out[f"train{t}"] = _caught(lambda: model(x).square().mean().backward())
+        out[t] = _caught(opt.step)
+        opt.zero_grad()
+        if rank == 1 and t == 1:  # mended
+            model.float()
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind", ["layer", "model"])
+def test_a_conversion_before_backward_on_one_rank_raises_on_every_rank_without_hanging(stage, kind):
+    first, second = run_ranks(_converted_before_backward_on_one_rank, 2, stage, kind, timeout=TIMEOUT)
+    assert all(r[f"train{t}"] is None for r in (first, second) for t in range(4)), (first, second)
+    assert second[1] is not None and "changed dtype from torch.float32" in second[1][1], second[1]
+    assert first[1] is None and first[0] is None and second[0] is None
+    assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
     assert first[3] is None and second[3] is None
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 

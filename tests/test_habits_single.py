@@ -419,3 +419,41 @@ def test_compiled_autograd_trains_as_eager(stage):
     _train(ref, ref_opt, 2)
     with opt.full_parameters(), ref_opt.full_parameters():
         assert max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())) < TOL
+
+
+# --- the model's parameters replaced after the build ----------------------------------------------------------
+
+def _replace(model: nn.Sequential, how: str) -> None:
+    if how == "to_empty":  # meta and cpu tensors are not shallow-copy compatible: every Parameter is new
+        model.to("meta")
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.1)
+    elif how == "head":
+        model[3] = nn.Linear(16, 4)
+    elif how == "embedding":  # what resize_token_embeddings does
+        model[0] = nn.Embedding(12, 8)
+    elif how == "tie":  # tie_weights() after the optimizer was built
+        model[3].weight = model[1].weight
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("how", ["to_empty", "head", "embedding", "tie"])
+def test_a_model_whose_parameters_were_replaced_is_refused_naming_the_fix(stage, how):
+    """Backward gives the new nn.Parameter objects gradients and the optimizer would train the old ones, silently,
+    as torch.optim does (a probe found stages 1-2 trained nothing and stage 3 failed with a shape error). Refused
+    at the next step (stage 3: the next forward), naming the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if how == "tie":  # a head without bias, as GPT's: its weight is the model's last parameter
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8, bias=False))
+    opt = ShardedOptimizer(model, stage=stage, lr=1e-2, **({"min_unit_numel": 0} if stage == 3 else {}))
+    x = torch.randint(0, 10, (4,))
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    _replace(model, how)
+    with pytest.raises(RuntimeError, match="is no longer the one the optimizer was built over"):
+        model(x).sum().backward()
+        opt.step()

@@ -82,13 +82,26 @@ class GatherCycle:
         for part in u.parts if copies is None else ():  # an offloaded param shard: start every read first
             part.fetch_params()
         for k, part in enumerate(u.parts):
-            part.adopt_assigned(self.names, self._placeholder)  # p.data = t since the last gather
+            self._adopt_assigned(part)  # p.data = t since the last gather
             part.materialize()
             handles += self.sync.gather(part) if copies is None else self.secondary.gather(part, copies[k])
         u.handles, u.state = handles, UnitState.GATHERING
         self.live_bytes += u.nbytes
         self._live_units += u.index > 0
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _adopt_assigned(self, part: Partition) -> None:
+        """Take in what user code assigned to ``part``'s released parameters. What cannot be taken in (another shape
+        or dtype, a write in place) raises alone; among ranks, where it may be this rank's alone, the parameters go
+        back to their placeholders (the gather serves the shards' values) and the step raises it after its
+        collectives, so no rank waits in a gather this one left."""
+        try:
+            part.adopt_assigned(self.names, self._placeholder)
+        except RuntimeError as error:
+            if self.alone:
+                raise
+            self.refused = self.refused or error
+            part.put_back(self._placeholder(part.flat))
 
     def _issue_exact(self, u: _Unit) -> None:
         """``_issue``, the parameters as the shards hold them whatever ``param_comm`` says (a unit gathered

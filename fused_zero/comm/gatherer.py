@@ -91,6 +91,13 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self.live_bytes = 0  # their full buffers' bytes (gathered_bytes() counts the storages themselves)
         self._live_units = 0  # how many of them are not the root (max_live_units bounds it)
         self._placeholder = Placeholders()  # what released parameters point at
+        #: the optimizer's check that the model still holds the parameters laid out, at each forward's start
+        self.check_model = None
+        #: whether no other rank trains the model (set by the stage): a change a gather cannot take in raises at once
+        self.alone = True
+        #: among ranks, the first change a gather could not take in (``p.data = t`` of another shape or dtype on
+        #: this rank alone), put back and raised by the step after its collectives (``Stage3.before_update``)
+        self.refused: RuntimeError | None = None
         self._begin_backward = begin_backward
         self._first_forward = first_forward  # the optimizer's checks at the first training forward (once)
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
@@ -289,6 +296,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 and self._record is None:
             return  # a later module of a merged unit in this forward: its first gathered it and prefetched
         if u.index == 0 and self.state is TrainingState.IDLE:
+            if self.check_model is not None:  # the model's parameters are still the ones laid out (before any gather)
+                self.check_model()
             self._grad_forward = torch.is_grad_enabled()
             if self._grad_forward:
                 self._eval_met = False

@@ -170,6 +170,7 @@ class GradSync:
     def end_step(self) -> None:
         """After step(): the shards are consumed; the next reduction writes them."""
         self.wait()
+        self.refused = None
         self.state = RoundState.OPEN if self.state in (RoundState.OPEN, RoundState.ADDING) else RoundState.EMPTY
         self._accumulated = False
         self._last_present = self.present.copy()
@@ -196,6 +197,20 @@ class GradSync:
         self.wait()
         for part in self.partitions:
             part.grad_shard.mul_(coef.to(part.grad_shard.device))
+
+    def _unfit_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+        """``p.grad`` cannot be packed (``_check_grad`` says why: ``p`` converted or moved since the build, a sparse
+        gradient). Alone: raise now. Among ranks this may be the only rank that found it: its reductions go on
+        without that gradient (``.grad`` dropped, as a parameter that got none) and ``prepare_step`` returns the
+        refusal, so the step is skipped and raised on this rank and no peer waits in a reduction it left."""
+        if self.pipe.divisor == 1:
+            _check_grad(p, entry, self.names)
+        try:
+            _check_grad(p, entry, self.names)
+        except RuntimeError as error:
+            self.refused = self.refused or error
+            p.grad = None
+        return None
 
     def reduce_unhooked(self, params) -> None:
         """``params`` were laid out while frozen (no hook) and now hold a gradient that no hook saw (stages 2-3
@@ -390,7 +405,7 @@ class ReduceInBackward(GradSync):
         # that parameter after this one run next, and must see (and may edit) its .grad, which the pack frees.
         g = p.grad
         if g is not None and not grad_ok(g, entry):
-            _check_grad(p, entry, self.names)
+            g = self._unfit_grad(p, entry)
         if not self.sync:
             self._accumulated = True
             return
@@ -521,6 +536,8 @@ class ReduceInBackward(GradSync):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
         self.wait()
+        if self.refused is not None:  # an unfit .grad in backward (_unfit_grad): reduced without it
+            return self.refused
         if stale:  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
             return HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "

@@ -33,10 +33,12 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     the tensor is on the CPU). ``amsgrad=True``
     needs ``max_exp_avg_sq`` (fp32, zeros at the start, updated in place): it
     becomes max(max_exp_avg_sq, exp_avg_sq) after exp_avg_sq's update and replaces
-    it in the denominator. Numerics follow ``torch.optim.AdamW`` / ``Adam``
-    (foreach=False), amsgrad included. CUDA: one Triton launch;
-    CPU: torch's fused CPU AdamW, or the pure-torch twin
-    (``fused_zero.ops.adamw_twin.adamw_``) when FUSED_ZERO_BACKEND is set.
+    it in the denominator. The arithmetic is ``torch.optim.AdamW`` / ``Adam``'s,
+    amsgrad included; the rounding is that of the path taken: CUDA, one Triton
+    launch; CPU, torch's fused CPU AdamW (bitwise ``AdamW(fused=True)``, which
+    differs from the for-loop and foreach implementations in the last bits), or
+    the pure-torch twin (``fused_zero.ops.adamw_twin.adamw_``) when
+    FUSED_ZERO_BACKEND is set.
     """
     check_flat("param", param, F32)
     check_flat("grad", grad, FLOATS)

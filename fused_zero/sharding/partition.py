@@ -243,6 +243,12 @@ class Partition:
             self._reload_master(changed, values.__getitem__)
         return bool(changed)
 
+    def put_back(self, placeholder: torch.Tensor) -> None:
+        """Stage 3, released: every parameter on ``placeholder`` again, what user code assigned dropped (refused)."""
+        for p in self.params:
+            p.data = placeholder
+        self._released_versions = [p._version for p in self.params]
+
     def _untouched(self, versions: list[int]) -> bool:
         """Every parameter still holds what ``release`` gave it, of the partition's dtype and device, and none
         was written in place: ``adopt_assigned``'s common case, checked in bulk (a full tensor assigned has
