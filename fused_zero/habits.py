@@ -163,29 +163,49 @@ _CLIP_CALLERS: dict = {}  # code object -> whether it calls torch.nn.utils.clip_
 
 
 def _calls_torch_clip(frame) -> bool:
-    """Whether the code of ``frame`` names torch's clip_grad_norm_ (read from its bytecode once, not run):
-    ``clip_grad_norm_`` read off ``utils`` / ``clip_grad`` (``torch.nn.utils.clip_grad_norm_``,
-    ``nn.utils.clip_grad.clip_grad_norm_``) or off a global bound to either module, or a global bound to the
-    function itself (``from torch.nn.utils import clip_grad_norm_ as clip``). ``opt.clip_grad_norm_`` (the
-    optimizer's own), ``accelerator.clip_grad_norm_`` and ``torch.utils.checkpoint`` in the same loop are not."""
+    """Whether the code of ``frame`` names torch's clip_grad_norm_ (read from its bytecode once, not run): loads a
+    global bound to it (``from torch.nn.utils import clip_grad_norm_ as clip`` at the top), import it inside the
+    function, or read ``clip_grad_norm_`` off ``utils`` / ``clip_grad`` (``torch.nn.utils.clip_grad_norm_``) or off
+    a name bound to either module (at the top or by an import inside). ``opt.clip_grad_norm_`` (the optimizer's
+    own), ``accelerator.clip_grad_norm_`` and ``torch.utils.checkpoint`` in the same loop are not."""
     code = frame.f_code
     found = _CLIP_CALLERS.get(code)
     if found is None:
-        g = frame.f_globals
-        found = any(g.get(n) is _TORCH_CLIP for n in code.co_names)
-        if not found and "clip_grad_norm_" in code.co_names:
-            before = None
-            for ins in dis.get_instructions(code):
-                if ins.argval == "clip_grad_norm_" and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                    if before is not None and (before.opname in ("LOAD_ATTR", "LOAD_METHOD")
-                                               and before.argval in ("utils", "clip_grad")
-                                               or before.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-                                               and any(g.get(before.argval) is m for m in _CLIP_MODULES)):
-                        found = True
-                        break
-                before = ins
+        found = _names_torch_clip(code, frame.f_globals)
         _CLIP_CALLERS[code] = found
     return found
+
+
+_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK")
+_STORES = ("STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF")
+
+
+def _names_torch_clip(code, g: dict) -> bool:
+    modules = set()  # names an import inside the function bound to torch.nn.utils or its clip_grad module
+    importing = None  # what the import being read brings: the last module or name it named
+    before = None
+    for ins in dis.get_instructions(code):
+        op, arg = ins.opname, ins.argval
+        if op == "IMPORT_NAME":
+            importing = str(arg).rsplit(".", 1)[-1] if str(arg).startswith("torch") else None
+        elif op == "IMPORT_FROM" and importing is not None:
+            if arg == "clip_grad_norm_":
+                return True
+            importing = arg
+        elif op in _STORES and importing is not None:
+            if importing in ("utils", "clip_grad"):
+                modules.add(arg)
+            importing = None
+        elif op in ("LOAD_GLOBAL", "LOAD_NAME") and g.get(arg) is _TORCH_CLIP:
+            return True
+        elif arg == "clip_grad_norm_" and op in ("LOAD_ATTR", "LOAD_METHOD") and before is not None:
+            if before.opname in ("LOAD_ATTR", "LOAD_METHOD") and before.argval in ("utils", "clip_grad"):
+                return True
+            if before.opname in _LOADS and (before.argval in modules
+                                            or any(g.get(before.argval) is m for m in _CLIP_MODULES)):
+                return True
+        before = ins
+    return False
 
 
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_

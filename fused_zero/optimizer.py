@@ -777,37 +777,68 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return loss
 
     def _watch_model_params(self) -> None:
-        """Where the model holds each param group's first and last parameter (with ``module=`` only), for
-        ``_check_still_the_models``."""
+        """Where the model holds each param group's first and last parameter (with ``module=`` only): every hop of
+        each one's path from the root (a modules dict, a key, the module there) and its parameters dict, once
+        each, for ``_check_still_the_models``."""
         self._watched = []
         if self.module is None:
             return
+        names = {p: n for n, p in self.module.named_parameters()}  # (now: a parametrization may have moved one)
+        hops = set()
         for g in self.param_groups:
             for p in {id(q): q for q in (g["params"][:1] + g["params"][-1:])}.values():
-                name = self._names.get(p)
-                if name is not None:
-                    owner, _, leaf = name.rpartition(".")
-                    self._watched.append((owner, leaf, p))
+                name = names.get(p)
+                if name is None:
+                    continue  # no longer the model's (a replaced head with a new group added): trained by no one
+                *path, leaf = name.split(".")
+                m = self.module
+                for key in path:
+                    child = m._modules[key]
+                    if (id(m), key) not in hops:
+                        hops.add((id(m), key))
+                        self._watched.append((m._modules, key, child, None))
+                    m = child
+                self._watched.append((m._parameters, leaf, p, name))
 
     def _check_still_the_models(self) -> None:
         """Refuse a model whose parameters were replaced by new nn.Parameter objects since the build
         (``model.to("meta")`` then ``to_empty()``, a module or parameter assigned anew): backward gives the new ones
-        gradients and the optimizer would train the old ones, silently, as torch.optim would. Checks each param
-        group's first and last parameter, looked up from the model (a whole model, its head or its embedding
-        replaced), not every one."""
-        for owner, leaf, p in self._watched:
-            try:
-                now = self.module.get_submodule(owner)._parameters.get(leaf)
-            except AttributeError:  # (the module on its path is gone)
-                now = None
-            if now is not p:
-                raise RuntimeError(
-                    f"the model's parameter {self._names[p]} is no longer the one the optimizer was built over: "
-                    "another nn.Parameter (or none) took its place (model.to('meta') then to_empty(), a module or "
-                    "parameter assigned anew, resize_token_embeddings) and the optimizer would train the old "
-                    "tensor. Change the model before building the optimizer, or build a new one over "
-                    "model.parameters() (save and load its state_dict() to keep the states); to change values, "
-                    "assign p.data = t instead")
+        gradients and the optimizer would train the old ones, silently, as torch.optim would. Each param group's
+        first and last parameter (a whole model, its head or its embedding) are looked up along their paths, a
+        dict lookup a hop; only where one moved is the model searched, and a parameter moved but still the
+        model's (a parametrization registered: ``parametrizations.weight.original``) or a path now holding one this
+        optimizer trains (a new head added by ``add_param_group``) is watched where it is now."""
+        for held_by, key, obj, _ in self._watched:
+            if held_by.get(key) is not obj:
+                break
+        else:
+            return
+        now = {id(q) for q in self.module.parameters()}
+        for _, _, p, name in self._watched:
+            if name is None or id(p) in now:
+                continue
+            # stages 1-2: a parameter this optimizer trains took its place (a new head given to add_param_group, a
+            # weight tied to another): what backward reaches is trained, as torch.optim would
+            there = self._param_at(name)
+            if there is not None and there in self._params and not self._stage.shards_params:
+                continue
+            raise RuntimeError(
+                f"the model's parameter {name} is no longer the one the optimizer was built over: another "
+                "nn.Parameter (or none) took its place (model.to('meta') then to_empty(), a module or parameter "
+                "assigned anew, resize_token_embeddings) and the optimizer would train the old tensor. Change the "
+                "model before building the optimizer, or build a new one over model.parameters() (save and load "
+                "its state_dict() to keep the states); to change values, assign p.data = t instead")
+        self._watch_model_params()
+
+    def _param_at(self, name: str):
+        """The parameter the model holds at dotted ``name`` now, or None."""
+        *path, leaf = name.split(".")
+        m = self.module
+        for key in path:
+            m = m._modules.get(key)
+            if m is None:
+                return None
+        return m._parameters.get(leaf)
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists

@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.nn import utils as clip_utils
+from torch.nn.utils import clip_grad_norm_
 from torch.nn.utils import clip_grad_norm_ as torch_clip
 
 from _models import HYPER, TinyNet, batch, flags, loss_fn, param_groups, rel
@@ -239,6 +240,35 @@ def _imported_torch_clip_loop(model, opt, steps):
         opt.step()
 
 
+def _global_torch_clip_loop(model, opt, steps):
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+def _local_import_torch_clip_loop(model, opt, steps):
+    from torch.nn.utils import clip_grad_norm_ as clip
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        clip(model.parameters(), 1.0)
+        opt.step()
+
+
+def _local_module_torch_clip_loop(model, opt, steps):
+    import torch.nn.utils as nn_utils
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        nn_utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
 def _warnings_of(loop, stage, steps):
     """Every warning (repeats too) that ``loop`` raises training a TinyNet ``steps`` steps at ``stage``. The
     loops stay whole functions: the habit check reads the code that calls step() for torch's clip."""
@@ -258,7 +288,8 @@ def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("loop", [_aliased_torch_clip_loop, _imported_torch_clip_loop])
+@pytest.mark.parametrize("loop", [_aliased_torch_clip_loop, _imported_torch_clip_loop, _global_torch_clip_loop,
+                                  _local_import_torch_clip_loop, _local_module_torch_clip_loop])
 def test_torch_clip_under_another_name_warns(stage, loop):
     clip = [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
     assert len(clip) == 1 and clip[0].filename == __file__
@@ -268,7 +299,8 @@ def test_torch_clip_under_another_name_warns(stage, loop):
 @pytest.mark.parametrize("loop", [_own_clip_loop, _own_clip_off_loop])
 def test_the_optimizer_clip_does_not_warn(stage, loop):
     """Also where the loop names the optimizer's clip in a branch that does not run and uses torch.utils for
-    something else (a probe found the name check took that for torch's clip)."""
+    something else, in a module that imports torch's clip_grad_norm_ by that name (a probe and a review found the
+    name check took either for torch's clip)."""
     assert not [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
 
 

@@ -970,6 +970,34 @@ def test_a_conversion_before_backward_on_one_rank_raises_on_every_rank_without_h
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 
+def _head_replaced_on_one_rank(rank, world_size, stage):
+    """Rank 1 alone replaces the model's head (a new nn.Linear) after a step."""
+    from fused_zero import ShardedOptimizer
+
+    model = _Casting()
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, min_unit_numel=0) if stage == 3 else \
+        ShardedOptimizer(model, **HYPER, stage=stage)
+    out = {}
+    for t in range(3):
+        if rank == 1 and t == 1:
+            model.fc2 = nn.Linear(16, 4)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
+        out[f"train{t}"] = _caught(lambda: model(x).square().mean().backward())
+        out[t] = _caught(opt.step)
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_module_replaced_on_one_rank_is_refused_by_its_step_without_hanging(stage):
+    """The check that the model still holds its parameters, made by a stage-3 forward among ranks, leaves its verdict
+    to the step (a review found rank 1 raising in the forward while rank 0 waited in its gathers)."""
+    first, second = run_ranks(_head_replaced_on_one_rank, 2, stage, timeout=TIMEOUT)
+    assert all(r[f"train{t}"] is None for r in (first, second) for t in range(3)), (first, second)
+    assert second[1] is not None and "is no longer the one the optimizer was built over" in second[1][1], second[1]
+    assert first[1] is None and first[2] is not None and "ranks disagree" in first[2][1], first
+
+
 def _bad_load_on_one_rank(rank, world_size, stage, kind):
     """load_state_dict of a dict whose flaw was found only after the ranks agreed it loads (param_names not a list,
     a frozen parameter's state not a dict), on rank 1 only: now found before, raised on every rank, nothing loaded
