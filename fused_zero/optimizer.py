@@ -448,6 +448,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def __deepcopy__(self, memo):
         self.__getstate__()
 
+    def join_hook(self, **kwargs):
+        """``torch.distributed.algorithms.Join([model, optimizer])`` (uneven inputs, as ZeroRedundancyOptimizer
+        joins): refused when the context is made, on every rank alike, before any collective."""
+        raise RuntimeError("ShardedOptimizer does not take part in torch.distributed.algorithms.Join: ranks running "
+                           "different numbers of batches are not served (a rank with more waits in a collective its "
+                           "peers never make). Give every rank the same number of batches: a DistributedSampler with "
+                           "drop_last=True, or pad the last batches")
+
     # -- backward: one hook per parameter, one callback per backward ---------
     def _on_grad(self, p: nn.Parameter, entry) -> None:
         """The gradient hook of every trainable parameter (``entry``: its ``grad_sync.GradEntry``)."""

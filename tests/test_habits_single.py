@@ -492,3 +492,15 @@ def test_a_model_changed_into_what_the_optimizer_still_trains_steps_as_torch(sta
         got = [p.detach().clone() for p in model.parameters()]
     want = [p.detach() for p in ref.parameters()]
     assert len(got) == len(want) and all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want))
+
+
+def test_join_is_refused_naming_the_fix():
+    """torch's Join context (ZeroRedundancyOptimizer is a Joinable) asks each joinable for its hook when made: a
+    clear refusal there, not torch's AttributeError for a missing join_hook."""
+    from torch.distributed.algorithms import Join
+
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), **HYPER)
+    with pytest.raises(RuntimeError, match="drop_last=True"):
+        with Join([opt]):
+            pass
