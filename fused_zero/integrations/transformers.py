@@ -140,6 +140,16 @@ class ZeroTrainer(Trainer):
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
+    def _load_best_model(self) -> None:
+        """Trainer's ``load_best_model_at_end``; at stage 3 with a peft model inside ``full_parameters(writeback=True)``:
+        peft's ``load_adapter`` reads ``model.state_dict()`` before loading into it (a model of its own loads into
+        the released parameters, as between steps)."""
+        opt = self.sharded_optimizer
+        if opt is None or not opt.config.needs_module or not hasattr(self.model, "load_adapter"):
+            return super()._load_best_model()
+        with opt.full_parameters(writeback=True):
+            super()._load_best_model()
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's save_model; at stage 3 inside ``full_parameters()``, so every rank must call it."""
         opt = self.sharded_optimizer

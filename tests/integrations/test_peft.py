@@ -206,3 +206,33 @@ def test_stage3_lora_checkpoint_resumes_at_world_size_1(stage3_run, tmp_path):
     records, _ = run_ranks(_train, 1, 3, str(tmp_path / "resumed"), None, ckpt, timeout=300)[0]
     assert [r[0] for r in records] == list(range(SAVE_AT + 1, STEPS + 1))
     assert rel_close([r[1] for r in records], [r[1] for r in full_records[SAVE_AT:]], TOL) < TOL
+
+
+def _load_best(rank, world_size, stage, out):
+    """``load_best_model_at_end`` with a LoRA model: the best checkpoint is an earlier one (the loss is taken as
+    higher-is-better), loaded back into the adapter at the end; its evaluation loss comes back."""
+    launcher_env(rank, world_size)
+    from transformers import Trainer, TrainingArguments
+
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.transformers import ZeroTrainer
+
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=BATCH * 2 // world_size, max_steps=4, learning_rate=1e-2,
+        report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, eval_strategy="steps", eval_steps=2,
+        save_strategy="steps", save_steps=2, save_total_limit=1, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True)
+    kw = dict(model=lora_gpt2(), args=args, train_dataset=TokenDataset(), eval_dataset=TokenDataset())
+    trainer = Trainer(**kw) if stage is None else ZeroTrainer(**kw, zero=ZeroConfig(stage=stage, bucket_numel=4096))
+    trainer.train()
+    evaluated = [r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r]
+    return trainer.state.best_model_checkpoint, evaluated, trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_trainer_lora_loads_the_best_adapter_at_the_end(stage, tmp_path):
+    """At stage 3 peft's load_adapter reads model.state_dict() first, which stage 3 refuses outside
+    full_parameters(): before, the run crashed after training (a probe found it)."""
+    best, evaluated, final = run_ranks(_load_best, 1, stage, str(tmp_path / "out"), timeout=300)[0]
+    assert best.endswith("checkpoint-2") and len(evaluated) == 2
+    assert abs(final - evaluated[0]) < 1e-5 * abs(evaluated[0]), (final, evaluated)
