@@ -198,19 +198,20 @@ class GradSync:
         for part in self.partitions:
             part.grad_shard.mul_(coef.to(part.grad_shard.device))
 
-    def _unfit_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> None:
+    def _unfit_grad(self, p: torch.nn.Parameter, entry: GradEntry) -> torch.Tensor | None:
         """``p.grad`` cannot be packed (``_check_grad`` says why: ``p`` converted or moved since the build, a sparse
         gradient). Alone: raise now. Among ranks this may be the only rank that found it: its reductions go on
         without that gradient (``.grad`` dropped, as a parameter that got none) and ``prepare_step`` returns the
         refusal, so the step is skipped and raised on this rank and no peer waits in a reduction it left."""
         if self.pipe.divisor == 1:
             _check_grad(p, entry, self.names)
+            return p.grad
         try:
             _check_grad(p, entry, self.names)
         except RuntimeError as error:
             self.refused = self.refused or error
             p.grad = None
-        return None
+        return p.grad
 
     def reduce_unhooked(self, params) -> None:
         """``params`` were laid out while frozen (no hook) and now hold a gradient that no hook saw (stages 2-3
