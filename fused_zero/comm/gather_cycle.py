@@ -95,13 +95,20 @@ class GatherCycle:
         or dtype, a write in place) raises alone; among ranks, where it may be this rank's alone, the parameters go
         back to their placeholders (the gather serves the shards' values) and the step raises it after its
         collectives, so no rank waits in a gather this one left."""
+        if self._kept_refusal(lambda: part.adopt_assigned(self.names, self._placeholder)):
+            part.put_back(self._placeholder(part.flat))
+
+    def _kept_refusal(self, check) -> bool:
+        """Run ``check``; what it raises (RuntimeError) raises alone, and among ranks, where it may be this rank's
+        alone, is kept for the step to raise after its collectives (``refused``, ``Stage3.before_update``): True."""
         try:
-            part.adopt_assigned(self.names, self._placeholder)
+            check()
         except RuntimeError as error:
             if self.alone:
                 raise
             self.refused = self.refused or error
-            part.put_back(self._placeholder(part.flat))
+            return True
+        return False
 
     def _issue_exact(self, u: _Unit) -> None:
         """``_issue``, the parameters as the shards hold them whatever ``param_comm`` says (a unit gathered

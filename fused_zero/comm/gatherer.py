@@ -296,8 +296,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 and self._record is None:
             return  # a later module of a merged unit in this forward: its first gathered it and prefetched
         if u.index == 0 and self.state is TrainingState.IDLE:
-            if self.check_model is not None:  # the model's parameters are still the ones laid out (before any gather)
-                self._check_model()
+            # the model still holds the parameters laid out (before any gather); among ranks the forward goes on (a
+            # replaced module is a plain one, its unit skipped as data may skip one) and the step raises it
+            if self.check_model is not None:
+                self._kept_refusal(self.check_model)
             self._grad_forward = torch.is_grad_enabled()
             if self._grad_forward:
                 self._eval_met = False
@@ -323,16 +325,6 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if first and u.frozen and self._grad_forward:  # the unit's inputs: those of its first module to run
                 self._hook_inputs(u, args)
             self._prefetch()
-
-    def _check_model(self) -> None:
-        """Alone, raise what ``check_model`` found now; among ranks, where it may be this rank's alone, the forward
-        goes on (a replaced module is a plain one, its unit skipped as data may skip one) and the step raises it."""
-        try:
-            self.check_model()
-        except RuntimeError as error:
-            if self.alone:
-                raise
-            self.refused = self.refused or error
 
     def _hook_inputs(self, u: _Unit, args) -> None:
         u.inputs_done = False

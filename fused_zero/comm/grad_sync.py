@@ -203,12 +203,11 @@ class GradSync:
         gradient). Alone: raise now. Among ranks this may be the only rank that found it: its reductions go on
         without that gradient (``.grad`` dropped, as a parameter that got none) and ``prepare_step`` returns the
         refusal, so the step is skipped and raised on this rank and no peer waits in a reduction it left."""
-        if self.pipe.divisor == 1:
-            _check_grad(p, entry, self.names)
-            return p.grad
         try:
             _check_grad(p, entry, self.names)
         except RuntimeError as error:
+            if self.pipe.divisor == 1:  # (every rank that trains divides: one is alone)
+                raise
             self.refused = self.refused or error
             p.grad = None
         return p.grad
