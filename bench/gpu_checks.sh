@@ -10,6 +10,9 @@
 #     run(command="bash bench/gpu_checks.sh", timeout_s=600)
 #     run(command="FUSED_ZERO_GPU_CAPACITY=540 FUSED_ZERO_GPU_CAPACITY_ONLY=1 bash bench/gpu_checks.sh", timeout_s=600)
 #
+# A step figure that moved between two GPU runs: bench/gpu_ab.sh measures this tree and an earlier commit's in
+# one call (its header says how to carry the earlier tree).
+#
 # Each part has its own time box, so one that hangs or runs long leaves the others their time; a part
 # that ran past its box says so in its log ("TIMED OUT"). Commit what comes back under
 # bench/results/<device>_<date>_*, name the device, and put the figures in the README.
