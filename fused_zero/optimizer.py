@@ -41,6 +41,7 @@ from .hyper import agreement_key, check_flags, check_foreach_tensors, check_grou
     check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
+from . import model_watch
 from .ownership import claim, others_on_group, release
 from .sharding.partition import Partition
 from .profiling import UPDATE, label
@@ -165,6 +166,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise ValueError("units= only applies to stage 3")
         self._names: dict[nn.Parameter, str] = {} if module is None else {p: n for n, p in module.named_parameters()}
         self.module = module
+        # given the model: the flag torch's registration hooks set on it (model_watch), and every trained
+        # parameter with its name there (_watch_model_params)
+        self._model_watch: model_watch.Watcher | None = None
+        self._model_names: list = []
         self._units = units
         self.config = config
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
@@ -426,6 +431,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 part.close()
             self._closed = True
             release(self, list(getattr(self, "_params", ())))
+            if self._model_watch is not None:
+                model_watch.unwatch(self.module, self._model_watch)
         if self._rendezvous is not None:
             self._rendezvous.close()
 
@@ -792,6 +799,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self.module is None:
             return
         names = {p: n for n, p in self.module.named_parameters()}  # (now: a parametrization may have moved one)
+        # every parameter this optimizer trains, where the model holds it now: what a registration on the model
+        # (model_watch) has every parameter checked against
+        trained = {id(q) for g in self.param_groups for q in g["params"]}
+        self._model_names = [(p, n) for p, n in names.items() if id(p) in trained]
+        if self._model_watch is None:
+            self._model_watch = model_watch.Watcher()
+        self._model_watch.changed = False
+        model_watch.watch(self.module, self._model_watch)
         hops = set()
         for g in self.param_groups:
             for p in {id(q): q for q in (g["params"][:1] + g["params"][-1:])}.values():
@@ -813,17 +828,25 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         (``model.to("meta")`` then ``to_empty()``, a module or parameter assigned anew): backward gives the new ones
         gradients and the optimizer would train the old ones, silently, as torch.optim would. Each param group's
         first and last parameter (a whole model, its head or its embedding) are looked up along their paths, a
-        dict lookup a hop; only where one moved is the model searched, and a parameter moved but still the
+        dict lookup a hop, and every parameter after torch registered a parameter or module anywhere in the model
+        (``model_watch``: removing a parametrization mid-model makes a new Parameter); only where one moved is
+        the model searched, and a parameter moved but still the
         model's (a parametrization registered: ``parametrizations.weight.original``) or a path now holding one this
         optimizer trains (a new head added by ``add_param_group``) is watched where it is now."""
-        for held_by, key, obj, _ in self._watched:
-            if held_by.get(key) is not obj:
-                break
+        if self._model_watch is not None and self._model_watch.changed:
+            # torch registered a parameter or module on the model since the last look (a parametrization removed
+            # anywhere, a module assigned anew): every parameter is looked for
+            candidates = self._model_names
         else:
-            return
+            for held_by, key, obj, _ in self._watched:
+                if held_by.get(key) is not obj:
+                    break
+            else:
+                return
+            candidates = [(p, name) for _, _, p, name in self._watched if name is not None]
         now = {id(q) for q in self.module.parameters()}
-        for _, _, p, name in self._watched:
-            if name is None or id(p) in now:
+        for p, name in candidates:
+            if id(p) in now:
                 continue
             # stages 1-2: a parameter this optimizer trains took its place (a new head given to add_param_group, a
             # weight tied to another): what backward reaches is trained, as torch.optim would
@@ -833,7 +856,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise RuntimeError(
                 f"the model's parameter {name} is no longer the one the optimizer was built over: another "
                 "nn.Parameter (or none) took its place (model.to('meta') then to_empty(), a module or parameter "
-                "assigned anew, resize_token_embeddings) and the optimizer would train the old tensor. Change the "
+                "assigned anew, a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. Change the "
                 "model before building the optimizer, or build a new one over model.parameters() (save and load "
                 "its state_dict() to keep the states); to change values, assign p.data = t instead")
         self._watch_model_params()

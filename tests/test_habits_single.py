@@ -6,6 +6,7 @@ the optimizer, a model moved or cast after it, stage-3 state dicts, AdamW's flag
 constructor input) and checks the numbers against torch.optim.AdamW, or the exception type and
 the words that name the fix. Multi-rank habits are in test_habits_ranks.py.
 """
+import contextlib
 import copy
 import warnings
 import pickle
@@ -434,6 +435,8 @@ def _replace(model: nn.Sequential, how: str) -> None:
         model[3] = nn.Linear(16, 4)
     elif how == "embedding":  # what resize_token_embeddings does
         model[0] = nn.Embedding(12, 8)
+    elif how == "middle":  # neither end of the group: seen through torch's registration hook (model_watch)
+        model[1] = nn.Linear(8, 16)
     elif how == "tie":  # tie_weights() after the optimizer was built
         model[3].weight = model[1].weight
     elif how == "parametrize":  # the same Parameter moves to parametrizations.weight.original
@@ -448,7 +451,7 @@ class _Symmetric(nn.Module):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("how", ["to_empty", "head", "embedding"])
+@pytest.mark.parametrize("how", ["to_empty", "head", "embedding", "middle"])
 def test_a_model_whose_parameters_were_replaced_is_refused_naming_the_fix(stage, how):
     """Backward gives the new nn.Parameter objects gradients and the optimizer would train the old ones, silently,
     as torch.optim does (a probe found stages 1-2 trained nothing and stage 3 failed with a shape error). Refused
@@ -464,6 +467,50 @@ def test_a_model_whose_parameters_were_replaced_is_refused_naming_the_fix(stage,
     with pytest.raises(RuntimeError, match="is no longer the one the optimizer was built over"):
         model(x).sum().backward()
         opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parametrization_removed_mid_model_is_refused(stage):
+    """``remove_parametrizations`` of weight_norm builds a new Parameter from g and v: backward trains it and the
+    optimizer would train the old ones, silently (an outside probe: a middle layer's weight never changed again,
+    while the same removal on the last layer was refused). torch's registration hook marks the model, and the
+    next step (stage 3: the next forward) looks at every parameter."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    weight_norm(model[2])
+    opt = ShardedOptimizer(model, stage=stage, lr=1e-2, **({"min_unit_numel": 0} if stage == 3 else {}))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with opt.full_parameters(writeback=True) if stage == 3 else contextlib.nullcontext():
+        parametrize.remove_parametrizations(model[2], "weight")
+    with pytest.raises(RuntimeError, match="parametrizations.weight.original0 is no longer the one"):
+        model(x).sum().backward()
+        opt.step()
+
+
+def test_a_registration_elsewhere_costs_no_refusal_and_the_watch_ends_with_the_optimizer():
+    """The registration hook is global: a module built or changed outside the watched model marks nothing, one
+    inside marks only the optimizers watching it, and a closed optimizer is no longer told."""
+    from fused_zero import model_watch
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = ShardedOptimizer(model, stage=2, lr=1e-2)
+    flag = opt._model_watch
+    nn.Linear(3, 3)  # elsewhere
+    assert not flag.changed
+    model[0].extra = nn.Parameter(torch.zeros(1))  # inside: the next step looks at every parameter, and steps
+    assert flag.changed
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert not flag.changed
+    opt.close()
+    model[1].extra = nn.Parameter(torch.zeros(1))
+    assert not flag.changed and not any(flag in (model_watch._owners.get(m) or ()) for m in model.modules())
 
 
 @pytest.mark.parametrize("stage,how", [(1, "tie"), (2, "tie"), (1, "parametrize"), (2, "parametrize"),
