@@ -22,10 +22,11 @@ import sys
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_launcher.py")
 
-#: Ten launches per stage: each ending of the script, in turn.
+#: Five launches per stage: each ending of the script once (before the fix about half of the launches at
+#: stages 1-2 aborted: ten of them all exit 0 by chance about once in a thousand).
 ENDINGS = [dict(destroy=False), dict(destroy=True, framework_gather=True), dict(destroy=False, offload="cpu"),
            dict(destroy=True, offload="nvme"), dict(destroy=False, state_dict=True, framework_gather=True)]
-LAUNCHES = [dict(stage=stage, switch=1.0, **ending) for stage in (1, 2, 3) for ending in ENDINGS * 2]
+LAUNCHES = [dict(stage=stage, switch=1.0, **ending) for stage in (1, 2, 3) for ending in ENDINGS]
 
 
 def test_every_launch_exits_0():

@@ -21,7 +21,7 @@ from _models import (HYPER, BNNet, TinyNet, batch, ddp_reference, flags, grad_sh
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
-STEPS = 20
+STEPS = 12  # two whole cycles of flags(): every combination of unused branches, twice
 TOL = 1e-5
 GPT_CFG = GPTConfig(vocab=96, d_model=32, n_layer=3, n_head=2, seq_len=16)
 
