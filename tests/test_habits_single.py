@@ -495,6 +495,41 @@ def test_a_parametrization_removed_mid_model_is_refused(stage):
         opt.step()
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["between steps", "inside full_parameters"])
+def test_stage3_parametrization_after_the_build_trains_inside_full_parameters_and_is_refused_outside(inside):
+    """Between steps stage 3's parameters are empty placeholders: a parametrization registered then starts from
+    one, and the next forward refuses it naming full_parameters(writeback=True); registered inside, where the
+    parameters hold their values, it trains as torch.optim does (an outside probe: the refusal blamed an
+    in-place write the user never made)."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for t in range(3):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(t))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if t == 1 and m is ref:
+                parametrize.register_parametrization(m[2], "weight", _Symmetric())
+            elif t == 1:
+                with opt.full_parameters(writeback=True) if inside else contextlib.nullcontext():
+                    parametrize.register_parametrization(m[2], "weight", _Symmetric())
+                if not inside:
+                    with pytest.raises(RuntimeError, match=r"a parametrization or pruning registered on it.*"
+                                                           r"full_parameters\(writeback=True\)"):
+                        m(x).sum().backward()
+                    return
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    with opt.full_parameters():
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert got.keys() == dict(ref.named_parameters()).keys()
+    assert all(torch.allclose(got[n], p, rtol=1e-6, atol=1e-7) for n, p in ref.named_parameters())
+
+
 def test_a_registration_elsewhere_costs_no_refusal_and_the_watch_ends_with_the_optimizer():
     """The registration hook is global: a module built or changed outside the watched model marks nothing, one
     inside marks only the optimizers watching it, and a closed optimizer is no longer told."""

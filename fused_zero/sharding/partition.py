@@ -228,8 +228,9 @@ class Partition:
                     versions[i] = p._version  # refused once; the write itself is lost either way
                     raise RuntimeError(
                         f"parameter {names.get(p, tuple(self.shapes[i]))} was written in place between steps "
-                        "(nn.init.*_, p.fill_(), p.copy_(), p.mul_(), ...) while ZeRO stage 3 held only its shard: "
-                        "the write went to an empty placeholder and changed nothing. Make such changes inside "
+                        "(nn.init.*_, p.fill_(), p.copy_(), p.mul_(), a parametrization or pruning registered on "
+                        "it, ...) while ZeRO stage 3 held only its shard: the write went to an empty placeholder "
+                        "and changed nothing. Make such changes inside "
                         "`with optimizer.full_parameters(writeback=True):` (every rank enters it), or assign a "
                         "full tensor (p.data = t)")
                 continue
