@@ -800,12 +800,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             return
         names = {p: n for n, p in self.module.named_parameters()}  # (now: a parametrization may have moved one)
         # every parameter this optimizer trains, where the model holds it now: what a registration on the model
-        # (model_watch) has every parameter checked against
+        # (model_watch) has every parameter checked against. A rebuild (add_param_group) after a registration
+        # that no check has looked at yet keeps the names from before it: the next check looks at those too.
         trained = {id(q) for g in self.param_groups for q in g["params"]}
-        self._model_names = [(p, n) for p, n in names.items() if id(p) in trained]
         if self._model_watch is None:
             self._model_watch = model_watch.Watcher()
-        self._model_watch.changed = False
+        kept = self._model_names if self._model_watch.changed else []
+        self._model_names = kept + [(p, n) for p, n in names.items() if id(p) in trained]
         model_watch.watch(self.module, self._model_watch)
         hops = set()
         for g in self.param_groups:
@@ -833,7 +834,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         the model searched, and a parameter moved but still the
         model's (a parametrization registered: ``parametrizations.weight.original``) or a path now holding one this
         optimizer trains (a new head added by ``add_param_group``) is watched where it is now."""
-        if self._model_watch is not None and self._model_watch.changed:
+        flagged = self._model_watch is not None and self._model_watch.changed
+        if flagged:
             # torch registered a parameter or module on the model since the last look (a parametrization removed
             # anywhere, a module assigned anew): every parameter is looked for
             candidates = self._model_names
@@ -853,12 +855,22 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             there = self._param_at(name)
             if there is not None and there in self._params and not self._stage.shards_params:
                 continue
+            if there is None:
+                raise RuntimeError(
+                    f"the model no longer holds its parameter {name} (its module deleted or assigned anew, a "
+                    "parametrization removed: what it leaves is a new Parameter, or a buffer under torch.no_grad()): "
+                    "the optimizer was built over it and would go on holding a tensor backward no longer reaches, "
+                    "and train nothing new. Change the model before "
+                    "building the optimizer, or build a new one over model.parameters() (save and load its "
+                    "state_dict() to keep the states)")
             raise RuntimeError(
                 f"the model's parameter {name} is no longer the one the optimizer was built over: another "
-                "nn.Parameter (or none) took its place (model.to('meta') then to_empty(), a module or parameter "
-                "assigned anew, a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. Change the "
-                "model before building the optimizer, or build a new one over model.parameters() (save and load "
-                "its state_dict() to keep the states); to change values, assign p.data = t instead")
+                "nn.Parameter took its place (model.to('meta') then to_empty(), a module or parameter assigned anew, "
+                "a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. "
+                "Change the model before building the optimizer, or build a new one over model.parameters() (save "
+                "and load its state_dict() to keep the states); to change values, assign p.data = t instead")
+        if flagged:
+            self._model_watch.changed = False  # looked at: the names are taken afresh
         self._watch_model_params()
 
     def _param_at(self, name: str):

@@ -81,8 +81,8 @@ def test_cuda_graph_replays_equal_eager_steps_bitwise_and_never_sync(stage, amp,
 def test_stage1_bf16_params_under_a_cuda_grad_scaler_fail_as_torch_adamw_does(clip_call):
     """torch's CUDA GradScaler cannot unscale bfloat16 gradients (``_amp_foreach_non_finite_check_and_unscale_cuda``
     has no bf16 kernel): torch's AdamW on bf16 parameters fails in ``scaler.step``/``unscale_``, and so does stage 1,
-    which keeps ``.grad`` as torch does, with torch's own error (stages 2-3 keep no ``.grad`` and serve it,
-    tested above). A bf16 model needs no loss scaling: the fix is GradScaler(enabled=False)."""
+    which keeps ``.grad`` as torch does, with torch's own error (stages 2-3 keep no ``.grad`` and serve it: stage
+    2's bf16 cases above). A bf16 model needs no loss scaling: the fix is GradScaler(enabled=False)."""
     from fused_zero import ShardedOptimizer
 
     errors = []
