@@ -917,3 +917,75 @@ def test_a_submodules_state_dict_and_loads_into_the_models_dict_serve_as_torch()
         assert torch.equal(out["head_sd"]["weight"], torch.full((3, 8), 0.25))
         assert torch.equal(out["head_sd"]["bias"], torch.full((3,), -1.0))
         assert out["diff"] < 1e-6
+
+
+# --- a unit whose output is a view of its own parameters ---------------------------------------------------------
+
+@dataclasses.dataclass
+class _ViewOut:
+    rows: torch.Tensor
+    weight: torch.Tensor
+
+
+class _ViewOfOwn(nn.Module):
+    """A learned position table returning a slice of itself (GPT-2's wpe as a slice), and the transpose of its
+    parameter, in the output structure ``kind`` (each unit of a stage-3 model is its own module here)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8, 6))
+        self.kind = kind
+
+    def forward(self, n: int):
+        rows, weight = self.pos[:n], self.pos.t()
+        return {"tensor": rows, "tuple": (rows, weight), "dict": {"rows": rows, "weight": weight},
+                "dataclass": _ViewOut(rows, weight)}[self.kind]
+
+
+class _UsesViews(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.pos, self.lin = _ViewOfOwn(kind), nn.Linear(6, 6)
+
+    def forward(self, x):
+        out = self.pos(x.shape[0])
+        if isinstance(out, torch.Tensor):
+            rows, weight = out, None
+        elif isinstance(out, tuple):
+            rows, weight = out
+        elif isinstance(out, dict):
+            rows, weight = out["rows"], out["weight"]
+        else:
+            rows, weight = out.rows, out.weight
+        h = self.lin(x + rows)
+        return h if weight is None else h @ weight @ weight.t()
+
+
+def _views_of_own_parameters(rank, world_size, kind):
+    from _models import ddp_reference
+    from fused_zero import ShardedOptimizer
+
+    torch.manual_seed(0)
+    model = _UsesViews(kind)
+    ref, ref_opt = ddp_reference(model, groups=False, **HYPER)
+    opt = ShardedOptimizer(model, **HYPER, stage=3, min_unit_numel=0)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    with torch.no_grad():  # an eval forward releases every unit after it: the output must stay readable
+        got, want = model(torch.ones(4, 6)), ref.module(torch.ones(4, 6))
+    with opt.full_parameters():
+        params = max(rel(p, q) for p, q in zip(model.parameters(), ref.module.parameters()))
+    return params, rel(got, want)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict", "dataclass"])
+def test_a_unit_returning_views_of_its_own_parameters_trains_as_ddp(kind):
+    """A unit's output that views its gathered parameters (``self.pos[:n]``, ``self.weight.t()``) would read freed
+    memory once the unit is released (an outside probe: a segmentation fault on every rank, or torch's "data is not
+    allocated yet"): such outputs are copies, with the same values and gradient path."""
+    for params, evaluated in run_ranks(_views_of_own_parameters, 2, kind, timeout=120):
+        assert params < 1e-6 and evaluated < 1e-6, (params, evaluated)

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..eager_hooks import _eager_only
 from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook, queue_end_of_backward
@@ -355,6 +355,9 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if u.index == 0:
                 self._abort()
             return
+        copied = _unaliased(output, self.units if u.index == 0 else (u,))
+        if copied is not None:
+            output = copied
         grad = torch.is_grad_enabled()
         if grad and (module is u.last or not self._gathered_into_backward(u)):
             self._hook_outputs(u, output)
@@ -367,6 +370,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             # the unit under no_grad on the ranks that call it, and every rank must agree on what is gathered when
             # backward starts (a rank that skipped the unit keeps it, as the schedule's last)
             self._release(u)
+        return copied
 
     def _gathered_into_backward(self, u: _Unit) -> bool:
         """Whether ``u`` stays gathered from its forward into backward (kept, or nothing is resharded): its
@@ -525,6 +529,46 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
 
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), type, nn.Module)
+
+
+def _unaliased(output, units) -> object | None:
+    """``output`` with a copy in place of every tensor that views the gathered memory of ``units`` (a unit returning
+    a slice or a transpose of its own parameter: a position embedding's ``self.pos[:n]``, ``self.weight.t()``), or
+    None where none does. Released, that memory is freed (its storage resized to nothing): the view would read
+    freed memory (a crash, or torch's "data is not allocated yet"). The copy is the same values with the same
+    gradient path (``clone``), and costs memory only where a unit's output aliases its parameters."""
+    tensors = (output,) if isinstance(output, torch.Tensor) else _tensors_in(output)
+    if not tensors:
+        return None
+    gathered = {part.flat.untyped_storage().data_ptr() for u in units if u.gathered for part in u.parts}
+    gathered.discard(0)
+    aliased = set()
+    for t in tensors:
+        try:
+            if t.untyped_storage().data_ptr() in gathered:
+                aliased.add(id(t))
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor with no storage of its own (a subclass)
+            continue
+    if not aliased:
+        return None
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            return x.clone() if id(x) in aliased else x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type) and any(
+                id(t) in aliased for t in _tensors_in(x)):
+            return dataclasses.replace(x, **{f.name: tree_map(copy, getattr(x, f.name))
+                                             for f in dataclasses.fields(x) if f.init})
+        return x
+    copied = tree_map(copy, output)
+    if any(id(t) in aliased for t in _tensors_in(copied)):
+        raise RuntimeError(
+            "a stage-3 unit's forward returned a view of its own parameters inside an object that is not a pytree "
+            f"node ({type(output).__name__}): once the unit is released that view reads freed memory. Return a copy "
+            "(tensor.clone()) from the module, or return the tensors in a tuple, list, dict or dataclass")
+    return copied
 
 
 def _tensors_in(value, seen: set | None = None) -> list:
