@@ -11,6 +11,7 @@ gives DDP's result or raises the same clear error on every rank, before anything
 """
 import copy
 import datetime
+import warnings
 
 import pytest
 import torch
@@ -948,7 +949,12 @@ def _converted_before_backward_on_one_rank(rank, world_size, stage, kind):
                 for q in model.fc1.parameters():
                     q.data = q.detach().bfloat16()
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank))
-        out[f"train{t}"] = _caught(lambda: model(x).square().mean().backward())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[f"train{t}"] = _caught(lambda: model(x).square().mean().backward())
+        # stage 3 says it at the gather too: a forward whose own code fails first (inputs converted with the
+        # model meet the kept dtype) has the refusal in front of torch's dtype error
+        out[f"warned{t}"] = any("changed dtype" in str(w.message) for w in caught)
         out[t] = _caught(opt.step)
         opt.zero_grad()
         if rank == 1 and t == 1:  # mended
@@ -968,6 +974,8 @@ def test_a_conversion_before_backward_on_one_rank_raises_on_every_rank_without_h
     assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
     assert first[3] is None and second[3] is None
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+    warned = [t for t in range(4) for r in (first, second) if r[f"warned{t}"]]
+    assert warned == ([1] if stage == 3 else []), (first, second)
 
 
 def _head_replaced_on_one_rank(rank, world_size, stage):

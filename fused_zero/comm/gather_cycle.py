@@ -12,6 +12,7 @@ comm/gatherer.py's (its module and autograd hooks).
 from __future__ import annotations
 
 import enum
+import warnings
 
 from torch import nn
 
@@ -106,6 +107,11 @@ class GatherCycle:
         except RuntimeError as error:
             if self.alone:
                 raise
+            if self.refused is None:
+                # said now too: this forward goes on with the values the optimizer holds, where the user's own code
+                # may fail first (inputs converted with the model meet the old dtype: torch's dtype error)
+                warnings.warn(f"{error} (the next step raises this; until then this rank computes with the "
+                              "values the optimizer holds)", RuntimeWarning, stacklevel=2)
             self.refused = self.refused or error
             return True
         return False
