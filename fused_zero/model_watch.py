@@ -5,8 +5,9 @@ An optimizer given the model refuses a model whose parameters were replaced by n
 ones. Looking at every parameter each step costs a dict lookup per hop per parameter; instead torch's global
 registration hooks (``register_module_parameter_registration_hook``, and the module and buffer ones, which
 ``Module.__setattr__``, ``register_parameter``, ``remove_parametrizations`` and ``load_state_dict(assign=True)``
-call: a parametrization removed under ``torch.no_grad()`` leaves a buffer where the parameter was) mark the optimizers watching the module registered on, and only a marked optimizer compares every
-parameter at its next check. A hook costs one weak-dictionary lookup per registration anywhere in the process.
+call: a parametrization removed under ``torch.no_grad()`` leaves a buffer where the parameter was) mark the
+optimizers watching the module registered on, and only a marked optimizer compares every parameter at its next
+check. A hook costs one weak-dictionary lookup per registration anywhere in the process.
 What bypasses registration (``module._parameters[k] = p``, as ``Module._apply`` does in ``to_empty()``) is seen
 only where it replaced a param group's first or last parameter (the optimizer looks at those every step).
 

@@ -829,11 +829,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         (``model.to("meta")`` then ``to_empty()``, a module or parameter assigned anew): backward gives the new ones
         gradients and the optimizer would train the old ones, silently, as torch.optim would. Each param group's
         first and last parameter (a whole model, its head or its embedding) are looked up along their paths, a
-        dict lookup a hop, and every parameter after torch registered a parameter or module anywhere in the model
-        (``model_watch``: removing a parametrization mid-model makes a new Parameter); only where one moved is
-        the model searched, and a parameter moved but still the
-        model's (a parametrization registered: ``parametrizations.weight.original``) or a path now holding one this
-        optimizer trains (a new head added by ``add_param_group``) is watched where it is now."""
+        dict lookup a hop, and every parameter after torch registered a parameter, buffer or module anywhere in the
+        model (``model_watch``: removing a parametrization mid-model makes a new Parameter); only where one moved is
+        the model searched, and a parameter moved but still the model's (a parametrization registered:
+        ``parametrizations.weight.original``) or a path now holding one this optimizer trains (a new head added by
+        ``add_param_group``) is watched where it is now. A trained parameter gone from the model is refused too."""
         flagged = self._model_watch is not None and self._model_watch.changed
         if flagged:
             # torch registered a parameter or module on the model since the last look (a parametrization removed
@@ -860,9 +860,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     f"the model no longer holds its parameter {name} (its module deleted or assigned anew, a "
                     "parametrization removed: what it leaves is a new Parameter, or a buffer under torch.no_grad()): "
                     "the optimizer was built over it and would go on holding a tensor backward no longer reaches, "
-                    "and train nothing new. Change the model before "
-                    "building the optimizer, or build a new one over model.parameters() (save and load its "
-                    "state_dict() to keep the states)")
+                    "and train nothing new. Change the model before building the optimizer, or build a new one over "
+                    "model.parameters() (save and load its state_dict() to keep the states)")
             raise RuntimeError(
                 f"the model's parameter {name} is no longer the one the optimizer was built over: another "
                 "nn.Parameter took its place (model.to('meta') then to_empty(), a module or parameter assigned anew, "
