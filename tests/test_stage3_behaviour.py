@@ -4,6 +4,7 @@ full parameters on demand, eval, accounting (16Ψ/N bytes, 3Ψ traffic) and bad 
 Parity with DDP over many steps is tests/test_stage3_parity.py; here one spawn of two gloo
 ranks measures the mechanics on the example GPT, and the tests assert.
 """
+import collections
 import copy
 import dataclasses
 import os
@@ -927,6 +928,10 @@ class _ViewOut:
     weight: torch.Tensor
 
 
+class _Record(collections.OrderedDict):
+    """A dict subclass pytree keeps whole (as a leaf): its items are not attributes."""
+
+
 class _ViewOfOwn(nn.Module):
     """A learned position table returning a slice of itself (GPT-2's wpe as a slice), and the transpose of its
     parameter, in the output structure ``kind`` (each unit of a stage-3 model is its own module here)."""
@@ -939,7 +944,7 @@ class _ViewOfOwn(nn.Module):
     def forward(self, n: int):
         rows, weight = self.pos[:n], self.pos.t()
         return {"tensor": rows, "tuple": (rows, weight), "dict": {"rows": rows, "weight": weight},
-                "dataclass": _ViewOut(rows, weight)}[self.kind]
+                "dataclass": _ViewOut(rows, weight), "record": _Record(rows=rows, weight=weight)}[self.kind]
 
 
 class _UsesViews(nn.Module):
@@ -953,7 +958,7 @@ class _UsesViews(nn.Module):
             rows, weight = out, None
         elif isinstance(out, tuple):
             rows, weight = out
-        elif isinstance(out, dict):
+        elif isinstance(out, dict):  # (and _Record)
             rows, weight = out["rows"], out["weight"]
         else:
             rows, weight = out.rows, out.weight
@@ -982,7 +987,7 @@ def _views_of_own_parameters(rank, world_size, kind):
     return params, rel(got, want)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict", "dataclass"])
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict", "dataclass", "record"])
 def test_a_unit_returning_views_of_its_own_parameters_trains_as_ddp(kind):
     """A unit's output that views its gathered parameters (``self.pos[:n]``, ``self.weight.t()``) would read freed
     memory once the unit is released (an outside probe: a segmentation fault on every rank, or torch's "data is not

@@ -12,8 +12,11 @@ comm/gatherer.py's (its module and autograd hooks).
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import warnings
 
+import torch
 from torch import nn
 
 from .works import Handle
@@ -70,6 +73,19 @@ class _Unit:
         return self.state is UnitState.RELEASED
 
 
+_OWN = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised here that names the first caller outside fused_zero and torch (the
+    user's forward call), not the hook inside them."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class GatherCycle:
     """``ParamGatherer``'s gathers and releases of its units and its walk of the schedule (a mixin: it reads the
     gatherer's units, sync, secondary copies, placeholders, update behind and where the model is in its cycle)."""
@@ -108,10 +124,11 @@ class GatherCycle:
             if self.alone:
                 raise
             if self.refused is None:
-                # said now too: this forward goes on with the values the optimizer holds, where the user's own code
-                # may fail first (inputs converted with the model meet the old dtype: torch's dtype error)
-                warnings.warn(f"{error} (the next step raises this; until then this rank computes with the "
-                              "values the optimizer holds)", RuntimeWarning, stacklevel=2)
+                # said now too: this forward goes on, where the user's own code may fail first (inputs converted
+                # with the model meet the dtype the optimizer holds: torch's dtype error); pointed at the user's line
+                warnings.warn(f"{error} (refused: a step raises it once every rank has been through its "
+                              "collectives; this forward goes on meanwhile)", RuntimeWarning,
+                              stacklevel=_user_stacklevel())
             self.refused = self.refused or error
             return True
         return False

@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -355,12 +355,13 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if u.index == 0:
                 self._abort()
             return
-        copied = _unaliased(output, self.units if u.index == 0 else (u,))
+        tensors = _output_tensors(output)
+        copied = _unaliased(output, tensors, self.units if u.index == 0 else (u,))
         if copied is not None:
-            output = copied
+            output, tensors = copied, _output_tensors(copied)
         grad = torch.is_grad_enabled()
         if grad and (module is u.last or not self._gathered_into_backward(u)):
-            self._hook_outputs(u, output)
+            self._hook_outputs(u, tensors)
         if u.index == 0:
             self._end_forward()
         elif self.state is TrainingState.IDLE or (module is u.last and (
@@ -382,11 +383,12 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         """Whether a training forward keeps ``u`` gathered for backward: the schedule's last unit."""
         return bool(self.schedule) and u.index == self.schedule[-1]
 
-    def _hook_outputs(self, u: _Unit, output) -> None:
+    def _hook_outputs(self, u: _Unit, tensors) -> None:
+        """Hook the unit's backward on ``tensors``, its output's (``_output_tensors``)."""
         u.backward_started = False
         u.grads_seen.clear()
-        for t in (output,) if isinstance(output, torch.Tensor) else _tensors_in(output):  # (pytree costs µs)
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in tensors:
+            if t.requires_grad:
                 node = t.grad_fn
                 if node is not None:  # before the node that made the output runs (cheaper than a tensor hook)
                     node.register_prehook(u.pre_backward)
@@ -531,13 +533,24 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), type, nn.Module)
 
 
-def _unaliased(output, units) -> object | None:
+def _output_tensors(output) -> list | tuple:
+    """The tensors in a module's output: a tensor, or a tuple or list of tensors (and None), without pytree's
+    flattening (µs a call); else ``_tensors_in``."""
+    if isinstance(output, torch.Tensor):
+        return (output,)
+    if type(output) in (tuple, list) and all(isinstance(t, torch.Tensor) or t is None for t in output):
+        return [t for t in output if t is not None]
+    return _tensors_in(output)
+
+
+def _unaliased(output, tensors, units) -> object | None:
     """``output`` with a copy in place of every tensor that views the gathered memory of ``units`` (a unit returning
     a slice or a transpose of its own parameter: a position embedding's ``self.pos[:n]``, ``self.weight.t()``), or
     None where none does. Released, that memory is freed (its storage resized to nothing): the view would read
     freed memory (a crash, or torch's "data is not allocated yet"). The copy is the same values with the same
-    gradient path (``clone``), and costs memory only where a unit's output aliases its parameters."""
-    tensors = (output,) if isinstance(output, torch.Tensor) else _tensors_in(output)
+    gradient path (``clone``), and costs memory only where a unit's output aliases its parameters (an in-place
+    write to such an output changes the copy, where torch refuses an in-place write to a view of a leaf).
+    ``tensors``: the output's (``_output_tensors``)."""
     if not tensors:
         return None
     gathered = {part.flat.untyped_storage().data_ptr() for u in units if u.gathered for part in u.parts}
@@ -561,6 +574,11 @@ def _unaliased(output, units) -> object | None:
                 id(t) in aliased for t in _tensors_in(x)):
             return dataclasses.replace(x, **{f.name: tree_map(copy, getattr(x, f.name))
                                              for f in dataclasses.fields(x) if f.init})
+        if isinstance(x, Mapping) and any(id(t) in aliased for t in _tensors_in(list(x.values()))):
+            try:  # a dict subclass pytree keeps whole: rebuilt as its type, else refused below
+                return type(x)((k, tree_map(copy, v)) for k, v in x.items())
+            except Exception:  # noqa: BLE001 (its constructor takes something else)
+                return x
         return x
     copied = tree_map(copy, output)
     if any(id(t) in aliased for t in _tensors_in(copied)):
@@ -585,6 +603,9 @@ def _tensors_in(value, seen: set | None = None) -> list:
         elif dataclasses.is_dataclass(leaf):
             seen.add(id(leaf))
             out += _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], seen)
+        elif isinstance(leaf, Mapping):  # a dict subclass pytree keeps whole (its items are not in its __dict__)
+            seen.add(id(leaf))
+            out += _tensors_in(list(leaf.values()), seen)
         elif hasattr(leaf, "__dict__"):
             seen.add(id(leaf))
             out += _tensors_in(list(vars(leaf).values()), seen)
