@@ -2,8 +2,9 @@
 # The whole step at world size 1 on a lent GPU, this tree against an earlier commit's, in one call
 # (~3 minutes): bench_step.py -k cuda (torch's fused AdamW and ShardedOptimizer, fp32 + autocast and bf16)
 # run base, head, base, head, each in its own process, then a profile of the fp32 GPT step (torch.profiler
-# and cProfile; this tree's bench/profile_step.py over each tree's package) in each tree. For a step figure that moved between two GPU runs: the same machine and the
-# same call read both commits. Outputs in $OUT: ab.log (the medians side by side), profile_base.txt,
+# and cProfile; this tree's bench/profile_step.py over each tree's package) in each tree. For a step figure
+# that moved between two GPU runs: the same machine and the same call read both commits (one such call,
+# bench/results/h200_2026-11-27b_*, showed the step's times moving by a third between processes). Outputs in $OUT: ab.log (the medians side by side), profile_base.txt,
 # profile_head.txt, ab_runN.log (each run's pytest output).
 #
 # Here, before the call (the base tree travels as an ignored folder named in carry):
