@@ -168,7 +168,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.module = module
         # given the model: the flag torch's registration hooks set on it (model_watch), and every trained
         # parameter with its name there (_watch_model_params)
-        self._model_watch: model_watch.Watcher | None = None
+        self._model_watch = None if module is None else model_watch.Watcher()
         self._model_names: list = []
         self._units = units
         self.config = config
@@ -803,8 +803,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # (model_watch) has every parameter checked against. A rebuild (add_param_group) after a registration
         # that no check has looked at yet keeps the names from before it: the next check looks at those too.
         trained = {id(q) for g in self.param_groups for q in g["params"]}
-        if self._model_watch is None:
-            self._model_watch = model_watch.Watcher()
         kept = self._model_names if self._model_watch.changed else []
         self._model_names = kept + [(p, n) for p, n in names.items() if id(p) in trained]
         model_watch.watch(self.module, self._model_watch)
