@@ -226,7 +226,7 @@ def test_offload_tiers_planned_equal_measured(measured_offload, cfg):
                 "host": d["host_states"] + d["host_params"] + d["host_grads"],
                 "nvme": d["nvme_states"] + d["nvme_params"]}
         assert got == want, f"rank {rank}: measured {got} != planned {want}"
-        assert s.host == want["host"] + d["host_scratch"] + d["host_staging"] and s.nvme == want["nvme"]
+        assert s.host == want["host"] + d["host_staging"] and s.nvme == want["nvme"]
         assert res[_offload_id(cfg)]["partitions"] == d["partitions"]
         # NvmeStore's three blocks per state kind are host memory memory_bytes() leaves out; the plan counts them,
         # once for all partitions (staging.Staging)

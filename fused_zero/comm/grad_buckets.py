@@ -11,8 +11,11 @@ The ``BucketPipe`` owns what the buckets share: the pool buffers (at most ``MAX_
 reduce dtype), the reductions in flight (finished oldest first: every rank launched them in the same
 order) and, with the states offloaded (``Partition.grad_tier`` is ``Tier.HOST``), the copies down to
 the host shard: each bucket is reduced in place (this rank's slice of the pool buffer) and copied
-down once its reduction completes (``tiers/transfer.py``: on a GPU on a side stream); a round that
-accumulates lands in a host scratch per pool buffer and is added on the host. Where the pool buffers are
+down once its reduction completes (``tiers/transfer.py``: on a GPU on a side stream). A round that
+accumulates is added on the device, on that stream (``Transfers.add_down``): the host shard's slice goes up
+into a device scratch per pool buffer, takes the new round and comes back down, so the host thread never
+adds (on a 1B model each accumulating round was a pass over the whole bf16 shard on the host, on the
+thread that launches backward's kernels). Where the pool buffers are
 host memory too (a CPU-only run) the reduction lands in the host shard directly, as without offload
 (``BucketPipe.copy_down`` makes the tests take the GPU's way there).
 """
@@ -29,7 +32,7 @@ from ..profiling import PACK, REDUCE_SCATTER, label
 from ..sharding.intervals import intersect
 from ..sharding.partition import Partition
 from ..tiers.tier import Tier
-from ..tiers.transfer import Ticket, host_buffer, transfers
+from ..tiers.transfer import Ticket, transfers
 from .codec import codec_for
 from .collectives import Comm, Handle
 
@@ -50,17 +53,16 @@ class _Inflight(NamedTuple):
     handle: Handle
     buffer: torch.Tensor  # the pool buffer, busy until the handle is waited
     out: torch.Tensor  # where the reduce-scatter lands (host tier: this rank's slice of buffer)
-    accumulate_into: torch.Tensor | None
-    down: torch.Tensor | None  # host tier: where ``out`` is copied (the host shard, or a scratch to add)
+    accumulate_into: torch.Tensor | None  # on the device: the shard ``out`` is added to
+    down: torch.Tensor | None  # host tier: where ``out`` is copied (the host shard's slice)
+    scratch: torch.Tensor | None = None  # host tier, accumulating: where ``down`` goes up to be added to
 
 
 class _Landing(NamedTuple):
     """A reduced shard on its way down to the host (host tier)."""
 
     ticket: Ticket
-    buffer: torch.Tensor  # the pool buffer it came from
-    scratch: torch.Tensor | None  # accumulating: it landed here and is added ...
-    accumulate_into: torch.Tensor | None  # ... into this slice of the host shard
+    buffer: torch.Tensor  # the pool buffer it came from (busy until the ticket is done)
 
 
 def _segments(part: Partition, k: int) -> tuple[_Segment, ...]:
@@ -149,14 +151,14 @@ class GradBucket:
         if direct:
             self._free(free_grads and late is None)
             return True
-        acc = down = None
+        acc = down = scratch = None
         if part.grad_tier is Tier.HOST and (pipe.copy_down or dst.device != buf.device):  # reduce in place, copy down
             # (HSDP: into a tensor of its own, so the pool buffer is free while the replicas all-reduce it)
             out = buf[part.own(b)] if pipe.replicate is None else torch.empty(b.shard_numel, dtype=buf.dtype,
                                                                               device=buf.device)
             down = dst
-            if accumulate:
-                acc, down = dst, pipe.scratch_of(base, b.shard_numel)
+            if accumulate:  # added on the device (Transfers.add_down), not by the host
+                scratch = pipe.scratch_of(base, b.shard_numel)
         else:
             out = dst
             if accumulate:
@@ -164,7 +166,7 @@ class GradBucket:
         with label(REDUCE_SCATTER):  # qgZ: a quantized all-to-all, summed into out at the wait (comm/codec.py)
             handle = pipe.comm.reduce_scatter(out, buf, async_op=True, scratch_input=True) if pipe.codec is None \
                 else pipe.codec.reduce_scatter(pipe.comm, out, buf)
-        pipe.pending.append(_Inflight(self, handle, base, out, acc, down))
+        pipe.pending.append(_Inflight(self, handle, base, out, acc, down, scratch))
         self._free(free_grads and late is None)
         return True
 
@@ -197,9 +199,9 @@ class GradBucket:
         """``f``'s reduced shard into the gradient shard, once ``after`` (a collective, or None) is complete."""
         pipe = self.pipe
         if f.down is not None:  # host tier: the copy down waits for the reduction, the host does not
-            ticket = pipe.copies.copy(f.down, f.out, after=after)
-            pipe.landing.append(_Landing(ticket, f.buffer, f.down if f.accumulate_into is not None else None,
-                                         f.accumulate_into))
+            ticket = (pipe.copies.copy(f.down, f.out, after=after) if f.scratch is None
+                      else pipe.copies.add_down(f.down, f.out, f.scratch, after=after))
+            pipe.landing.append(_Landing(ticket, f.buffer))
             return
         if after is not None:
             after.wait()
@@ -229,7 +231,8 @@ class BucketPipe:
         self.held: dict[int, torch.Tensor] = {}
         self.copies = transfers(partitions[0].flat.device) if partitions else None
         self._pool: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._scratch: dict[int, torch.Tensor] = {}  # host tier: per pool buffer, where an accumulating round lands
+        # host tier: per pool buffer, the device scratch an accumulating round is added in (Transfers.add_down)
+        self._scratch: dict[int, torch.Tensor] = {}
         self._pool_cap: dict[torch.dtype, int] = {}
 
     def direct(self, part: Partition) -> bool:
@@ -309,25 +312,23 @@ class BucketPipe:
                 f.bucket.land(f, handle)
             self.settle(block=True)
 
-    def settle(self, block: bool, buffer: torch.Tensor | None = None) -> None:
-        """Settle the copies down (oldest first): every one if ``block``, else those already done; with
-        ``buffer``, at least every one that came from that pool buffer."""
+    def settle(self, block: bool) -> None:
+        """Settle the copies down (oldest first): every one if ``block`` (before the host reads the shard), else
+        those already done."""
         while self.landing:
             first = self.landing[0]
-            if not (block or first.ticket.done() or any(x.buffer is buffer for x in self.landing)):
+            if not (block or first.ticket.done()):
                 return
             self.landing.popleft()
             first.ticket.wait()
-            if first.accumulate_into is not None:
-                first.accumulate_into.add_(first.scratch)
 
     def scratch_of(self, base: torch.Tensor, numel: int) -> torch.Tensor:
-        """The host scratch of pool buffer ``base`` (its earlier landings settled: it is rewritten)."""
-        self.settle(block=False, buffer=base)
+        """The device scratch of pool buffer ``base``, beside it (made on first use: only a run that accumulates
+        pays for it). Its uses queue in order on the copy stream, the only one that touches it."""
         s = self._scratch.get(id(base))
         if s is None:
             size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
-            s = self._scratch[id(base)] = host_buffer(size, base.dtype, pinned=base.device.type == "cuda")
+            s = self._scratch[id(base)] = torch.empty(size, dtype=base.dtype, device=base.device)
         return s[:numel]
 
     def buffer_bytes(self) -> int:

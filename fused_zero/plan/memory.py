@@ -51,11 +51,11 @@ device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
                        goes up chunk by chunk and the GPU rounds it in a 4*C-byte temporary,
                        not counted; on the host the update writes the params in place);
                        "nvme": two pinned chunks of params going up per param dtype, 2*C*P,
-                       and three blocks per state kind, 3*3*4*C; and per
-                       reduce dtype, the host scratch accumulating backwards land in, one per pool
-                       buffer, of the largest bucket shard; offload_params: the shards of the units in flight
-                       (max_live_units + 1 of the largest) staged on the device, and for "nvme"
-                       read into host memory first
+                       and three blocks per state kind, 3*3*4*C; on the device, per reduce
+                       dtype, the scratch an accumulating backward is added in before it goes
+                       down, one per pool buffer, of the largest bucket shard ("grad_staging");
+                       offload_params: the shards of the units in flight (max_live_units + 1 of
+                       the largest) staged on the device, and for "nvme" read into host memory first
 
 ``host`` and ``nvme`` are what memory_bytes() reports under those keys plus the host staging.
 """
@@ -287,7 +287,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
                          f"rank; got stage {stage}): plan stage 3, or opt={par} to move the optimizer states")
     d = dict.fromkeys(["param_full", "param_shard", "grad_full", "grad_shard", "master", "exp_avg",
                        "exp_avg_sq", "bucket_pool", "reduce_scatter", "all_gather", "all_reduce", "host_states",
-                       "nvme_states", "host_params", "nvme_params", "host_grads", "host_scratch",
+                       "nvme_states", "host_params", "nvme_params", "host_grads", "grad_staging",
                        "host_staging", "device_staging", "secondary_all_gather", "secondary", "host_pinned"], 0)
     for key in (job.key("reduce_scatter"),) + ((job.key("all_gather"),) if traits.shards_params else ()):
         d.setdefault(key, 0)  # a codec's (qgZ; qwZ at stage 3)
@@ -342,8 +342,8 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
             uploads = sum(2 * job.chunk * BYTES[dt] for dt in dtypes)
             d["host_staging"] += uploads + 3 * 3 * 4 * job.chunk
             d["host_pinned"] += uploads
-        # GradSync's host scratch: where a backward that accumulates lands, per pool buffer
-        d["host_scratch"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
+        # GradSync's device scratch a backward that accumulates is added in before it goes down, per pool buffer
+        d["grad_staging"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
     if not traits.shards_params:  # frozen parameters stay the user's whole tensors
         d["param_full"] += sum(BYTES[s.dtype] * s.numel for s in count.params if not s.trainable)
     if job.world_size > 1:  # the step's scalars and has-grad flags of the trained parameters (stats.py)
@@ -363,10 +363,10 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         params, buffers, gathered = d["param_full"], d["bucket_pool"] + d["param_shard"], 0
     optimizer = d["master"] + d["exp_avg"] + d["exp_avg_sq"]
     comm = sum(comm_of(d).values())
-    host = d["host_states"] + d["host_params"] + d["host_grads"] + d["host_scratch"] + d["host_staging"]
+    host = d["host_states"] + d["host_params"] + d["host_grads"] + d["host_staging"]
     return StageEstimate(stage, params, d["grad_full"] + d["grad_shard"], optimizer, buffers, gathered, 0, comm, d,
-                         offload=tier(opt, par), host=host,
-                         nvme=d["nvme_states"] + d["nvme_params"], staging=d["device_staging"])
+                         offload=tier(opt, par), host=host, nvme=d["nvme_states"] + d["nvme_params"],
+                         staging=d["device_staging"] + d["grad_staging"])
 
 
 #: comm_bytes()'s keys of the shard group's collectives; a codec's are these suffixed by its name ("all_gather_int8")
@@ -386,13 +386,13 @@ def comm_of(detail: dict) -> dict:
 
 def _pinned(d: dict, opt: str | None, par: str | None) -> None:
     """With a GPU, the host bytes page-locked: what is copied to or from the GPU asynchronously. The reduced
-    gradient shard and the scratch accumulating backwards land in, the host param shard of
+    gradient shard, the host param shard of
     ``offload_params="cpu"``, ``"cpu"``'s master where it goes up to the GPU (a third of its states: the param
     shard is on the device), and the param shards "nvme" reads for a gather (from torch's pinned allocator,
     which rounds each up to a power of two, and which ``transfer.locked_bytes()`` does not see); NvmeStore's
     chunks of params going up are added where they are planned. Not counted: the fp32 state blocks NVMe reads
     into (never copied to a GPU) and torch's small pinned buffers (scalars, pack addresses)."""
-    d["host_pinned"] += d["host_grads"] + d["host_scratch"] + d["host_params"]
+    d["host_pinned"] += d["host_grads"] + d["host_params"]
     if opt == "cpu" and par is None:
         d["host_pinned"] += d["host_states"] // 3
     if Tier.of(par) is Tier.NVME:
@@ -462,10 +462,9 @@ def flat_units(est: StageEstimate, count: ModelCount, job: Job, layers: int | No
     pinned = detail["host_pinned"] + ((staging - detail["device_staging"]) if reads else 0)  # _pinned's staged shards
     detail.update(device_staging=staging, host_staging=chunks + (staging if reads else 0),
                   partitions=detail["partitions"] * units, host_pinned=pinned)
-    host = (detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_scratch"]
-            + detail["host_staging"])
+    host = detail["host_states"] + detail["host_params"] + detail["host_grads"] + detail["host_staging"]
     return replace(est, gathered=gathered, comm_bytes=est.comm_bytes + gather_again, detail=detail,
-                   host=host, staging=detail["device_staging"])
+                   host=host, staging=detail["device_staging"] + detail["grad_staging"])
 
 
 def with_activations(est: StageEstimate, activations: int) -> StageEstimate:

@@ -61,11 +61,45 @@ class Transfers:
             dst.copy_(src)
             return DONE
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        _used_on(self.stream, src)
         with torch.cuda.stream(self.stream):
             if after is not None:
                 after.wait()  # an NCCL Work's wait() orders the current (copy) stream after it
             dst.copy_(src, non_blocking=True)
             return Ticket(self.stream.record_event())
+
+    def add_down(self, dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, after=None) -> Ticket:
+        """``dst`` += ``src`` on ``src``'s device once ``after`` is complete: ``dst`` (host) goes up into ``scratch``
+        (on the device), ``src`` is added there (``dst``'s old value the left operand, as ``dst.add_(src)``) and the
+        sum comes back down into ``dst``. The host adds nothing; ``scratch`` is only ever used on the copy stream.
+
+        On a GPU, queued as ``copy`` is (the copy up may run before ``after`` completes; the add waits for it).
+        """
+        if self.stream is None:
+            if after is not None:
+                after.wait()
+            scratch.copy_(dst)
+            scratch.add_(src)
+            dst.copy_(scratch)
+            return DONE
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        _used_on(self.stream, src)
+        with torch.cuda.stream(self.stream):
+            scratch.copy_(dst, non_blocking=True)
+            if after is not None:
+                after.wait()
+            scratch.add_(src)
+            dst.copy_(scratch, non_blocking=True)
+            return Ticket(self.stream.record_event())
+
+
+def _used_on(stream, *tensors: torch.Tensor) -> None:
+    """The device tensors among ``tensors`` are read on ``stream``: the caching allocator keeps their memory from
+    reuse until the work queued there so far is done (a reduction's own output, HSDP's, is dropped by its owner
+    while its copy down may still run). What is copied up lands in buffers that live as long as the optimizer."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 _PER_DEVICE: dict[torch.device, Transfers] = {}
