@@ -18,7 +18,8 @@ the shard: the tokens per step are printed with it.
 Each configuration runs in a fresh process (peak device memory is per process); none and cpu
 (and nvme, where FUSED_ZERO_OFFLOAD_DIR names a folder on a local disk) alternate over two rounds;
 a figure is the median over its runs of the median step after two warm-up steps, timed from a
-synchronize to a synchronize. The largest-model search starts at the planner's largest n_layer and
+synchronize to a synchronize. Under each tier, where the host spent that step (medians, first round): until
+the last backward returned, inside step(), and waiting for the GPU after it (what the host ran ahead of). The largest-model search starts at the planner's largest n_layer and
 steps by a quarter until a step fails (CUDA out of memory, or the plan says the host cannot hold it), then
 bisects; each trial is one process running two steps. Beside each tier's result it prints the planner's
 largest n_layer for this machine
@@ -77,7 +78,7 @@ try:
     with_model = kw.get("update_behind", False) or kw["stage"] == 3  # stages 1-2: the update behind step()
     opt = ShardedOptimizer(model if with_model else model.parameters(), lr=1e-4, **kw)
     batches = [synthetic_batch(cfg, micro, step=0, rank=m, device="cuda") for m in range(accum)]  # made once
-    times = []
+    times, parts = [], []
     for t in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -85,10 +86,16 @@ try:
         for idx, tgt in batches:
             _, loss = model(idx, tgt)
             (loss / accum).backward()
+        backward_host = time.perf_counter()  # the host's view, no sync: where step() begins
         opt.step()
+        stepped = time.perf_counter()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times.append(end - start)
+        parts.append((backward_host - start, stepped - backward_host, end - stepped))
+    keep = parts[2:] or parts[-1:]
     out = {"ok": True, "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
+           "phases": [statistics.median(p[i] for p in keep) for i in range(3)],
            "params": params, "peak_device": torch.cuda.max_memory_allocated(),
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "mem": opt.memory_bytes(),
            "pinned": locked_bytes(), "torch_pinned": _torch_pinned(),
@@ -141,6 +148,8 @@ def step_results():
                                              f"{(r['torch_pinned'] or 0) / 2**20:.1f} MiB)")
         print(f"  {t:10s} step {r['step_s']:.3f} s ({r['step_s'] / res['none']['step_s']:.2f}x)  peak device "
               f"{r['peak_device'] / 2**30:.1f} GiB  peak host RSS {r['peak_rss'] / 2**30:.1f} GiB{pinned}")
+        fb, st, tail = r["phases"]
+        print(f"  {'':10s} host: forward+backward {fb:.3f} s, step() {st:.3f} s, then the GPU's tail {tail:.3f} s")
     return res
 
 
@@ -153,7 +162,7 @@ def test_offload_step_gpu(benchmark, step_results, tier):
     benchmark.extra_info.update(tier=tier, device=torch.cuda.get_device_name(), step_s=r["step_s"],
                                 step_ratio=r["step_s"] / step_results["none"]["step_s"], params=r["params"],
                                 peak_device=r["peak_device"], peak_rss=r["peak_rss"],
-                                tokens_per_step=MICRO * ACCUM * 1024)
+                                tokens_per_step=MICRO * ACCUM * 1024, host_phases_s=r["phases"])
 
 
 def _largest(tier: str) -> tuple[int, dict]:
