@@ -8,7 +8,9 @@ CPU, world size 2 (gloo): a GPT of d=512, 8 layers, 8 heads, vocab 8192 (untied 
 batch 8 per rank, fp32: 33.7M parameters. Variants: DDP + torch AdamW(fused=True) (the
 baseline; DDP with default settings); torch's ZeroRedundancyOptimizer(AdamW, fused=True) under
 DDP; FSDP2 (fully_shard per block and root) + torch AdamW; ShardedOptimizer stages 1, 2 and 3 (no DDP;
-stage 3 takes the model, its units are the GPT's blocks).
+stage 3 takes the model, its units are the GPT's blocks), and stages 1-2 built with the model and
+update_behind=True ("gather behind": the all-gather of the updated parameters runs behind step(), each
+block's next forward waiting for its own buckets; its "step() s" then leaves the gather out).
 
 How the numbers are measured: ONE torch.multiprocessing spawn of 2 ranks and one process group
 runs every variant. Each variant gets its own model built from the same seed and the same
@@ -94,12 +96,16 @@ def _fsdp2(model):
     return model, torch.optim.AdamW(model.parameters(), foreach=True, **HPARAMS)
 
 
-def _sharded(stage):
+def _sharded(stage, behind=False):
+    """``behind``: stages 1-2 built with the model and update_behind=True: the all-gather of the updated
+    parameters runs behind step(), each module's next forward waiting for its own buckets."""
     def build(model):
         if ShardedOptimizer is None:
             raise Skip(f"fused_zero.ShardedOptimizer unavailable: {_IMPORT_ERROR}")
+        extra = dict(update_behind=True) if behind else {}
         try:  # stage 3 takes the module; stages 1-2 take the parameters, as torch.optim does
-            opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, **HPARAMS, **BUCKET)
+            opt = ShardedOptimizer(model if stage == 3 or behind else model.parameters(), stage=stage, **HPARAMS,
+                                   **BUCKET, **extra)
         except NotImplementedError as e:
             raise Skip(f"ShardedOptimizer stage {stage}: {e}") from e
         return model, opt
@@ -112,6 +118,8 @@ VARIANTS = {
     "fsdp2": ("FSDP2 fully_shard + torch AdamW", _fsdp2),
     "sharded_s1": ("ShardedOptimizer stage 1", _sharded(1)),
     "sharded_s2": ("ShardedOptimizer stage 2", _sharded(2)),
+    "sharded_s1_behind": ("ShardedOptimizer stage 1, gather behind", _sharded(1, behind=True)),
+    "sharded_s2_behind": ("ShardedOptimizer stage 2, gather behind", _sharded(2, behind=True)),
     "sharded_s3": ("ShardedOptimizer stage 3", _sharded(3)),
 }
 

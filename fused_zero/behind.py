@@ -68,6 +68,8 @@ class Landing(Protocol):
 class UpdateBehind:
     """One optimizer's host update running behind ``step()``, on one worker thread."""
 
+    gathers_only = False  # it runs the update itself (gathers_behind.GathersBehind runs only the all-gathers)
+
     #: Whether it runs where the parameters live on the CPU too. There the next forward runs on the same
     #: cores as the host update: measured on 2 cores (stage 3, 8.4M parameters, three runs), the step plus
     #: the next forward took 1.00-1.09x ("cpu") and 1.05-1.15x ("nvme") the time with the update inside

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .behind import UpdateBehind
+from .gathers_behind import GathersBehind
 from .comm.collectives import Comm
 from .comm.param_sync import ParamSync
 from .sharding.partition import Partition, Placeholders
@@ -48,12 +49,14 @@ class BucketsBehind:
     """The buckets of stages 1-2's partitions, updated behind ``step()`` and gathered as they are ready."""
 
     def __init__(self, module: nn.Module, partitions: list[Partition], sync: ParamSync, device: torch.device,
-                 agree: Comm | None, names: dict) -> None:
-        """``sync``: gathers over a group of the worker's own; ``agree``: the worker's gloo group (None: one rank)."""
+                 agree: Comm | None, names: dict, gathers_only: bool = False) -> None:
+        """``sync``: gathers over a group of the worker's own; ``agree``: the worker's gloo group (None: one rank);
+        ``gathers_only``: the states are in the parameters' memory and the update stays inside step(): only the
+        all-gathers run behind it (gathers_behind.py)."""
         self.partitions = partitions
         self.sync = sync
         self.names = names
-        self.behind = UpdateBehind(device, agree, landing=self)
+        self.behind = GathersBehind(self) if gathers_only else UpdateBehind(device, agree, landing=self)
         order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
         rank: dict[tuple[int, int], tuple] = {}
         self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
@@ -90,14 +93,21 @@ class BucketsBehind:
         self._after_hook = _hook(_AfterForward(me))
 
     # -- the step ----------------------------------------------------------------
-    def start(self, plan: UpdatePlan, updated: tuple[tuple[bool, ...], ...]) -> None:
-        """Cut the planned jobs at their buckets, release those buckets' parameters, start the worker.
+    def start(self, plan: UpdatePlan | None, updated: tuple[tuple[bool, ...], ...]) -> None:
+        """Cut the planned jobs at their buckets, release those buckets' parameters, start the worker (``plan``
+        None: the update ran inside step(), the gathers alone go behind it).
 
         The keys are the same on every rank (each worker agrees and gathers once per key): the buckets holding a
-        parameter ``updated`` on some rank, of the partitions the plan updates (none where a step is skipped).
-        Which of a bucket's elements this rank updates is its own (its shard): a key may have nothing to run here."""
+        parameter ``updated`` on some rank, of the partitions the plan updates (none where a step is skipped;
+        without a plan, every partition, as step()'s own gather does). Which of a bucket's elements this rank
+        updates is its own (its shard): a key may have nothing to run here."""
         by_key: dict = {}
-        for job in plan.jobs:
+        if plan is None:
+            for pi, (part, flags) in enumerate(zip(self.partitions, updated)):
+                for k, members in enumerate(part.bucket_params):
+                    if any(flags[j] for j in members):
+                        by_key[(pi, k)] = (None, [])
+        for job in plan.jobs if plan is not None else ():
             pi = self._index[id(job.part)]
             flags = updated[pi]
             for k, members in enumerate(job.part.bucket_params):
@@ -148,9 +158,13 @@ class BucketsBehind:
         self._forward_handles.clear()
 
     # -- on the worker ---------------------------------------------------------------
-    def land(self, key) -> None:
+    def launch(self, key) -> list:
+        """Start ``key``'s all-gather (its bucket, whole, into the full parameters); returns its handles."""
         pi, k = key
-        for h in self.sync.gather(self.partitions[pi], [k]):
+        return self.sync.gather(self.partitions[pi], [k])
+
+    def land(self, key) -> None:
+        for h in self.launch(key):
             h.wait()
 
     def restore(self, keys: list) -> None:

@@ -101,11 +101,14 @@ class ZeroConfig:
         ``offload_params="nvme"`` (checked writable when the optimizer is built).
     offload_chunk_numel: elements per staged chunk of the offloaded states
         (host staging memory is a few chunks per state kind).
-    update_behind: stages 1-2 with ``offload_optimizer`` and the parameters on a GPU: the host update runs
-        behind ``step()``, bucket by bucket, overlapping the next forward (behind_buckets.py; needs the
-        model). Until its module's next forward a parameter is an empty placeholder, so code that reads or
-        writes ``p`` right after ``step()`` (an EMA, ``p.data.clamp_()``) must wait inside
-        ``optimizer.full_parameters()`` first; hence off by default. Stage 3 always overlaps where it can.
+    update_behind: stages 1-2, the model given: what follows the update runs behind ``step()``, bucket by
+        bucket, overlapping the next forward, each module's forward waiting for its own parameters' buckets
+        (behind_buckets.py). On more than one rank, the all-gather of the updated parameters
+        (gathers_behind.py; Megatron's overlap_param_gather); with ``offload_optimizer`` and the
+        parameters on a GPU, the host update too. Until its module's next forward a parameter is an empty
+        placeholder, so code that reads or writes ``p`` right after ``step()`` (an EMA, ``p.data.clamp_()``)
+        must wait inside ``optimizer.full_parameters()`` first; hence off by default. Stage 3 always
+        overlaps where it can.
     broadcast_buffers: when the optimizer is given the model, every rank takes rank 0's
         module buffers (BatchNorm statistics) before each forward, as DDP does with its default
         ``broadcast_buffers=True`` (DDP skips the forward after one under ``no_sync()`` or without
@@ -220,10 +223,10 @@ class ZeroConfig:
             raise ValueError('nvme_direct=True applies to offload_optimizer="nvme" (the state files); got '
                              f"offload_optimizer={self.offload_optimizer!r}: pass offload_optimizer=\"nvme\", "
                              "or drop nvme_direct")
-        if self.update_behind and (self.stage == 3 or self.offload_optimizer is None):
-            raise ValueError("update_behind=True runs stages 1-2's offloaded update behind step(): it needs "
-                             f'stage 1 or 2 and offload_optimizer="cpu" or "nvme" (got stage={self.stage}, '
-                             f"offload_optimizer={self.offload_optimizer!r}; stage 3 overlaps by itself)")
+        if self.update_behind and self.stage == 3:
+            raise ValueError("update_behind=True runs stages 1-2's parameter all-gather (and offloaded update) behind "
+                             "step(); stage 3 already gathers each unit before its forward and overlaps an offloaded "
+                             "update by itself: drop update_behind, or use stage 1 or 2")
         if not self._whole("offload_chunk_numel") or self.offload_chunk_numel < 1:
             raise ValueError(f"offload_chunk_numel must be a positive int, got {self.offload_chunk_numel!r}")
         self._check_codecs()

@@ -982,16 +982,20 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 skip: torch.Tensor | None, hypers) -> None:
         """The update, then the stage's ``after_update``. With offloaded states on a GPU (stages 1-2: when built
         with the model) the update is planned here and the host update left running behind the step
-        (behind.py, behind_buckets.py)."""
+        (behind.py, behind_buckets.py); stages 1-2 with ``update_behind`` and the states beside the parameters
+        update here and leave the all-gathers running behind the step (gathers_behind.py)."""
         behind = self._stage.behind
-        if behind is None:
+        if behind is None or behind.gathers_only:
             # a store that can fail (a disk): every rank learns whether every rank's update succeeded before any commits
             fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
             agree = self.topology.agree if fallible and self.topology.world_size > 1 else None
             with label(UPDATE):
                 update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers, agree,
                            read_skip=self._graph is None)
-            self._stage.after_update(self.partitions, has_grad)
+            if behind is None:
+                self._stage.after_update(self.partitions, has_grad)
+            else:  # stages 1-2, update_behind without offload: the all-gathers go behind step() (gathers_behind.py)
+                self._stage.start_behind(self.partitions, None, has_grad)
             return
         with label(UPDATE):
             plan = plan_update(self.partitions, self.state, has_grad, grad_scale, skip, hypers)

@@ -85,7 +85,8 @@ def refusal(capturable: bool, config, device: torch.device | None, host_checked:
             return (f"capturable=True cannot serve {option}={getattr(config, option)!r}: the update runs on the "
                     "host, outside any CUDA graph; use capturable=False")
     if config.update_behind:
-        return "capturable=True cannot serve update_behind=True (the update runs on the host); drop one"
+        return ("capturable=True cannot serve update_behind=True (the all-gathers, and an offloaded update, run "
+                "behind step() on the host's schedule, outside any CUDA graph); drop one")
     return None
 
 

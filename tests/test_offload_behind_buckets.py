@@ -53,9 +53,9 @@ def test_the_update_runs_behind_step_only_when_asked_with_the_model(tmp_path):
     assert ShardedOptimizer(model, lr=1e-2, stage=1, offload_optimizer="cpu", update_behind=True)._stage.behind
     with pytest.raises(ValueError, match="update_behind=True needs the model"):
         ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, offload_optimizer="cpu", update_behind=True)
-    with pytest.raises(ValueError, match='needs stage 1 or 2 and offload_optimizer="cpu" or "nvme"'):
-        ShardedOptimizer(model, lr=1e-2, stage=2, update_behind=True)
-    with pytest.raises(ValueError, match="stage 3 overlaps by itself"):
+    # without offload on one rank there is nothing to run behind step() (tests/test_gathers_behind.py: 2 ranks)
+    assert ShardedOptimizer(model, lr=1e-2, stage=2, update_behind=True)._stage.behind is None
+    with pytest.raises(ValueError, match="stage 3 already gathers each unit"):
         ShardedOptimizer(model, lr=1e-2, stage=3, offload_optimizer="cpu", update_behind=True)
     with pytest.raises(TypeError, match="update_behind must be True or False"):
         ShardedOptimizer(model, lr=1e-2, stage=2, offload_optimizer="cpu", update_behind=1)

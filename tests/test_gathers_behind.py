@@ -1,0 +1,148 @@
+"""Stages 1-2 with ``update_behind=True`` and the optimizer states beside the parameters (2 gloo ranks): the update
+stays inside step() and each updated bucket's all-gather runs behind it (gathers_behind.py; Megatron's
+overlap_param_gather), each module's next forward waiting for its own buckets.
+
+- bitwise the run without update_behind, after every one of 10 steps that mix plain steps, no_sync()
+  accumulation with two synced rounds and clip_grad_norm_, GradScaler steps with an overflow on one rank, and
+  modules unused on some steps (on every rank, and on one rank only); fp32 and bf16 parameters;
+- after step() every updated bucket's gather is in flight and every trained parameter an empty placeholder;
+  the next forward's first module runs while later buckets' gathers are still pending, and no module runs
+  before its own buckets' gathers were waited for (its parameters then equal the reference's, updated);
+- reads between steps see the gathered parameters: rank 0 alone reading model.state_dict() (no collective
+  is left to run), full_parameters(); comm_bytes() counts the gathers in the step that launched them, as
+  inside step();
+- one rank (nothing to gather): nothing runs behind step().
+"""
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from _models import HYPER, TinyNet, batch, flags, loss_fn
+from fused_zero import ShardedOptimizer
+
+
+def _mixed_step(model, opt, t, rank, scaler):
+    opt.zero_grad()
+    x_dtype = next(model.parameters()).dtype
+    if t % 3 == 0:
+        x, y = batch(t, rank, dtype=x_dtype)
+        loss_fn(model(x, **flags(t, rank)), y).backward()
+        opt.step()
+    elif t % 3 == 1:
+        with opt.no_sync():
+            x, y = batch(t, rank, micro=0, dtype=x_dtype)
+            loss_fn(model(x, **flags(t, rank)), y).backward()
+        for micro in (1, 2):  # two synced rounds: the second adds into the reduced shard
+            x, y = batch(t, rank, micro=micro, dtype=x_dtype)
+            loss_fn(model(x, **flags(t, rank)), y).backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+    else:
+        x, y = batch(t, rank, dtype=x_dtype)
+        loss = loss_fn(model(x, **flags(t, rank)), y) * (float("inf") if t == 5 and rank == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def _lockstep(rank, world_size, stage, dtype):
+    models = [TinyNet(dtype=dtype) for _ in range(2)]
+    opts = [ShardedOptimizer(models[0].parameters(), **HYPER, stage=stage, bucket_numel=1000),
+            ShardedOptimizer(models[1], **HYPER, stage=stage, bucket_numel=1000, update_behind=True)]
+    behind = opts[1]._stage.behind
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2) for _ in models]
+    unequal, pending, comm = [], [], []
+    for t in range(10):
+        for m, o, sc in zip(models, opts, scalers):
+            _mixed_step(m, o, t, rank, sc)
+        pending.append(behind.pending)
+        comm.append([o.comm_bytes() for o in opts])
+        with opts[0].full_parameters(), opts[1].full_parameters():
+            if not all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters())):
+                unequal.append(t)
+    for o in opts:
+        o.close()
+    return {"behind": type(behind).__name__, "unequal": unequal, "pending": pending, "comm": comm}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gathers_behind_step_are_bitwise_the_gathers_inside(stage, dtype):
+    for r in run_ranks(_lockstep, 2, stage, dtype, timeout=240):
+        assert r["behind"] == "GathersBehind"
+        assert r["unequal"] == []
+        assert all(r["pending"])  # every step left its gathers in flight
+        for inside, behind in r["comm"]:
+            assert behind == inside  # the gathers counted in the step that launched them
+
+
+WIDTH, LAYERS = 24, 6
+
+
+def _chain(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
+
+
+def _chain_batch(t, rank):
+    return torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(1000 * rank + t))
+
+
+def _order(rank, world_size, stage):
+    model, ref = _chain(), _chain()
+    opt = ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, update_behind=True)
+    ref_opt = ShardedOptimizer(ref.parameters(), lr=1e-2, stage=stage, bucket_numel=500)
+    buckets, behind = opt._stage.buckets_behind, opt._stage.behind
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    keys_of = {i: {key for p in m.parameters() for key in buckets._keys_of[p]} for i, m in enumerate(linears)}
+    ref_linears = [m for m in ref.modules() if isinstance(m, nn.Linear)]
+    seen, landed = [], []
+    for i, m in enumerate(linears):  # after the optimizer's own pre-hook (it is prepended): what is still in flight
+        def look(module, args, i=i):
+            seen.append((i, set(behind._handles)))
+            if not torch.is_grad_enabled():  # the evaluation forward after both stepped
+                landed.append(all(torch.equal(a, b) for a, b in zip(module.parameters(),
+                                                                    ref_linears[i].parameters())))
+        m.register_forward_pre_hook(look)
+    out = {"first_ran_early": [], "own_waited": [], "placeholders": [], "equal": [], "state_dict": [],
+           "landed": landed}
+    for t in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(_chain_batch(t, rank)).square().mean().backward()
+            o.step()
+        out["placeholders"].append(all(p.numel() == 0 for p in model.parameters()))
+        if t == 1 and rank == 0:  # rank 0 alone reads the model between steps: nothing collective is left to run
+            out["state_dict"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                      ref.state_dict().values()))
+            seen.clear()
+            continue
+        seen.clear()
+        with torch.no_grad():
+            y = model(_chain_batch(99, rank))
+        last = max(buckets._rank, key=buckets._rank.get)
+        out["first_ran_early"].append(seen[0][0] == 0 and last in seen[0][1])
+        out["own_waited"].append(all(not (keys_of[i] & pending) for i, pending in seen))
+        with torch.no_grad():
+            out["equal"].append(torch.equal(y, ref(_chain_batch(99, rank))))
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_module_waits_for_its_own_gathers_only(stage):
+    for rank, r in enumerate(run_ranks(_order, 2, stage, timeout=120)):
+        assert all(r["placeholders"])
+        assert r["first_ran_early"] and all(r["first_ran_early"])  # later buckets still in flight
+        assert all(r["own_waited"]) and all(r["equal"])
+        assert r["landed"] and all(r["landed"])  # each module's parameters were the new ones when it ran
+        assert r["state_dict"] == (True if rank == 0 else [])
+
+
+def test_one_rank_runs_nothing_behind_step():
+    model = _chain()
+    opt = ShardedOptimizer(model, lr=1e-2, stage=2, update_behind=True)
+    assert opt._stage.behind is None  # nothing to gather on one rank; the offloaded update would go behind
+    with pytest.raises(ValueError, match="update_behind=True needs the model"):
+        ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, update_behind=True)
