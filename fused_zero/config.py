@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy
 import torch
+
+from .user_frames import user_stacklevel
 
 #: Every parameter starts at a multiple of this many elements in its flat
 #: buffer, and every bucket is a multiple of ``ALIGN * world_size``.
@@ -219,6 +222,11 @@ class ZeroConfig:
         for option in ("offload_optimizer", "offload_params"):
             if getattr(self, option) == "nvme" and self.nvme_path is None:
                 raise ValueError(f'{option}="nvme" needs nvme_path=, a folder on a fast local disk')
+        if self.nvme_path is not None and "nvme" not in (self.offload_optimizer, self.offload_params):
+            warnings.warn(f"nvme_path={os.fspath(self.nvme_path)!r} is unused: offload_optimizer="
+                          f"{self.offload_optimizer!r} and offload_params={self.offload_params!r} keep nothing on "
+                          'NVMe; pass offload_optimizer="nvme" (or offload_params="nvme") to use it, or drop nvme_path',
+                          UserWarning, stacklevel=user_stacklevel())
         if self.nvme_direct and self.offload_optimizer != "nvme":
             raise ValueError('nvme_direct=True applies to offload_optimizer="nvme" (the state files); got '
                              f"offload_optimizer={self.offload_optimizer!r}: pass offload_optimizer=\"nvme\", "

@@ -250,6 +250,17 @@ def test_bad_offload_options_are_refused(tmp_path):
         ShardedOptimizer(ps, offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_direct="yes")
 
 
+def test_nvme_path_takes_home_and_warns_where_nothing_uses_it(tmp_path, monkeypatch):
+    ps = list(PlainNet().parameters())
+    with pytest.warns(UserWarning, match="nvme_path='/nowhere' is unused: offload_optimizer='cpu'") as caught:
+        ShardedOptimizer(ps, offload_optimizer="cpu", nvme_path="/nowhere").close()
+    assert caught[0].filename == __file__  # names the line that built it
+    monkeypatch.setenv("HOME", str(tmp_path))
+    opt = ShardedOptimizer(ps, offload_optimizer="nvme", nvme_path="~")  # the user's home, as a shell reads it
+    assert len(os.listdir(tmp_path)) == len(opt.partitions)
+    opt.close()
+
+
 def test_nvme_direct_refuses_a_file_system_without_o_direct(tmp_path, monkeypatch):
     """tmpfs before Linux 6.6 and some network file systems refuse O_DIRECT with EINVAL: faked here."""
     real = os.open

@@ -12,8 +12,6 @@ comm/gatherer.py's (its module and autograd hooks).
 from __future__ import annotations
 
 import enum
-import os
-import sys
 import warnings
 
 import torch
@@ -23,6 +21,7 @@ from .works import Handle
 from ..lifecycle import expect
 from ..profiling import ALL_GATHER, label
 from ..sharding.partition import Partition
+from ..user_frames import user_stacklevel
 
 
 class TrainingState(enum.Enum):
@@ -73,19 +72,6 @@ class _Unit:
         return self.state is UnitState.RELEASED
 
 
-_OWN = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` for a warning raised here that names the first caller outside fused_zero and torch (the
-    user's forward call), not the hook inside them."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 class GatherCycle:
     """``ParamGatherer``'s gathers and releases of its units and its walk of the schedule (a mixin: it reads the
     gatherer's units, sync, secondary copies, placeholders, update behind and where the model is in its cycle)."""
@@ -128,7 +114,7 @@ class GatherCycle:
                 # with the model meet the dtype the optimizer holds: torch's dtype error); pointed at the user's line
                 warnings.warn(f"{error} (refused: a step raises it once every rank has been through its "
                               "collectives; this forward goes on meanwhile)", RuntimeWarning,
-                              stacklevel=_user_stacklevel())
+                              stacklevel=user_stacklevel())
             self.refused = self.refused or error
             return True
         return False

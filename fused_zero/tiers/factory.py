@@ -11,6 +11,8 @@ master on the device need none (they are gathered from the master).
 """
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -41,7 +43,7 @@ class Tiers:
         self.states = states
         self.params = params
         self.staging = staging
-        self.nvme_path = nvme_path
+        self.nvme_path = None if nvme_path is None else os.path.expanduser(os.fspath(nvme_path))  # "~/scratch"
         self.nvme_direct = nvme_direct
         self.chunk_numel = chunk_numel
 
