@@ -10,6 +10,9 @@ thread: a read between steps on one rank only (rank 0 saving ``model.state_dict(
 
 Until its buckets are in, a parameter is an empty placeholder, as stage 3's are between uses: the update
 writes the flat buffer the parameters view, and a read of a half-updated value must never pass silently.
+A trained parameter that no module of the model owns (no forward hook would wait for it) never is: its
+buckets go first and ``start()`` waits for them. A parameter read by another module's forward without its
+owner running is still a placeholder there (the README says so).
 Each module with parameters of its own gets a forward pre-hook that waits for its parameters' buckets and
 points them back at the flat buffer; ``settle()`` (the next ``step()``, backward, ``clip_grad_norm_``,
 ``state_dict()``, checkpoints, ``optimizer.state``, ``full_parameters()``, ``model.state_dict()`` and
@@ -58,6 +61,11 @@ class BucketsBehind:
         self.names = names
         self.behind = GathersBehind(self) if gathers_only else UpdateBehind(device, agree, landing=self)
         order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
+        # trained parameters no module of the model owns (a learnable loss temperature, another model's): no forward
+        # pre-hook would wait for them, so they never become placeholders; their buckets go first and step() waits
+        # for them
+        hooked = {p for m in module.modules() for p in m.parameters(recurse=False)}
+        self._unhooked = {p for part in partitions for p in part.params if p not in hooked}
         rank: dict[tuple[int, int], tuple] = {}
         self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
         self._members: dict[tuple[int, int], list] = {}  # a key -> its parameters
@@ -66,7 +74,8 @@ class BucketsBehind:
                 key = (pi, k)
                 ps = [part.params[j] for j in members]
                 self._members[key] = ps
-                rank[key] = (min((order.get(p, len(order)) for p in ps), default=len(order)), key)
+                rank[key] = (not any(p in self._unhooked for p in ps),
+                             min((order.get(p, len(order)) for p in ps), default=len(order)), key)
                 for p in ps:
                     self._keys_of.setdefault(p, []).append(key)
         self._rank = {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
@@ -128,11 +137,18 @@ class BucketsBehind:
             return
         for key, _ in order:
             for p in self._members[key]:
-                if p not in self._released:
+                if p not in self._released and p not in self._unhooked:
                     p.data = self._placeholder(p)
                     self._released[p] = p._version
         self._hook_forward()
         self.behind.start(self.partitions, plan, order)
+        try:  # the buckets of parameters outside the model (ranked first): whole when step() returns
+            for key, _ in order:
+                if any(p in self._unhooked for p in self._members[key]):
+                    self.behind.wait(key)
+        except BaseException:
+            self._point_all()
+            raise
 
     def traffic(self) -> dict[str, int]:
         """The all-gather bytes of the updates started since the last call (counted when started, so a step's

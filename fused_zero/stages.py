@@ -142,8 +142,9 @@ class Stage1:
 
     def _behind_buckets(self, module: nn.Module | None, partitions: list[Partition], names: dict) -> None:
         """With ``update_behind`` (the model given): offloaded states on a GPU, the update runs behind step()
-        bucket by bucket (behind_buckets.py); states in the parameters' memory on more than one rank, the update
-        stays inside step() and the all-gathers go behind it (gathers_behind.py); otherwise all inside step()."""
+        bucket by bucket (behind_buckets.py); states in the parameters' memory with more than one rank to gather
+        from (the shard group: HSDP's replicas gather nothing), the update stays inside step() and the all-gathers
+        go behind it (gathers_behind.py); otherwise all inside step()."""
         if self.buckets_behind is not None:  # a rebuild (add_param_group): the new partitions' buckets
             self.buckets_behind.close()
             self.buckets_behind = self.behind = None
@@ -151,7 +152,7 @@ class Stage1:
         if not self.config.update_behind or module is None or not partitions:
             return
         gathers_only = self.tiers.states is Tier.DEVICE
-        if not (self.topology.world_size > 1 if gathers_only else self._overlaps(device)):
+        if not (self.topology.shard.world_size > 1 if gathers_only else self._overlaps(device)):
             return
         self.buckets_behind = BucketsBehind(module, partitions, ParamSync(self._gather_group()), device,
                                             None if gathers_only else self._agree_group(), names,

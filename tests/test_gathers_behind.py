@@ -11,7 +11,8 @@ overlap_param_gather), each module's next forward waiting for its own buckets.
 - reads between steps see the gathered parameters: rank 0 alone reading model.state_dict() (no collective
   is left to run), full_parameters(); comm_bytes() counts the gathers in the step that launched them, as
   inside step();
-- one rank (nothing to gather): nothing runs behind step().
+- a trained parameter outside the model (no forward hook waits for it) is whole when step() returns;
+- one rank, or HSDP with shard groups of one rank (nothing to gather): nothing runs behind step().
 """
 import pytest
 import torch
@@ -138,6 +139,51 @@ def test_each_module_waits_for_its_own_gathers_only(stage):
         assert all(r["own_waited"]) and all(r["equal"])
         assert r["landed"] and all(r["landed"])  # each module's parameters were the new ones when it ran
         assert r["state_dict"] == (True if rank == 0 else [])
+
+
+def _outside(rank, world_size, stage):
+    """A trained parameter no module of the model owns (a learnable loss temperature): it is never a placeholder,
+    and training with it equals the run without update_behind."""
+    out = []
+    for behind in (False, True):
+        model = _chain()
+        temp = nn.Parameter(torch.tensor([0.5]))
+        groups = [{"params": list(model.parameters())}, {"params": [temp]}]
+        opt = ShardedOptimizer(groups, module=model, lr=1e-2, stage=stage, bucket_numel=500, update_behind=behind)
+        shapes = []
+        for t in range(4):
+            opt.zero_grad()
+            (model(_chain_batch(t, rank)) * temp).square().mean().backward()
+            opt.step()
+            shapes.append(tuple(temp.shape))
+        out.append((shapes, temp.detach().clone(), [p.detach().clone() for p in model.parameters()]
+                    if not behind else _params_after(model, opt)))
+        opt.close()
+    (ref_shapes, ref_temp, ref_params), (shapes, got_temp, params) = out
+    return {"shapes": shapes, "temp": torch.equal(ref_temp, got_temp),
+            "params": all(torch.equal(a, b) for a, b in zip(ref_params, params))}
+
+
+def _params_after(model, opt):
+    with opt.full_parameters():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_trained_parameter_outside_the_model_is_whole_after_step(stage):
+    for r in run_ranks(_outside, 2, stage, timeout=120):
+        assert r == {"shapes": [(1,)] * 4, "temp": True, "params": True}
+
+
+def _hsdp_replicas_only(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    opt = ShardedOptimizer(_chain(), lr=1e-2, stage=2, mesh=mesh, update_behind=True)
+    return opt._stage.behind is None
+
+
+def test_hsdp_with_nothing_to_gather_runs_nothing_behind_step():
+    assert run_ranks(_hsdp_replicas_only, 2, timeout=120) == [True, True]  # shard groups of one rank
 
 
 def test_one_rank_runs_nothing_behind_step():

@@ -22,6 +22,7 @@ import tempfile
 
 import pytest
 import torch
+from torch import nn
 
 from _dist import run_ranks
 from _faults import full_disk_after
@@ -187,6 +188,27 @@ def _resume(rank, world_size, folder):
     return out
 
 
+def test_accumulation_scratch_is_sized_per_reduce_dtype(monkeypatch):
+    """The GPU's way (copy down, add_down): each pool buffer's scratch holds the largest bucket shard of its own
+    reduce dtype, within the planner's grad_staging."""
+    from fused_zero.plan import estimate
+    monkeypatch.setattr(BucketPipe, "copy_down", True)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(8, 8).to(torch.bfloat16))
+    opt = ShardedOptimizer(model.parameters(), lr=1e-3, stage=2, bucket_numel=4096, offload_optimizer="cpu")
+    for _ in range(2):  # two rounds: the second adds
+        model[1](model[0](torch.randn(3, 64))[:, :8].to(torch.bfloat16)).float().sum().backward()
+    opt.step()
+    pipe = opt.grad_sync.pipe
+    made = {t.dtype: t.numel() for t in pipe._scratch.values()}
+    largest = {part.reduce_dtype: max(b.shard_numel for b in part.layout.buckets) for part in opt.partitions}
+    assert made == largest and len(made) == 2
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(64, 64), nn.Linear(8, 8).to(torch.bfloat16))
+    planned = estimate(model=meta, world_size=1, bucket_numel=4096).stage(2, "opt=cpu").detail["grad_staging"]
+    assert sum(t.numel() * t.element_size() for t in pipe._scratch.values()) <= planned
+    opt.close()
+
+
 def test_checkpoint_resumes_across_offload(tmp_path):
     for r in run_ranks(_resume, 2, str(tmp_path), timeout=240):
         assert r == {"nvme->none": True, "none->nvme": True}
@@ -305,7 +327,7 @@ def test_a_partition_of_zero_elements_offloads(stage, tier, tmp_path):
         with opt.full_parameters() if stage == 3 else torch.no_grad():
             return [p.detach().clone() for p in m.parameters()]
     extra = {"offload_params": tier} if stage == 3 else {}
-    got = run(offload_optimizer=tier, nvme_path=str(tmp_path), **extra)
+    got = run(offload_optimizer=tier, **extra, **({"nvme_path": str(tmp_path)} if tier == "nvme" else {}))
     assert all(torch.equal(a, b) for a, b in zip(got, run()))
 
 

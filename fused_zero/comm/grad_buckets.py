@@ -327,7 +327,8 @@ class BucketPipe:
         pays for it). Its uses queue in order on the copy stream, the only one that touches it."""
         s = self._scratch.get(id(base))
         if s is None:
-            size = max(b.shard_numel for part in self.partitions for b in part.layout.buckets)
+            size = max(b.shard_numel for part in self.partitions if part.reduce_dtype == base.dtype
+                       for b in part.layout.buckets)
             s = self._scratch[id(base)] = torch.empty(size, dtype=base.dtype, device=base.device)
         return s[:numel]
 
