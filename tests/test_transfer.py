@@ -39,6 +39,24 @@ def test_copy_waits_for_the_collective_then_copies(device):
         assert ticket is DONE  # synchronous on the host
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_down_adds_on_the_device_as_the_host_would(device, dtype):
+    """An accumulating round: the host slice goes up, takes the new values and comes back down, bitwise the
+    host's own ``dst.add_(src)`` (bf16: one rounding of the fp32 sum)."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(1000, generator=g).to(dtype)
+    new = torch.randn(1000, generator=g).to(dtype)
+    dst = host_buffer(1000, dtype)
+    dst.copy_(old)
+    scratch = torch.full((1200,), float("nan"), dtype=dtype, device=device)[:1000]  # a pool buffer's, reused
+    work = _Work()
+    ticket = transfers(torch.device(device)).add_down(dst, new.to(device), scratch, after=Handle(work))
+    assert work.waited == 1
+    ticket.wait()
+    assert torch.equal(dst, old.clone().add_(new))
+
+
 def test_one_transfers_per_device():
     assert transfers(torch.device("cpu")) is transfers("cpu")
     assert Transfers(torch.device("cpu")).stream is None
