@@ -11,8 +11,10 @@ thread: a read between steps on one rank only (rank 0 saving ``model.state_dict(
 Until its buckets are in, a parameter is an empty placeholder, as stage 3's are between uses: the update
 writes the flat buffer the parameters view, and a read of a half-updated value must never pass silently.
 A trained parameter that no module of the model owns (no forward hook would wait for it) never is: its
-buckets go first and ``start()`` waits for them. A parameter read by another module's forward without its
-owner running is still a placeholder there (the README says so).
+buckets go first and ``start()`` waits for them. Nor is one whose owners' forwards ran on no rank between the
+build and the first step (a parent reads it directly: MobileBERT, DeBERTa-v2), learned by pre-hooks that
+live until then and agreed by every rank once (the keys' order must be theirs). A direct read that begins
+later fails in torch on the placeholder's shape; the root's forward hook adds a note naming update_behind.
 Each module with parameters of its own gets a forward pre-hook that waits for its parameters' buckets and
 points them back at the flat buffer; ``settle()`` (the next ``step()``, backward, ``clip_grad_norm_``,
 ``state_dict()``, checkpoints, ``optimizer.state``, ``full_parameters()``, ``model.state_dict()`` and
@@ -35,13 +37,16 @@ forward that already ran on some updated buckets raises before it returns (its r
 from __future__ import annotations
 
 import bisect
+import sys
 import weakref
 
 import torch
 from torch import nn
 
 from .behind import UpdateBehind
+from .eager_hooks import _eager_only
 from .gathers_behind import GathersBehind
+from .host_read import to_host
 from .comm.collectives import Comm
 from .comm.param_sync import ParamSync
 from .sharding.partition import Partition, Placeholders
@@ -60,13 +65,14 @@ class BucketsBehind:
         self.sync = sync
         self.names = names
         self.behind = GathersBehind(self) if gathers_only else UpdateBehind(device, agree, landing=self)
+        self._agree = agree
         order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
         # trained parameters no module of the model owns (a learnable loss temperature, another model's): no forward
         # pre-hook would wait for them, so they never become placeholders; their buckets go first and step() waits
         # for them
         hooked = {p for m in module.modules() for p in m.parameters(recurse=False)}
         self._unhooked = {p for part in partitions for p in part.params if p not in hooked}
-        rank: dict[tuple[int, int], tuple] = {}
+        self._order = order
         self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
         self._members: dict[tuple[int, int], list] = {}  # a key -> its parameters
         for pi, part in enumerate(partitions):
@@ -74,11 +80,9 @@ class BucketsBehind:
                 key = (pi, k)
                 ps = [part.params[j] for j in members]
                 self._members[key] = ps
-                rank[key] = (not any(p in self._unhooked for p in ps),
-                             min((order.get(p, len(order)) for p in ps), default=len(order)), key)
                 for p in ps:
                     self._keys_of.setdefault(p, []).append(key)
-        self._rank = {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
+        self._rank = self._ranks()
         self._starts = [[b.shard_offset for b in part.layout.buckets] for part in partitions]
         self._index = {id(part): pi for pi, part in enumerate(partitions)}
         self._view = {p: v for part in partitions for p, v in part.views()}
@@ -100,6 +104,44 @@ class BucketsBehind:
                 self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
         self._after_hook = _hook(_AfterForward(me))
+        # Which modules' forwards run, seen from the build to the first step after a forward: a trained parameter
+        # whose owners never ran is read by another module's forward (DeBERTa's rel_embeddings.weight, MobileBERT's
+        # dense.weight), where no hook would wait for it; it is then kept whole like one outside the model.
+        self._seen: set = set()
+        self._learning = [m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own)))
+                          for ref, hook in self._pre_hooks for m in [ref()]
+                          for own in [[p for p in m.parameters(recurse=False) if p in self._keys_of]]]
+
+    def _ranks(self) -> dict:
+        """Each key's place in the launch order: the buckets of parameters kept whole first (step() waits for
+        them), then by the model's parameter order (the forward's, mostly)."""
+        order = self._order
+        rank = {key: (not any(p in self._unhooked for p in ps), min((order.get(p, len(order)) for p in ps),
+                                                                      default=len(order)), key)
+                for key, ps in self._members.items()}
+        return {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
+
+    def _learned(self) -> None:
+        """The first step: the parameters whose owners' forwards ran on no rank so far are kept whole from now on.
+        Every rank takes the same set (one all-reduce, once): the keys' launch order must be every rank's."""
+        if self._learning is None:
+            return
+        for h in self._learning:
+            h.remove()
+        self._learning = None
+        params = list(self._keys_of)
+        never = [p not in self._seen for p in params]
+        comm = self._agree if self._agree is not None else self.sync.comm  # the worker's gloo group, or the gathers'
+        if comm.world_size > 1 and params:
+            device = torch.device("cpu") if self._agree is not None else self.partitions[0].flat.device
+            flags = torch.tensor(never, dtype=torch.int32, device=device)
+            comm.all_reduce(flags, op="max")
+            never = [v > 0 for v in to_host(flags, "update_behind: the modules whose forwards ran")]
+        kept = {p for p, n in zip(params, never) if n} - self._unhooked
+        self._seen.clear()
+        if kept:
+            self._unhooked |= kept
+            self._rank = self._ranks()
 
     # -- the step ----------------------------------------------------------------
     def start(self, plan: UpdatePlan | None, updated: tuple[tuple[bool, ...], ...]) -> None:
@@ -110,6 +152,7 @@ class BucketsBehind:
         parameter ``updated`` on some rank, of the partitions the plan updates (none where a step is skipped;
         without a plan, every partition, as step()'s own gather does). Which of a bucket's elements this rank
         updates is its own (its shard): a key may have nothing to run here."""
+        self._learned()
         by_key: dict = {}
         if plan is None:
             for pi, (part, flags) in enumerate(zip(self.partitions, updated)):
@@ -210,6 +253,17 @@ class BucketsBehind:
         finally:
             self._point_all()
 
+    def explain(self, error: BaseException) -> None:
+        """The root's forward raised while parameters were placeholders: say so beside torch's own message (a
+        parameter read outside its module's forward fails on its shape there)."""
+        names = [self.names.get(p, f"of shape {tuple(self._view[p].shape)}") for p in self._released]
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"fused_zero: update_behind=True: {len(names)} parameters were still empty placeholders when this "
+                f"forward raised, e.g. {names[:5]}; each is made whole by its own module's forward. If the error "
+                "comes from reading one outside its module's forward, read it inside `with optimizer."
+                "full_parameters():`, or build the optimizer without update_behind")
+
     def after_forward(self) -> None:
         """The root's forward ended: if the update failed meanwhile, it raises now (the output may hold both)."""
         if self.behind.failed:
@@ -231,19 +285,19 @@ class BucketsBehind:
         if changed:
             raise RuntimeError(
                 f"parameters {changed[:5]} were changed in place between step() and their module's next forward "
-                "while their update still ran behind step() (stages 1-2 with offload_optimizer, the optimizer "
-                "built with the model): they were empty placeholders then, and the change went nowhere. Make "
-                "such changes inside `with optimizer.full_parameters(writeback=True):` (it waits for the "
-                "update), or before step()")
+                "while their update or all-gather still ran behind step() (stages 1-2 with update_behind=True): "
+                "they were empty placeholders then, and the change went nowhere. Make such changes inside `with "
+                "optimizer.full_parameters(writeback=True):` (it waits for the update), or before step()")
 
     def close(self) -> None:
         try:
             self.behind.close()
         finally:
             self._point_all()
-            for h in self._handles:
+            for h in self._handles + (self._learning or []):
                 h.remove()
             self._handles.clear()
+            self._learning = None
 
 
 def _hook(hook):
@@ -281,8 +335,25 @@ class _AfterForward:
 
     def __call__(self, module, args, output):
         owner = self.owner()
-        if owner is not None and owner.behind.pending:
+        if owner is None:
+            return
+        error = sys.exc_info()[1]  # the forward raised: torch calls this hook inside its except clause
+        if error is not None and output is None and owner._released:
+            owner.explain(error)
+        if owner.behind.pending:
             owner.after_forward()
+
+
+class _Ran:
+    """A forward pre-hook while BucketsBehind learns which modules run: its module's own parameters ran."""
+
+    __slots__ = ("seen", "params")
+
+    def __init__(self, seen: set, params: list) -> None:
+        self.seen, self.params = seen, params
+
+    def __call__(self, module, args):
+        self.seen.update(self.params)
 
 
 class _Settle:

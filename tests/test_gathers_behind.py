@@ -11,7 +11,9 @@ overlap_param_gather), each module's next forward waiting for its own buckets.
 - reads between steps see the gathered parameters: rank 0 alone reading model.state_dict() (no collective
   is left to run), full_parameters(); comm_bytes() counts the gathers in the step that launched them, as
   inside step();
-- a trained parameter outside the model (no forward hook waits for it) is whole when step() returns;
+- a trained parameter outside the model (no forward hook waits for it) is whole when step() returns, and so is
+  one whose module's forward ran on no rank before the first step (a parent reads it directly); a direct read
+  that starts later fails in torch with a note naming update_behind;
 - one rank, or HSDP with shard groups of one rank (nothing to gather): nothing runs behind step().
 """
 import pytest
@@ -173,6 +175,58 @@ def _params_after(model, opt):
 def test_a_trained_parameter_outside_the_model_is_whole_after_step(stage):
     for r in run_ranks(_outside, 2, stage, timeout=120):
         assert r == {"shapes": [(1,)] * 4, "temp": True, "params": True}
+
+
+class _ReadsAChild(nn.Module):
+    """Reads ``head.weight`` in its own forward without calling ``head`` (MobileBERT's prediction head, DeBERTa's
+    rel_embeddings): from ``direct_from`` on; before it, ``head`` runs."""
+
+    def __init__(self, direct_from=0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.direct_from, self.t = direct_from, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return nn.functional.linear(h, self.head.weight) if self.t >= self.direct_from else self.head(h)
+
+
+def _child_read(rank, world_size, stage):
+    out = {}
+    for behind in (False, True):
+        model = _ReadsAChild()
+        opt = ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, update_behind=behind)
+        for t in range(4):
+            opt.zero_grad()
+            model(_chain_batch(t, rank)).square().mean().backward()
+            opt.step()
+        out[behind] = (tuple(model.head.weight.shape), _params_after(model, opt))
+        opt.close()
+    late = _ReadsAChild(direct_from=1)  # head ran in the first forward: no hook knows the later direct read
+    opt = ShardedOptimizer(late, lr=1e-2, stage=stage, bucket_numel=500, update_behind=True)
+    notes = []
+    for t in range(2):
+        late.t = t
+        opt.zero_grad()
+        try:
+            late(_chain_batch(t, rank)).square().mean().backward()
+        except RuntimeError as e:
+            notes = getattr(e, "__notes__", [])
+            break
+        opt.step()
+    opt.close()
+    return {"shape": out[True][0], "equal": all(torch.equal(a, b) for a, b in zip(out[False][1], out[True][1])),
+            "notes": notes}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_read_without_its_module_running(stage):
+    """Kept whole where its module never ran in the forwards before the first step (bitwise the run without);
+    where the direct read starts later, torch's shape error carries a note naming update_behind."""
+    for r in run_ranks(_child_read, 2, stage, timeout=120):
+        assert r["shape"] == (WIDTH, WIDTH) and r["equal"]
+        assert len(r["notes"]) == 1 and "update_behind=True" in r["notes"][0] and "head.weight" in r["notes"][0]
 
 
 def _hsdp_replicas_only(rank, world_size):
