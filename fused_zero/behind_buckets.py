@@ -104,7 +104,7 @@ class BucketsBehind:
                 self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
         self._after_hook = _hook(_AfterForward(me))
-        # Which modules' forwards run, seen from the build to the first step after a forward: a trained parameter
+        # Which modules' forwards run, seen from the build to the first step (on any rank): a trained parameter
         # whose owners never ran is read by another module's forward (DeBERTa's rel_embeddings.weight, MobileBERT's
         # dense.weight), where no hook would wait for it; it is then kept whole like one outside the model.
         self._seen: set = set()
