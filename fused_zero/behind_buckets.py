@@ -66,13 +66,7 @@ class BucketsBehind:
         self.names = names
         self.behind = GathersBehind(self) if gathers_only else UpdateBehind(device, agree, landing=self)
         self._agree = agree
-        order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
-        # trained parameters no module of the model owns (a learnable loss temperature, another model's): no forward
-        # pre-hook would wait for them, so they never become placeholders; their buckets go first and step() waits
-        # for them
-        hooked = {p for m in module.modules() for p in m.parameters(recurse=False)}
-        self._unhooked = {p for part in partitions for p in part.params if p not in hooked}
-        self._order = order
+        self._order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
         self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
         self._members: dict[tuple[int, int], list] = {}  # a key -> its parameters
         for pi, part in enumerate(partitions):
@@ -82,7 +76,6 @@ class BucketsBehind:
                 self._members[key] = ps
                 for p in ps:
                     self._keys_of.setdefault(p, []).append(key)
-        self._rank = self._ranks()
         self._starts = [[b.shard_offset for b in part.layout.buckets] for part in partitions]
         self._index = {id(part): pi for pi, part in enumerate(partitions)}
         self._view = {p: v for part in partitions for p, v in part.views()}
@@ -95,31 +88,37 @@ class BucketsBehind:
         self.compiled = False
         me = weakref.ref(self)  # the model's hooks must not keep a dropped optimizer's buckets alive
         self._module = weakref.ref(module)
-        # (module, its forward pre-hook): made once (each wrapping costs ~5 us), registered per pending update
+        # (module, its forward pre-hook): made once (each wrapping costs ~5 us), registered per pending update.
+        # Until the first step a second pre-hook learns which modules' forwards run (on any rank): a trained
+        # parameter whose owners never ran is read by another module's forward (DeBERTa's rel_embeddings.weight,
+        # MobileBERT's dense.weight), where no hook would wait for it.
         self._pre_hooks = []
+        self._seen: set = set()
+        self._learning = []
+        hooked = set()
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
             if own:
+                hooked.update(own)
                 self._pre_hooks.append((weakref.ref(m), _hook(_PreForward(me, own))))
                 self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
+                self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
         self._after_hook = _hook(_AfterForward(me))
-        # Which modules' forwards run, seen from the build to the first step (on any rank): a trained parameter
-        # whose owners never ran is read by another module's forward (DeBERTa's rel_embeddings.weight, MobileBERT's
-        # dense.weight), where no hook would wait for it; it is then kept whole like one outside the model.
-        self._seen: set = set()
-        self._learning = [m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own)))
-                          for ref, hook in self._pre_hooks for m in [ref()]
-                          for own in [[p for p in m.parameters(recurse=False) if p in self._keys_of]]]
+        # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
+        # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
+        # whose owners' forwards never ran; their buckets go first and step() waits for them
+        self._unhooked = set(self._keys_of) - hooked
+        self._rerank()
 
-    def _ranks(self) -> dict:
-        """Each key's place in the launch order: the buckets of parameters kept whole first (step() waits for
-        them), then by the model's parameter order (the forward's, mostly)."""
-        order = self._order
-        rank = {key: (not any(p in self._unhooked for p in ps), min((order.get(p, len(order)) for p in ps),
-                                                                      default=len(order)), key)
+    def _rerank(self) -> None:
+        """Each key's place in the launch order (``_rank``): the buckets of parameters kept whole first (``_whole``:
+        step() waits for them), then by the model's parameter order (the forward's, mostly)."""
+        order, whole = self._order, self._unhooked
+        self._whole = {key for key, ps in self._members.items() if any(p in whole for p in ps)}
+        rank = {key: (key not in self._whole, min((order.get(p, len(order)) for p in ps), default=len(order)), key)
                 for key, ps in self._members.items()}
-        return {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
+        self._rank = {key: r for r, key in enumerate(sorted(rank, key=rank.get))}
 
     def _learned(self) -> None:
         """The first step: the parameters whose owners' forwards ran on no rank so far are kept whole from now on.
@@ -141,7 +140,7 @@ class BucketsBehind:
         self._seen.clear()
         if kept:
             self._unhooked |= kept
-            self._rank = self._ranks()
+            self._rerank()
 
     # -- the step ----------------------------------------------------------------
     def start(self, plan: UpdatePlan | None, updated: tuple[tuple[bool, ...], ...]) -> None:
@@ -185,9 +184,9 @@ class BucketsBehind:
                     self._released[p] = p._version
         self._hook_forward()
         self.behind.start(self.partitions, plan, order)
-        try:  # the buckets of parameters outside the model (ranked first): whole when step() returns
+        try:  # the buckets of the parameters kept whole (ranked first): whole when step() returns
             for key, _ in order:
-                if any(p in self._unhooked for p in self._members[key]):
+                if key in self._whole:
                     self.behind.wait(key)
         except BaseException:
             self._point_all()

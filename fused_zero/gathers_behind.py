@@ -38,9 +38,6 @@ class GathersBehind:
     def failed(self) -> bool:
         return False  # a collective's error raises at its wait
 
-    def ready(self, key) -> bool:
-        return key not in self._handles
-
     def start(self, partitions: list[Partition], plan: UpdatePlan | None,
               order: list[tuple[object, list[PartitionJob]]]) -> None:
         """Launch every key's all-gathers, in ``order`` (the next forward's); wait for none."""

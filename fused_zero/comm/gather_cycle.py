@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import warnings
 
-import torch
 from torch import nn
 
 from .works import Handle

@@ -55,18 +55,7 @@ class Transfers:
         (which may still read ``dst`` or write ``src``) and behind ``after``; the host does not wait.
         Host memory on either side must be pinned for the copy not to block.
         """
-        if self.stream is None:
-            if after is not None:
-                after.wait()
-            dst.copy_(src)
-            return DONE
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        _used_on(self.stream, src)
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                after.wait()  # an NCCL Work's wait() orders the current (copy) stream after it
-            dst.copy_(src, non_blocking=True)
-            return Ticket(self.stream.record_event())
+        return self._queued(src, after, lambda: dst.copy_(src, non_blocking=True))
 
     def add_down(self, dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, after=None) -> Ticket:
         """``dst`` += ``src`` on ``src``'s device once ``after`` is complete: ``dst`` (host) goes up into ``scratch``
@@ -75,31 +64,34 @@ class Transfers:
 
         On a GPU, queued as ``copy`` is (the copy up may run before ``after`` completes; the add waits for it).
         """
-        if self.stream is None:
-            if after is not None:
-                after.wait()
-            scratch.copy_(dst)
-            scratch.add_(src)
-            dst.copy_(scratch)
-            return DONE
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        _used_on(self.stream, src)
-        with torch.cuda.stream(self.stream):
-            scratch.copy_(dst, non_blocking=True)
-            if after is not None:
-                after.wait()
+        def add():
             scratch.add_(src)
             dst.copy_(scratch, non_blocking=True)
+        return self._queued(src, after, add, before=lambda: scratch.copy_(dst, non_blocking=True))
+
+    def _queued(self, src: torch.Tensor, after, work, before=None) -> Ticket:
+        """Run ``before()``, then ``work()`` once ``after`` is complete: on the host at once (every ticket done); on a
+        GPU queued on the copy stream behind everything queued so far on the compute stream, the device ``src``
+        kept from the caching allocator's reuse until then (a reduction's own output, HSDP's, is dropped by its
+        owner while its copy down may still run; what is copied up lands in buffers as long-lived as the
+        optimizer)."""
+        if self.stream is None:
+            if before is not None:
+                before()
+            if after is not None:
+                after.wait()
+            work()
+            return DONE
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if src.is_cuda:
+            src.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            if before is not None:
+                before()
+            if after is not None:
+                after.wait()  # an NCCL Work's wait() orders the current (copy) stream after it
+            work()
             return Ticket(self.stream.record_event())
-
-
-def _used_on(stream, *tensors: torch.Tensor) -> None:
-    """The device tensors among ``tensors`` are read on ``stream``: the caching allocator keeps their memory from
-    reuse until the work queued there so far is done (a reduction's own output, HSDP's, is dropped by its owner
-    while its copy down may still run). What is copied up lands in buffers that live as long as the optimizer."""
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(stream)
 
 
 _PER_DEVICE: dict[torch.device, Transfers] = {}
