@@ -2,7 +2,8 @@
 
 With Ψ the padded element count (sum of the partitions' layout.numel), N the world size,
 P the param (and grad) dtype bytes and R the reduce dtype bytes, on every rank:
-    params = P·Ψ,  master = exp_avg = exp_avg_sq = 4·Ψ/N,
+    params = P·Ψ,  master = exp_avg = exp_avg_sq = 4·Ψ/N (master 0 for fp32 params: their own slices are the
+    master, as in Megatron's distributed optimizer),
     grads  = P·Ψ_unpadded + R·Ψ/N (stage 1: full local .grad + reduced shard), R·Ψ/N (stage 2),
     buffers < 4·bucket bytes + P·Ψ/N,
 and per step reduce_scatter = R·Ψ, all_gather = P·Ψ, all_reduce < 2 x (1 KiB + 4 B per parameter) (an
@@ -68,7 +69,7 @@ def _check(results, ws, cfg):
         assert psi % n == 0 and psi >= r["unpadded"] > 0
         grads = (P * r["unpadded"] if stage == 1 else 0) + R * psi // n
         for mem in r["mem"]:
-            expected = {"params": P * psi, "master": 4 * psi // n, "exp_avg": 4 * psi // n,
+            expected = {"params": P * psi, "master": 0 if pdt == FP32 else 4 * psi // n, "exp_avg": 4 * psi // n,
                         "exp_avg_sq": 4 * psi // n, "grads": grads}
             got = {k: mem[k] for k in expected}
             assert got == expected, f"rank {rank}: memory_bytes {got} != {expected}"

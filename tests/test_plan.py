@@ -39,8 +39,9 @@ def test_closed_forms_fp32():
     n, psi = 4, 64 * 4 * 1000 * 5
     plan = estimate(psi, world_size=n, bucket_numel=64 * 4 * 1000, param_dtype="fp32")
     assert plan.stage(0).model_states == 16 * psi  # 4 params + 4 grads + 8 moments: no separate master
-    assert plan.stage(1).optimizer == 12 * psi // n  # fused_zero keeps an fp32 master for fp32 params too
-    assert plan.stage(2).model_states == 4 * psi + 16 * psi // n
+    # stages 1-2: the master of fp32 params is their own slices of the flat buffer, as in Megatron's optimizer
+    assert plan.stage(1).optimizer == 8 * psi // n
+    assert plan.stage(2).model_states == 4 * psi + 12 * psi // n
     assert plan.stage(3).params == 0  # the fp32 master shard is what stage 3 gathers from
     assert plan.stage(3).model_states == 16 * psi // n
 

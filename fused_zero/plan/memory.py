@@ -10,7 +10,8 @@ param dtype's bytes and R the reduce dtype's:
                 whose master shard is the gather source)
     grads       stage 1: P * (trainable elements) for the full .grad + R*S for the reduced
                 shard; stages 2-3: R*S (each .grad is freed once its bucket is reduced)
-    optimizer   master, exp_avg, exp_avg_sq: 4*S each
+    optimizer   master, exp_avg, exp_avg_sq: 4*S each; no master for fp32 at stages 1-2, where it
+                is this rank's own slices of the parameters' flat buffer (tiers.store.ParamsAsMaster)
     frozen      parameters with requires_grad=False (frozen.py) are weights only: at stages
                 1-2 the user's whole tensors (P * elements, under params, in no partition); at
                 stage 3 a weights-only partition per (unit, dtype) whose narrow shard P*S (fp32
@@ -313,7 +314,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         d["grad_full"] += p * sum(s.numel for s in part.specs if s.trainable) if not traits.shards_grads else 0
         if not part.frozen:
             d["grad_shard" if opt is None else "host_grads"] += r * shard
-            _states(d, opt, shard)
+            _states(d, opt, shard, master=part.dtype != "fp32" or traits.shards_params)
             # one rank without offload: the gradients pack straight into the shard (BucketPipe.direct), no pool
             pool = pools.setdefault(reduce, [0, 0, 0]) if job.world_size > 1 or opt is not None else [0, 0, 0]
             pool[0] += len(launched)
@@ -399,10 +400,11 @@ def _pinned(d: dict, opt: str | None, par: str | None) -> None:
         d["host_pinned"] += d["device_staging"]
 
 
-def _states(d: dict, opt: str | None, shard: int) -> None:
-    """A trained partition's master, exp_avg and exp_avg_sq: 4 bytes per shard element each, where they live."""
+def _states(d: dict, opt: str | None, shard: int, master: bool) -> None:
+    """A trained partition's master, exp_avg and exp_avg_sq: 4 bytes per shard element each, where they live
+    (``master`` False: on the device it is the parameters' own slices, fp32 at stages 1-2)."""
     if opt is None:
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
+        for kind in ("master", "exp_avg", "exp_avg_sq") if master else ("exp_avg", "exp_avg_sq"):
             d[kind] += 4 * shard
     else:
         d[WHERE[opt] + "_states"] += 3 * 4 * shard

@@ -348,7 +348,7 @@ class Partition:
     def update_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` cut where the narrow param shard needs it (``ParamShard.edges``: bucket edges for own
         slices, every chunk for a staged tier), on multiples of ALIGN (config.ALIGN's chunk-edge rule)."""
-        edges = [] if self.pshard is None else self.pshard.edges()
+        edges = self.store.edges() if self.pshard is None else self.pshard.edges()
         if not edges:
             return ranges
         out = []
@@ -385,7 +385,7 @@ class Partition:
     def gather_source(self, b: Bucket) -> torch.Tensor:
         """What this rank contributes to bucket ``b``'s all-gather of params."""
         if self.pshard is None:
-            return self.shard(self.store.gather_source(), b)
+            return self.store.gather_source(b.shard_offset, b.shard_offset + b.shard_numel)
         return self.pshard.source(b.shard_offset, b.shard_offset + b.shard_numel)
 
     def own(self, b: Bucket) -> slice:

@@ -7,6 +7,8 @@ all-gather reads it. Four owners:
 - ``OwnSlices`` (stages 1-2 with offloaded optimizer states): no buffer of its own; the
   shard *is* this rank's slice of every bucket of the full flat buffer, which stays resident.
   The update writes the new values straight into the parameters and the all-gather is in place.
+  fp32 parameters at stages 1-2 with the states on the device use it as their master
+  (``store.ParamsAsMaster``) and need no narrow shard at all.
 - ``DeviceParamShard``: a tensor beside the parameters (stage 3, and narrow parameters at
   stages 1-2 without offload).
 - ``HostParamShard`` (``offload_params="cpu"``): a tensor in host memory (pinned where CUDA
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -144,12 +146,27 @@ class OwnSlices(ParamShard):
     def source(self, start, end):
         return self._view(start, end)
 
+    def _runs(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """[start, end) cut at the bucket edges, in order."""
+        k = max(0, bisect.bisect_right(self._starts, start) - 1)
+        for b in self.layout.buckets[k:]:
+            a, z = max(start, b.shard_offset), min(end, b.shard_offset + b.shard_numel)
+            if b.shard_offset >= end:
+                break
+            if a < z:
+                yield a, z
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) as one tensor (a view within one bucket, a new tensor across several)."""
+        parts = [self._view(a, z) for a, z in self._runs(start, end)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else self.flat[:0]
+
     def write(self, start, values):
         values = values.reshape(-1)
-        for b in self.layout.buckets:
-            a, z = max(start, b.shard_offset), min(start + values.numel(), b.shard_offset + b.shard_numel)
-            if a < z:
-                self._view(a, z).copy_(values[a - start:z - start])
+        for a, z in self._runs(start, start + values.numel()):
+            self._view(a, z).copy_(values[a - start:z - start])
 
 
 class _Sink:

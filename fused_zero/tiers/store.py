@@ -44,6 +44,8 @@ class ShardStore(ABC):
     """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
 
     tier = Tier.DEVICE
+    #: True where the master is the parameters' own memory (fp32 parameters at stages 1-2, ``ParamsAsMaster``)
+    master_is_params = False
 
     def __init__(self, numel: int, amsgrad: bool) -> None:
         self.numel = numel
@@ -81,8 +83,13 @@ class ShardStore(ABC):
         """A step failed midway: the states stay as they were before it."""
 
     @abstractmethod
-    def gather_source(self) -> torch.Tensor | None:
-        """The fp32 master on the parameters' device (fp32 parameters are gathered from it), or None."""
+    def gather_source(self, start: int, end: int) -> torch.Tensor | None:
+        """Elements [start, end) of the fp32 master on the parameters' device (fp32 parameters are gathered from
+        it), or None."""
+
+    def edges(self) -> list[int]:
+        """Shard offsets an update chunk must not cross (none: the states are whole tensors)."""
+        return []
 
     @abstractmethod
     def nbytes(self) -> dict[str, int]:
@@ -110,11 +117,59 @@ class DeviceStore(ShardStore):
     def update_chunks(self, ranges, grad, param_out):
         yield from _chunks_of(self.tensors, ranges, grad, param_out)
 
-    def gather_source(self) -> torch.Tensor:
-        return self.tensors["master"]
+    def gather_source(self, start: int, end: int) -> torch.Tensor:
+        return self.tensors["master"][start:end]
 
     def nbytes(self) -> dict[str, int]:
         return {kind: t.numel() * t.element_size() for kind, t in self.tensors.items()}
+
+
+class ParamsAsMaster(DeviceStore):
+    """fp32 parameters at stages 1-2, states on the device: the master *is* this rank's slices of the resident
+    flat buffer (``OwnSlices``), as Megatron's distributed optimizer and FSDP2 update an fp32 parameter shard
+    in place rather than a copy of it.
+
+    The update writes the parameters in place and the all-gather is in place (at world size 1 there is
+    nothing to copy). That saves 4 bytes per shard element and, per step, the gather's read of a separate
+    master; the values are the same bits (an fp32 master rounds to an fp32 parameter unchanged). An update
+    chunk never crosses a bucket edge (``edges``): the own slices are contiguous only within a bucket.
+    """
+
+    master_is_params = True
+
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool, own) -> None:
+        """``own``: the partition's ``OwnSlices`` (tiers/param_store.py) over its flat buffer."""
+        ShardStore.__init__(self, numel, amsgrad)
+        self.own = own
+        self.tensors = {kind: torch.zeros(numel, dtype=torch.float32, device=device)
+                        for kind in self.kinds if kind != "master"}
+
+    def read(self, kind: str, start: int, end: int) -> torch.Tensor:
+        if kind != "master":
+            return super().read(kind, start, end)
+        self._check(kind, start, end)
+        return self.own.read(start, end).detach().to("cpu", copy=True)
+
+    def write(self, kind: str, start: int, values: torch.Tensor) -> None:
+        if kind != "master":
+            return super().write(kind, start, values)
+        self._check(kind, start, start + values.numel())
+        self.own.write(start, values)  # the parameters' own elements (a copy onto itself is skipped by copy_)
+
+    def update_chunks(self, ranges, grad, param_out):
+        for start, end in ranges:  # Partition.update_ranges cut them at the bucket edges
+            yield StateChunk(start, end, self.own[start:end], *(
+                self.tensors[k][start:end] if k in self.tensors else None for k in STATE_KINDS[1:] + (AMSGRAD_KIND,)),
+                grad[start:end], None)
+
+    def gather_source(self, start: int, end: int) -> torch.Tensor:
+        return self.own.source(start, end)  # the all-gather's own slice of its output: in place
+
+    def edges(self) -> list[int]:
+        return self.own.edges()
+
+    def nbytes(self) -> dict[str, int]:
+        return {"master": 0, **super().nbytes()}  # the master is counted under params
 
 
 def _chunks_of(tensors: dict, ranges, grad: torch.Tensor, param_out: torch.Tensor | None,
@@ -144,7 +199,7 @@ class WeightsOnly(ShardStore):
     def update_chunks(self, ranges, grad, param_out):
         raise RuntimeError("a frozen partition is never updated")
 
-    def gather_source(self) -> None:
+    def gather_source(self, start: int, end: int) -> None:
         return None  # gathered from the param shard
 
     def nbytes(self) -> dict[str, int]:

@@ -219,7 +219,7 @@ class NvmeStore(ShardStore):
     def rollback(self) -> None:
         self._pending.clear()
 
-    def gather_source(self) -> None:
+    def gather_source(self, start: int, end: int) -> None:
         return None
 
     def nbytes(self) -> dict[str, int]:
