@@ -231,6 +231,13 @@ class Stage1:
         for part in partitions:
             part.mark_synced()
 
+    def params_from_shards(self, partitions: list[Partition]) -> None:
+        """The shards were written whole (a checkpoint load): every rank's full parameters take them now, also
+        where step() leaves its gathers behind (``after_update`` then gathers nothing)."""
+        self.sync.gather_updated(partitions, tuple((True,) * len(part.params) for part in partitions))
+        for part in partitions:
+            part.mark_synced()
+
     def start_behind(self, partitions: list[Partition], plan, updated) -> None:
         """Run the planned update behind step() (``behind`` is set); ``updated``: the step's has-grad flags."""
         self.buckets_behind.start(plan, updated)
@@ -374,6 +381,9 @@ class Stage3(Stage2):
 
     def after_update(self, partitions, updated) -> None:
         self.gatherer.release_all()  # the next forward gathers the new values
+
+    def params_from_shards(self, partitions) -> None:
+        self.gatherer.release_all()  # the next forward (or full_parameters()) gathers the loaded values
 
     def start_behind(self, partitions, plan, updated) -> None:
         self.behind.start(partitions, plan, self.update_order(plan.jobs))

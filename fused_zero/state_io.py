@@ -141,5 +141,5 @@ class StateAccess:
         for part in self.partitions:
             part.param_shard_from_master()
         attach_all(self.state, self.partitions)
-        self._stage.after_update(self.partitions, tuple((True,) * len(part.params) for part in self.partitions))
+        self._stage.params_from_shards(self.partitions)
         self.comm.reset_traffic()

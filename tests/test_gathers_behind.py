@@ -14,7 +14,9 @@ overlap_param_gather), each module's next forward waiting for its own buckets.
 - a trained parameter outside the model (no forward hook waits for it) is whole when step() returns, and so is
   one whose module's forward ran on no rank before the first step (a parent reads it directly); a direct read
   that starts later fails in torch with a note naming update_behind;
-- one rank, or HSDP with shard groups of one rank (nothing to gather): nothing runs behind step().
+- one rank, or HSDP with shard groups of one rank (nothing to gather): nothing runs behind step();
+- a checkpoint.load (also with the states offloaded and their update behind step()) gathers at once: every
+  parameter is the saved one.
 """
 import pytest
 import torch
@@ -246,3 +248,36 @@ def test_one_rank_runs_nothing_behind_step():
     assert opt._stage.behind is None  # nothing to gather on one rank; the offloaded update would go behind
     with pytest.raises(ValueError, match="update_behind=True needs the model"):
         ShardedOptimizer(model.parameters(), lr=1e-2, stage=2, update_behind=True)
+
+
+def _load(rank, world_size, stage, folder, offload):
+    from fused_zero import checkpoint
+    from fused_zero.behind import UpdateBehind
+    UpdateBehind.on_cpu = True  # offloaded: the update behind step() too, as on a GPU
+    kw = dict(HYPER, stage=stage, bucket_numel=1000, update_behind=True,
+              **({"offload_optimizer": "cpu"} if offload else {}))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    saved = TinyNet()
+    opt = ShardedOptimizer(saved, **kw)
+    for t in range(2):
+        _mixed_step(saved, opt, t, rank, scaler)
+    checkpoint.save(folder, saved, opt, tag="behind")  # while the last step's gathers run behind it
+    model = TinyNet(seed=5)
+    opt2 = ShardedOptimizer(model, **kw)
+    _mixed_step(model, opt2, 0, rank, scaler)  # its own step's gathers still behind it too
+    checkpoint.load(folder, model, opt2, tag="behind")
+    with opt.full_parameters():
+        want = [p.detach().clone() for p in saved.parameters()]
+    got = [p.detach().clone() for p in model.parameters()]  # no wait: the load left them whole
+    opt.close()
+    opt2.close()
+    return [torch.equal(a, b) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["gathers", "offload_cpu"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_checkpoint_load_makes_every_parameter_the_saved_one(stage, offload, tmp_path):
+    """checkpoint.load writes the shards and gathers at once: step()'s gathers behind it are no gather for a load
+    (every rank's parameters were the loaded shard's own slices and stale elsewhere before)."""
+    for equal in run_ranks(_load, 2, stage, str(tmp_path), offload, timeout=180):
+        assert all(equal), equal
