@@ -3,7 +3,8 @@
 Stages 1 and 2 gather right after the update (only the buckets that hold an
 updated parameter); stage 3 gathers a unit's partitions just before the unit
 runs. Each bucket is one all-gather of every rank's shard of it (the narrow
-param shard, or the fp32 master for fp32 parameters), launched asynchronously;
+param shard; for fp32 parameters the fp32 master, which at stages 1-2 is the
+bucket's own slice: the gather is in place), launched asynchronously;
 the caller waits on the handles. With a codec (``param_comm="int8"``, stage 3:
 comm/codec.py) each bucket's shards travel quantized and are decoded into the bucket
 when the handle is waited; ``exact()`` turns it off for gathers that must be exact
