@@ -225,16 +225,16 @@ class Stage1:
 
     def after_update(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
         """The updated shards back into every rank's full parameters (behind step(): as each bucket is updated)."""
-        if self.buckets_behind is not None:
-            return
-        self.sync.gather_updated(partitions, updated)
-        for part in partitions:
-            part.mark_synced()
+        if self.buckets_behind is None:
+            self._gather_now(partitions, updated)
 
     def params_from_shards(self, partitions: list[Partition]) -> None:
         """The shards were written whole (a checkpoint load): every rank's full parameters take them now, also
         where step() leaves its gathers behind (``after_update`` then gathers nothing)."""
-        self.sync.gather_updated(partitions, tuple((True,) * len(part.params) for part in partitions))
+        self._gather_now(partitions, tuple((True,) * len(part.params) for part in partitions))
+
+    def _gather_now(self, partitions: list[Partition], updated: tuple[tuple[bool, ...], ...]) -> None:
+        self.sync.gather_updated(partitions, updated)
         for part in partitions:
             part.mark_synced()
 

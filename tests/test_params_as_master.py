@@ -11,6 +11,7 @@ import torch
 from _dist import run_ranks
 from _models import HYPER, PlainNet, ddp_reference, micro_steps, param_error, param_groups, rank_slice
 from fused_zero import ShardedOptimizer
+from fused_zero.tiers.store import ParamsAsMaster
 
 BUCKET = 1000  # splits PlainNet's larger weights across buckets
 
@@ -22,7 +23,7 @@ def _flat_own(part):
 def _layout_checks(opt) -> None:
     for part in opt.partitions:
         store = part.store
-        assert store.master_is_params and part.pshard is None and "master" not in store.tensors
+        assert isinstance(store, ParamsAsMaster) and part.pshard is None and "master" not in store.tensors
         n = part.layout.shard_numel
         assert torch.equal(store.read("master", 0, n), _flat_own(part))
         for b in part.layout.buckets:  # the gather is in place: its input is its own output's slice

@@ -44,8 +44,6 @@ class ShardStore(ABC):
     """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
 
     tier = Tier.DEVICE
-    #: True where the master is the parameters' own memory (fp32 parameters at stages 1-2, ``ParamsAsMaster``)
-    master_is_params = False
 
     def __init__(self, numel: int, amsgrad: bool) -> None:
         self.numel = numel
@@ -135,8 +133,6 @@ class ParamsAsMaster(DeviceStore):
     chunk never crosses a bucket edge (``edges``): the own slices are contiguous only within a bucket.
     """
 
-    master_is_params = True
-
     def __init__(self, numel: int, device: torch.device, amsgrad: bool, own) -> None:
         """``own``: the partition's ``OwnSlices`` (tiers/param_store.py) over its flat buffer."""
         ShardStore.__init__(self, numel, amsgrad)
@@ -157,10 +153,10 @@ class ParamsAsMaster(DeviceStore):
         self.own.write(start, values)  # the parameters' own elements (a copy onto itself is skipped by copy_)
 
     def update_chunks(self, ranges, grad, param_out):
+        t, amsgrad = self.tensors, self.tensors.get(AMSGRAD_KIND)
         for start, end in ranges:  # Partition.update_ranges cut them at the bucket edges
-            yield StateChunk(start, end, self.own[start:end], *(
-                self.tensors[k][start:end] if k in self.tensors else None for k in STATE_KINDS[1:] + (AMSGRAD_KIND,)),
-                grad[start:end], None)
+            yield StateChunk(start, end, self.own[start:end], t["exp_avg"][start:end], t["exp_avg_sq"][start:end],
+                             None if amsgrad is None else amsgrad[start:end], grad[start:end], None)
 
     def gather_source(self, start: int, end: int) -> torch.Tensor:
         return self.own.source(start, end)  # the all-gather's own slice of its output: in place
