@@ -24,6 +24,7 @@ from torch import nn
 from _dist import run_ranks
 from _models import LoraNet, lora_batch
 from fused_zero import ShardedOptimizer
+from fused_zero.comm.grad_buckets import BucketPipe
 from fused_zero.plan import estimate, tier
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -186,6 +187,9 @@ def _offload_id(cfg):
 
 
 def _measure_offload(rank, ws, folder):
+    # the planner plans the GPU's way: the gradients reduce in a pool buffer on the device and go down to the host
+    # shard (on a CPU-only run one rank packs them straight into it: BucketPipe.direct, no pool buffer)
+    BucketPipe.copy_down = True
     out = {}
     for cfg in OFFLOAD_CONFIGS:
         name, stage, opt, par = cfg

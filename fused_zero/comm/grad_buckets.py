@@ -16,8 +16,8 @@ accumulates is added on the device, on that stream (``Transfers.add_down``): the
 into a device scratch per pool buffer, takes the new round and comes back down, so the host thread never
 adds (on a 1B model each accumulating round was a pass over the whole bf16 shard on the host, on the
 thread that launches backward's kernels). Where the pool buffers are
-host memory too (a CPU-only run) the reduction lands in the host shard directly, as without offload
-(``BucketPipe.copy_down`` makes the tests take the GPU's way there).
+host memory too (a CPU-only run) the reduction lands in the host shard directly, and one rank packs
+straight into it, as without offload (``BucketPipe.copy_down`` makes the tests take the GPU's way there).
 """
 from __future__ import annotations
 
@@ -237,10 +237,12 @@ class BucketPipe:
 
     def direct(self, part: Partition) -> bool:
         """Whether ``part``'s buckets pack straight into its gradient shard: one rank, no codec and no replicas
-        (nothing to reduce), the states not offloaded (the shard beside the gradients). ``plan/memory.py``
-        then counts no pool buffer."""
-        return (self.comm.world_size == 1 and self.replicate is None and self.codec is None
-                and part.grad_tier is Tier.DEVICE)
+        (nothing to reduce), the shard beside the gradients: the states not offloaded, or offloaded on a CPU-only
+        run (the host shard is where the gradients are; not with ``copy_down``, the GPU's way). ``plan/memory.py``
+        then counts no pool buffer (it plans the GPU's way: with offload, a pool buffer on the device)."""
+        return (self.comm.world_size == 1 and self.replicate is None and self.codec is None and part.grad_shard
+                is not None and (part.grad_tier is Tier.DEVICE or (not self.copy_down
+                                                                   and part.grad_shard.device == part.flat.device)))
 
     def span(self, replicate: Comm | None, world_size: int) -> None:
         """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""

@@ -316,6 +316,7 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
             d["grad_shard" if opt is None else "host_grads"] += r * shard
             _states(d, opt, shard, master=part.dtype != "fp32" or traits.shards_params)
             # one rank without offload: the gradients pack straight into the shard (BucketPipe.direct), no pool
+            # (with offload the GPU's way: a device pool buffer; a CPU-only run packs straight into the host shard)
             pool = pools.setdefault(reduce, [0, 0, 0]) if job.world_size > 1 or opt is not None else [0, 0, 0]
             pool[0] += len(launched)
             pool[1] = max([pool[1]] + [b.numel for b in part.layout.buckets])
