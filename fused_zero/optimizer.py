@@ -43,7 +43,7 @@ from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integr
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from . import model_watch
 from .ownership import claim, others_on_group, release
-from .sharding.partition import Partition
+from .sharding.partition import Partition, unalias
 from .profiling import UPDATE, label
 from .stages import make_stage
 from .state_io import StateAccess
@@ -579,7 +579,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 gatherer = getattr(self._stage, "gatherer", None)
                 if gatherer is not None:  # state-dict copies written in place (a load into model.state_dict())
                     gatherer.take_in_copies()
-                for part in (*self.partitions, *self._stage.frozen_parts):  # stage 3's frozen weights too
+                parts = (*self.partitions, *self._stage.frozen_parts)  # stage 3's frozen weights too
+                unalias(parts)
+                for part in parts:
                     part.take_in_assigned_full(self._names)
                     part.load_master_from_params(changed_only=True)
 

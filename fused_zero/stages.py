@@ -33,7 +33,7 @@ from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
 from .ownership import held
 from .sharding.layout import build_layout
-from .sharding.partition import Partition
+from .sharding.partition import Partition, unalias
 from .sharding.units import plan_units, resolve_units
 from .behind import UpdateBehind
 from .behind_buckets import BucketsBehind
@@ -210,6 +210,7 @@ class Stage1:
         """Take in what user code did to the parameters since the last step (load_state_dict, .to(), ...); raises
         the first change that cannot be taken in after taking in every other (the step is then refused)."""
         refused = None
+        unalias(partitions)
         for part in partitions:
             try:
                 part.adopt_outside_changes(self.names)

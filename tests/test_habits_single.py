@@ -130,6 +130,40 @@ def test_weights_changed_after_build_are_used(stage, how):
     assert _param_error(model, opt, ref) < TOL
 
 
+def _groups(model):
+    """Two param groups: ln2's parameters apart (another partition), without weight decay."""
+    apart = {id(model.ln2.weight), id(model.ln2.bias)}
+    return [{"params": [p for p in model.parameters() if id(p) not in apart]},
+            {"params": [model.ln2.weight, model.ln2.bias], "weight_decay": 0.0}]
+
+
+def _swap(model):
+    """Parameters given each other's tensors through .data: in one group (proj and branch), across groups (ln1 and
+    ln2), and three in a cycle (the biases of proj, fc2 and branch)."""
+    m = model
+    m.proj.weight.data, m.branch.weight.data = m.branch.weight.data, m.proj.weight.data
+    m.ln1.weight.data, m.ln2.weight.data = m.ln2.weight.data, m.ln1.weight.data
+    m.proj.bias.data, m.fc2.bias.data, m.branch.bias.data = m.fc2.bias.data, m.branch.bias.data, m.proj.bias.data
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_given_each_others_tensors_through_data_keep_what_they_were_given(stage):
+    """``a.data, b.data = b.data, a.data`` between steps: each parameter steps from the other's values, as torch's
+    (taken in one parameter after another, a later one must not read what an earlier one's copy wrote). Stage 3
+    holds full parameters only inside ``full_parameters(writeback=True)``."""
+    model, ref = TinyNet(), TinyNet()
+    opt = ShardedOptimizer(_groups(model), module=model, stage=stage, **HYPER)
+    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=False)
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    with opt.full_parameters(writeback=True) if stage == 3 else contextlib.nullcontext():
+        _swap(model)
+    _swap(ref)
+    _train(model, opt, 3, start=2)
+    _train(ref, ref_opt, 3, start=2)
+    assert _param_error(model, opt, ref) < TOL
+
+
 @pytest.mark.parametrize("call", ["half", "double"])
 def test_model_cast_after_build_raises_naming_the_call(call):
     model = PlainNet()

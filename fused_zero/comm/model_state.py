@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..sharding.partition import unalias
+
 
 class ModelStateHooks:
     """What ``ParamGatherer`` does about user code between steps (a mixin: it reads the gatherer's units,
@@ -124,6 +126,7 @@ class ModelStateHooks:
                           lambda p: self._load_prefix + self.names.get(p, ""))
 
     def _finish_load(self, missing: set, scope, name_of) -> None:
+        unalias([part for u in self.units if u.gathered for part in u.parts])
         for u in self.units:
             for part in u.parts:
                 if scope is not None and not any(id(p) in scope for p in part.params):

@@ -42,6 +42,14 @@ class Placeholders:
         return self._made[key]
 
 
+def unalias(partitions) -> None:
+    """``Partition.unalias`` on each of ``partitions`` against all their flat buffers: before any of them takes in
+    what user code assigned to its parameters."""
+    flats = {key for key in (part.storage_key() for part in partitions) if key}
+    for part in partitions:
+        part.unalias(flats)
+
+
 class PartitionIndex(NamedTuple):
     """What a partition's shard holds, for code outside the optimizer (checkpoints)."""
 
@@ -154,6 +162,22 @@ class Partition:
         follows makes no all-reduce of its own, so a refusal must be known at the clip's)."""
         for i in self._changed():
             self._check_compatible(self.params[i], self.shapes[i], names)
+
+    @torch.no_grad()
+    def unalias(self, flats: set[int]) -> None:
+        """Parameters user code pointed at memory of a flat buffer other than their own slot (``flats``: the
+        storages of every partition taking changes in: ``a.data, b.data = b.data, a.data``, ``b.data = a.data``)
+        get a copy of the values they were given. Taking the changes in copies each parameter into its own slot,
+        one after another: without it a later one would read what an earlier copy wrote. Call on every
+        partition before any takes its changes in."""
+        for i in self._changed():
+            p = self.params[i]
+            if p.numel() and p.untyped_storage().data_ptr() in flats:
+                p.data = p.data.clone()
+
+    def storage_key(self) -> int:
+        """The address of the flat buffer's memory (0 while released), for ``unalias``."""
+        return self.flat.untyped_storage().data_ptr()
 
     def _changed(self) -> list[int]:
         """The parameters user code moved or wrote in place since ``mark_synced`` (two reads a parameter: the
