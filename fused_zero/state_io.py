@@ -14,6 +14,7 @@ from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_o
 from .comm.collectives import Comm
 from .sharding.partition import PartitionIndex
 from .state_views import attach_all
+from .tiers.tier import Tier
 
 
 class StateAccess:
@@ -40,6 +41,7 @@ class StateAccess:
         ``torch.optim.AdamW(same groups).load_state_dict()`` takes it, and vice versa.
         """
         self._settle_update()  # stage 3 with offloaded states: the update behind the last step ends first
+        self.check_states_kept()
         self.check_agreement()  # a step whose ranks disagreed raises here, on every rank, before any gather
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
@@ -119,9 +121,17 @@ class StateAccess:
         ``settle=False`` reads without waiting for the reductions in flight (which write gradients only).
         """
         self._settle_update()
+        self.check_states_kept()
         if settle:
             self.grad_sync.wait()
         return self.partitions[partition].store.read(kind, start, end)
+
+    def check_states_kept(self) -> None:
+        """After ``close()`` the states stay readable where they live in memory; NVMe files are gone with it."""
+        if self.closed and self.state_tier is Tier.NVME:
+            raise RuntimeError('this ShardedOptimizer was closed, and close() removed the NVMe files its states '
+                               '(offload_optimizer="nvme") lived in: save optimizer.state_dict() or a '
+                               'fused_zero.checkpoint before close()')
 
     @torch.no_grad()
     def load_shards(self, staged) -> None:

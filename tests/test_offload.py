@@ -258,6 +258,26 @@ def test_scratch_files_are_private_and_removed(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("tier", [1, 2], ids=["cpu", "nvme"])
+def test_states_after_close_are_read_where_kept_and_refused_where_removed(tier, tmp_path):
+    """close() removes NVMe files: state_dict() and checkpoints then say so; host states stay readable."""
+    model = PlainNet()
+    opt = _build(model, 2, str(tmp_path), **TIERS[tier])
+    _step(model, opt, 0, 0)
+    before = opt.state_dict()
+    opt.close()
+    if TIERS[tier]["offload_optimizer"] == "nvme":
+        with pytest.raises(RuntimeError, match=r"closed, and close\(\) removed the NVMe files.*before close\(\)"):
+            opt.state_dict()
+        with pytest.raises(RuntimeError, match="removed the NVMe files"):
+            ckpt.save(str(tmp_path / "ck"), model, opt)
+        assert not (tmp_path / "ck").exists()  # refused before anything is written
+    else:
+        after = opt.state_dict()
+        assert all(torch.equal(a, b) for k in before["state"] for a, b in
+                   zip(before["state"][k].values(), after["state"][k].values()))
+
+
 def test_bad_offload_options_are_refused(tmp_path):
     ps = list(PlainNet().parameters())
     with pytest.raises(ValueError, match="needs nvme_path"):

@@ -27,8 +27,8 @@ from .view import ModelView
 class ShardOwner(abc.ABC):
     """What checkpoints save and load: ``ShardedOptimizer`` registers itself (optimizer.py), so that this
     package never imports the optimizer (which imports ``optim_state`` for its state_dict()). Checkpoints
-    use only its public shard interface: ``comm``, ``collective_call``, ``shard_index``, ``read_shard``,
-    ``load_shards``, ``state``, ``param_groups``, ``config``."""
+    use only its public shard interface: ``comm``, ``collective_call``, ``check_states_kept``, ``shard_index``,
+    ``read_shard``, ``load_shards``, ``state``, ``param_groups``, ``config``."""
 
 
 def comm_of(optimizer):
@@ -91,6 +91,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
 
     def prepare():
         folder = _folder(directory, "save")  # (on every rank: DDP scripts pass None on all but rank 0)
+        optimizer.check_states_kept()  # (closed with its states in NVMe files: nothing to save)
         view = ModelView(model, optimizer)
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
