@@ -393,3 +393,33 @@ def test_a_full_disk_on_one_rank_undoes_the_step_on_every_rank(stage, tmp_path):
     assert "No space left" in errors1[0][1] and "rank 1 failed" in errors0[0][1]
     for params, ref in zip((params0, params1), want):
         assert all(torch.equal(a, b) for a, b in zip(params, ref))
+
+
+def test_files_of_a_process_killed_by_a_signal_are_removed_by_the_next_optimizer(tmp_path):
+    """SIGTERM (torchrun's, to the other ranks when one fails) runs no exit handler: the files stay until the
+    next scratch file made in that folder on this host, which removes those of processes that are gone. A live
+    process's files and another host's are kept."""
+    import signal
+    import subprocess
+    import sys
+
+    from fused_zero.tiers import scratch
+    code = ("import os, signal, torch; from torch import nn; from fused_zero import ShardedOptimizer\n"
+            "m = nn.Linear(8, 4)\n"
+            f"o = ShardedOptimizer(m.parameters(), stage=2, offload_optimizer='nvme', nvme_path={str(tmp_path)!r})\n"
+            "m(torch.randn(2, 8)).sum().backward(); o.step()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    left = os.listdir(tmp_path)
+    assert len(left) == 1 and left[0].startswith(scratch._PREFIX) and left[0].endswith(".states")
+    dead = left[0][len(scratch._PREFIX):].split("-")[0]  # the killed process's id
+    live = f"{scratch._PREFIX}{os.getppid()}-0.states"  # a process that is alive
+    elsewhere = f"fused_zero-{scratch._HOST}x-{dead}-0.states"  # another host's, of the same (there dead) id
+    for name in (live, elsewhere):
+        open(tmp_path / name, "wb").close()
+    opt = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])
+    now = set(os.listdir(tmp_path))
+    assert left[0] not in now and {live, elsewhere} <= now
+    opt.close()
+    assert set(os.listdir(tmp_path)) == {live, elsewhere}

@@ -1,16 +1,53 @@
 """ScratchFile: a private file of the NVMe tiers (optimizer states, stage-3 param shards).
 
-Named by process id and a random id under the user's ``nvme_path`` and created with ``O_EXCL`` and
+Named by host, process id and a random id under the user's ``nvme_path`` and created with ``O_EXCL`` and
 mode 0600, so two optimizers (or two ranks sharing a folder) never share one and no other user reads
 it. It is removed on ``close()``, when its owner is collected, and at exit (``weakref.finalize``),
-its descriptors closed first. ``transfer`` moves bytes at an offset and turns a failed or short
-transfer into an OSError naming the file and the fix.
+its descriptors closed first. A process killed by a signal (SIGTERM, which torchrun and mp.spawn send
+the other ranks when one fails; SIGKILL; the OOM killer) removes nothing: the next scratch file made
+in that folder on the same host first removes the files of this host's processes that are gone
+(``sweep``; a process id alive again, reused, keeps its files). ``transfer`` moves bytes at an offset
+and turns a failed or short transfer into an OSError naming the file and the fix.
 """
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 import weakref
+
+#: this host in scratch file names ("-" taken out: the name's fields are split at "-")
+_HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
+_PREFIX = f"fused_zero-{_HOST}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: another user's process)
+        return True
+    return True
+
+
+def sweep(folder: str) -> list[str]:
+    """Remove the scratch files in ``folder`` left by processes of this host that are gone; their names."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            os.remove(os.path.join(folder, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def _remove(path: str, fds: list) -> None:
@@ -26,7 +63,8 @@ class ScratchFile:
     """One private file; ``what`` names it in errors ("NVMe store"), ``label`` and ``hint`` word them."""
 
     def __init__(self, folder: str, suffix: str, *, what: str, label: str, hint: str) -> None:
-        self.path = os.path.join(folder, f"fused_zero-{os.getpid()}-{uuid.uuid4().hex}.{suffix}")
+        sweep(folder)
+        self.path = os.path.join(folder, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.{suffix}")
         self.what, self.label, self.hint = what, label, hint
         self._fds = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
