@@ -1,7 +1,7 @@
 """Which watched models had a parameter, buffer or submodule registered anew since their optimizer last looked.
 
 An optimizer given the model refuses a model whose parameters were replaced by new ``nn.Parameter`` objects
-(``ShardedOptimizer._check_still_the_models``): it would train the old tensors while backward reaches the new
+(``model_guard.ModelGuard``): it would train the old tensors while backward reaches the new
 ones. Looking at every parameter each step costs a dict lookup per hop per parameter; instead torch's global
 registration hooks (``register_module_parameter_registration_hook``, and the module and buffer ones, which
 ``Module.__setattr__``, ``register_parameter``, ``remove_parametrizations`` and ``load_state_dict(assign=True)``

@@ -41,7 +41,7 @@ from .hyper import agreement_key, check_flags, check_foreach_tensors, check_grou
     check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
-from . import model_watch
+from .model_guard import ModelGuard
 from .ownership import claim, others_on_group, release
 from .sharding.partition import Partition, unalias
 from .profiling import UPDATE, label
@@ -166,10 +166,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise ValueError("units= only applies to stage 3")
         self._names: dict[nn.Parameter, str] = {} if module is None else {p: n for n, p in module.named_parameters()}
         self.module = module
-        # given the model: the flag torch's registration hooks set on it (model_watch), and every trained
-        # parameter with its name there (_watch_model_params)
-        self._model_watch = None if module is None else model_watch.Watcher()
-        self._model_names: list = []
+        # given the model: that it still holds the parameters this optimizer trains (model_guard)
+        self._guard = None if module is None else ModelGuard(module)
         self._units = units
         self.config = config
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
@@ -324,7 +322,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._params = {p for part in self.partitions for p in part.params}
         self._on_cuda = any(part.flat.device.type == "cuda" for part in self.partitions)
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
-        self._watch_model_params()
+        if self._guard is not None:
+            self._guard.watch(self.param_groups)
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
@@ -431,8 +430,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 part.close()
             self._closed = True
             release(self, list(getattr(self, "_params", ())))
-            if self._model_watch is not None:
-                model_watch.unwatch(self.module, self._model_watch)
+            if self._guard is not None:
+                self._guard.close()
         if self._rendezvous is not None:
             self._rendezvous.close()
 
@@ -793,94 +792,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise refused
         return loss
 
-    def _watch_model_params(self) -> None:
-        """Where the model holds each param group's first and last parameter (with ``module=`` only): every hop of
-        each one's path from the root (a modules dict, a key, the module there) and its parameters dict, once
-        each, for ``_check_still_the_models``."""
-        self._watched = []
-        if self.module is None:
-            return
-        names = {p: n for n, p in self.module.named_parameters()}  # (now: a parametrization may have moved one)
-        # every parameter this optimizer trains, where the model holds it now: what a registration on the model
-        # (model_watch) has every parameter checked against. A rebuild (add_param_group) after a registration
-        # that no check has looked at yet keeps the names from before it: the next check looks at those too.
-        trained = {id(q) for g in self.param_groups for q in g["params"]}
-        kept = self._model_names if self._model_watch.changed else []
-        self._model_names = kept + [(p, n) for p, n in names.items() if id(p) in trained]
-        model_watch.watch(self.module, self._model_watch)
-        hops = set()
-        for g in self.param_groups:
-            for p in {id(q): q for q in (g["params"][:1] + g["params"][-1:])}.values():
-                name = names.get(p)
-                if name is None:
-                    continue  # no longer the model's (a replaced head with a new group added): trained by no one
-                *path, leaf = name.split(".")
-                m = self.module
-                for key in path:
-                    child = m._modules[key]
-                    if (id(m), key) not in hops:
-                        hops.add((id(m), key))
-                        self._watched.append((m._modules, key, child, None))
-                    m = child
-                self._watched.append((m._parameters, leaf, p, name))
-
     def _check_still_the_models(self) -> None:
-        """Refuse a model whose parameters were replaced by new nn.Parameter objects since the build
-        (``model.to("meta")`` then ``to_empty()``, a module or parameter assigned anew): backward gives the new ones
-        gradients and the optimizer would train the old ones, silently, as torch.optim would. Each param group's
-        first and last parameter (a whole model, its head or its embedding) are looked up along their paths, a
-        dict lookup a hop, and every parameter after torch registered a parameter, buffer or module anywhere in the
-        model (``model_watch``: removing a parametrization mid-model makes a new Parameter); only where one moved is
-        the model searched, and a parameter moved but still the model's (a parametrization registered:
-        ``parametrizations.weight.original``) or a path now holding one this optimizer trains (a new head added by
-        ``add_param_group``) is watched where it is now. A trained parameter gone from the model is refused too."""
-        flagged = self._model_watch is not None and self._model_watch.changed
-        if flagged:
-            # torch registered a parameter or module on the model since the last look (a parametrization removed
-            # anywhere, a module assigned anew): every parameter is looked for
-            candidates = self._model_names
-        else:
-            for held_by, key, obj, _ in self._watched:
-                if held_by.get(key) is not obj:
-                    break
-            else:
-                return
-            candidates = [(p, name) for _, _, p, name in self._watched if name is not None]
-        now = {id(q) for q in self.module.parameters()}
-        for p, name in candidates:
-            if id(p) in now:
-                continue
-            # stages 1-2: a parameter this optimizer trains took its place (a new head given to add_param_group, a
-            # weight tied to another): what backward reaches is trained, as torch.optim would
-            there = self._param_at(name)
-            if there is not None and there in self._params and not self._stage.shards_params:
-                continue
-            if there is None:
-                raise RuntimeError(
-                    f"the model no longer holds its parameter {name} (its module deleted or assigned anew, a "
-                    "parametrization removed: what it leaves is a new Parameter, or a buffer under torch.no_grad()): "
-                    "the optimizer was built over it and would go on holding a tensor backward no longer reaches, "
-                    "and train nothing new. Change the model before building the optimizer, or build a new one over "
-                    "model.parameters() (save and load its state_dict() to keep the states)")
-            raise RuntimeError(
-                f"the model's parameter {name} is no longer the one the optimizer was built over: another "
-                "nn.Parameter took its place (model.to('meta') then to_empty(), a module or parameter assigned anew, "
-                "a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. "
-                "Change the model before building the optimizer, or build a new one over model.parameters() (save "
-                "and load its state_dict() to keep the states); to change values, assign p.data = t instead")
-        if flagged:
-            self._model_watch.changed = False  # looked at: the names are taken afresh
-        self._watch_model_params()
-
-    def _param_at(self, name: str):
-        """The parameter the model holds at dotted ``name`` now, or None."""
-        *path, leaf = name.split(".")
-        m = self.module
-        for key in path:
-            m = m._modules.get(key)
-            if m is None:
-                return None
-        return m._parameters.get(leaf)
+        """Refuse a model whose parameters were replaced by new nn.Parameter objects since the build (``ModelGuard``;
+        with ``module=`` only)."""
+        if self._guard is not None:
+            self._guard.check(self.param_groups, self._params, self._stage.shards_params)
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists

@@ -622,7 +622,7 @@ def test_a_registration_elsewhere_costs_no_refusal_and_the_watch_ends_with_the_o
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = ShardedOptimizer(model, stage=2, lr=1e-2)
-    flag = opt._model_watch
+    flag = opt._guard.watcher
     nn.Linear(3, 3)  # elsewhere
     assert not flag.changed
     model[0].extra = nn.Parameter(torch.zeros(1))  # inside: the next step looks at every parameter, and steps
