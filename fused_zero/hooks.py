@@ -13,6 +13,7 @@ rebuilt or is garbage-collected.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -108,11 +109,16 @@ class EndOfBackward:
             self._dropped()
 
 
+_CDATA = operator.attrgetter("_cdata")  # the TensorImpl a Python tensor wraps (swap_tensors changes it)
+
+
 class HookSet:
     """Hooks registered on behalf of ``owner``; ``remove()`` takes them all off."""
 
     def __init__(self, owner: Any) -> None:
         self._handles: list = []
+        self._params: list[torch.nn.Parameter] = []  # those with a gradient hook, and the tensor each was
+        self._cdatas: list[int] = []  # registered on (``_cdata``: swap_tensors changes it)
         # Also removed when the owner is collected without close().
         self._finalizer = weakref.finalize(owner, HookSet._remove_all, self._handles)
 
@@ -123,6 +129,28 @@ class HookSet:
     def grad(self, p: torch.nn.Parameter, method: Callable, *bound) -> None:
         """``method(p, *bound)`` (a bound method of the owner) after ``p``'s gradient is accumulated."""
         self._handles.append(p.register_post_accumulate_grad_hook(EagerRelay(method, *bound)))
+        self._params.append(p)
+        self._cdatas.append(p._cdata)
+
+    def rehook_swapped(self) -> list[torch.nn.Parameter]:
+        """The parameters whose tensor was swapped for another since their gradient hook was registered
+        (``torch.utils.swap_tensors``: ``load_state_dict`` under torch.__future__'s
+        ``set_swap_module_params_on_conversion(True)``, ``module._apply`` on tensor subclasses): their hooks stayed
+        with the old tensor, so backward no longer calls them. Each one's hook dict (the user's hooks with ours,
+        their handles still valid) is attached to the tensor it holds now; returned so that the caller takes in
+        what its gradient got unseen. (``p.data = t`` keeps the tensor, and its hooks.)"""
+        now = list(map(_CDATA, self._params))
+        if now == self._cdatas:  # (one C call a parameter: 50 us for 800 on a 2-core CPU)
+            return []
+        swapped = []
+        for p, was, cdata in zip(self._params, self._cdatas, now):
+            if cdata != was:
+                hooks = p._post_accumulate_grad_hooks
+                if hooks is not None:
+                    p._post_accumulate_grad_hooks = hooks  # (setting it attaches the dict to the current tensor)
+                swapped.append(p)
+        self._cdatas = now
+        return swapped
 
     def add(self, handle) -> None:
         """Own a handle registered elsewhere (a module or tensor hook built with ``relay``)."""
@@ -130,6 +158,7 @@ class HookSet:
 
     def remove(self) -> None:
         HookSet._remove_all(self._handles)
+        self._cdatas, self._params = [], []
 
     @staticmethod
     def _remove_all(handles: list) -> None:

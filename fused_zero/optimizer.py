@@ -499,6 +499,27 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.apply_clip(coef, during_backward)
         return clip, coef
 
+    def _take_swapped(self) -> None:
+        """Parameters whose tensor user code swapped for another (``HookSet.rehook_swapped``) are hooked again; at
+        stages 2-3 what their gradient got unseen since is reduced now, as a frozen parameter's that trains again.
+        Their values are taken in as any assigned tensor's (``before_update``)."""
+        swapped = self._hooks.rehook_swapped()
+        unseen = [p for p in swapped if p.grad is not None] if self.grad_sync.frees_grads else []
+        if not unseen:
+            return
+        if self.topology.world_size == 1:
+            self._reduce_unseen(unseen)
+            return
+        # among ranks, reducing them now would launch collectives the ranks that swapped nothing do not make:
+        # this step is refused (on every rank, through the step's checksum), nothing changed
+        for p in unseen:
+            p.grad = None
+        self.grad_sync.refused = self.grad_sync.refused or RuntimeError(
+            f"{len(unseen)} parameters were swapped for other tensors (torch.utils.swap_tensors: load_state_dict "
+            "under torch.__future__.set_swap_module_params_on_conversion(True)) after zero_grad(), so the backward "
+            "since reached them without the optimizer's gradient hooks and their gradients were not reduced: this "
+            "step is skipped on every rank. They are hooked again from now on; load (or swap) before zero_grad()")
+
     def _take_unfrozen(self) -> None:
         """Parameters laid out while frozen (a rebuild by add_param_group after peft's set_adapter froze them) that
         require a gradient again: hooked from now on, and what they got in the last backward reduced now."""
@@ -509,12 +530,16 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if self.grad_sync.frees_grads:  # (stage 1 hooks one parameter per bucket only to see a backward)
             for p in now:
                 self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
-            scaler = unscaling_scaler(self, self._scaler_ref)
-            if scaler is not None:  # its unscale_ divided their kept .grad in place; the shards it never saw are
-                kept = [p.grad for p in now if p.grad is not None]  # still scaled, and step() unscales them all
-                if kept:
-                    torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
-        self.grad_sync.reduce_unhooked(now)
+            self._reduce_unseen(now)
+
+    def _reduce_unseen(self, params: list) -> None:
+        """Stages 2-3: the .grad of ``params`` that no hook saw, reduced now as late gradients of this round."""
+        scaler = unscaling_scaler(self, self._scaler_ref)
+        if scaler is not None:  # its unscale_ divided their kept .grad in place; the shards it never saw are
+            kept = [p.grad for p in params if p.grad is not None]  # still scaled, and step() unscales them all
+            if kept:
+                torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
+        self.grad_sync.reduce_unhooked(params)
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -599,6 +624,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._recover_if_dropped()
+        if self._hooks is not None:
+            self._hooks.rehook_swapped()  # (a state dict loaded with swap_tensors: hooked again before backward)
         if not set_to_none:  # zeroes the gradient shards the update behind step() may still read
             self._settle_update()
         self.grad_sync.zero_grad(set_to_none)
@@ -639,6 +666,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "norm of the whole step's averaged gradients, which exist only after the last micro-batch's "
                 "backward. Clip once, after that backward and before step() (with Accelerate: under `if "
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
+        self._take_swapped()
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
@@ -716,6 +744,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if bad_hyper is not None:
             hypers = REFUSED
         # 1. reduce, and take in what user code did to the parameters since the last step
+        self._take_swapped()
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()

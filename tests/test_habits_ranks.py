@@ -9,6 +9,7 @@ gives DDP's result or raises the same clear error on every rank, before anything
 - module buffers taken from rank 0 when the optimizer is given the module, as DDP does;
 - a second stage-3 optimizer over the same model, and the gather group's timeout.
 """
+import contextlib
 import copy
 import datetime
 import warnings
@@ -1185,3 +1186,52 @@ def _two_optimizers_one_backward(rank, world_size, stage):
 def test_two_optimizers_sharing_one_backward_train_as_ddp(stage):
     for own, *errors in run_ranks(_two_optimizers_one_backward, 2, stage, timeout=TIMEOUT):
         assert own and max(errors) < 1e-5, (own, errors)
+
+
+def _swap_load(rank, world_size, stage, case):
+    """A state dict loaded with torch.__future__.set_swap_module_params_on_conversion(True) (each parameter's
+    tensor swapped for a new one): on every rank, before zero_grad() or between zero_grad() and backward (the
+    gradients then reach no hook of the optimizer)."""
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    new = {k: v * 0.5 for k, v in TinyNet(seed=7).state_dict().items()}
+    out = {}
+    for t in range(4):
+        if t == 2 and case == "every_rank_before_zero_grad":
+            _load_swapping(model, opt, new, stage)
+        opt.zero_grad()
+        if t == 2 and case == "every_rank_after_zero_grad":
+            _load_swapping(model, opt, new, stage)
+        x, y = batch(t, rank)
+        loss_fn(model(x, **flags(t, rank)), y).backward()
+        out[t] = _caught(opt.step)
+    with opt.full_parameters():
+        out["after"] = [q.detach().clone() for q in model.parameters()]
+    return out
+
+
+def _load_swapping(model, opt, state, stage):
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with opt.full_parameters(writeback=True) if stage == 3 else contextlib.nullcontext():
+            model.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("case", ["every_rank_before_zero_grad", "every_rank_after_zero_grad"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_state_dict_loaded_by_swapping_tensors_trains_or_is_refused_on_every_rank(stage, case):
+    """Loaded on every rank before zero_grad(), training goes on with the loaded values and the ranks agree. Loaded
+    after zero_grad(), the backward's gradients reached no hook: that step is refused on every rank, naming the
+    swap, nothing changed and nothing hangs, and the next steps train (hooked again)."""
+    results = run_ranks(_swap_load, 2, stage, case, timeout=TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["after"], results[1]["after"]))
+    if case == "every_rank_before_zero_grad":
+        assert all(r[t] is None for r in results for t in range(4)), results
+        return
+    for r in results:
+        assert r[2] is not None and "swapped for other tensors" in r[2][1], r[2]
+        assert r[0] is None and r[1] is None and r[3] is None, r

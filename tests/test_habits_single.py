@@ -164,6 +164,46 @@ def test_parameters_given_each_others_tensors_through_data_keep_what_they_were_g
     assert _param_error(model, opt, ref) < TOL
 
 
+@contextlib.contextmanager
+def _swapping():
+    """torch.__future__'s swap_module_params_on_conversion: load_state_dict swaps each parameter's tensor for a new
+    one (torch.utils.swap_tensors), hooks registered on the old one staying with it."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("order", ["load_then_zero_grad", "zero_grad_then_load"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_state_dict_loaded_by_swapping_tensors_trains_as_torch(stage, order):
+    """The parameters keep their objects, with new tensors inside: the optimizer's gradient hooks (and the user's)
+    are attached to the new ones at the next zero_grad() or step(); a gradient a backward gave before that is
+    reduced at the step (one rank; among ranks that step is refused, test_habits_ranks)."""
+    model = TinyNet()
+    opt = _build(model, stage)
+    ref, ref_opt = _reference(TinyNet().state_dict())
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    new = {k: v * 0.5 for k, v in TinyNet(seed=7).state_dict().items()}
+    for m, o in ((model, opt), (ref, ref_opt)):
+        x, y = batch(2, 0)
+        if order == "zero_grad_then_load":
+            o.zero_grad()
+        with _swapping(), opt.full_parameters(writeback=True) if stage == 3 and m is model \
+                else contextlib.nullcontext():
+            m.load_state_dict(new)
+        if order == "load_then_zero_grad":
+            o.zero_grad()
+        loss_fn(m(x, **flags(2, 0)), y).backward()
+        o.step()
+    _train(model, opt, 2, start=3)
+    _train(ref, ref_opt, 2, start=3)
+    assert _param_error(model, opt, ref) < TOL
+
+
 @pytest.mark.parametrize("call", ["half", "double"])
 def test_model_cast_after_build_raises_naming_the_call(call):
     model = PlainNet()
