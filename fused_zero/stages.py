@@ -210,10 +210,9 @@ class Stage1:
         """Take in what user code did to the parameters since the last step (load_state_dict, .to(), ...); raises
         the first change that cannot be taken in after taking in every other (the step is then refused)."""
         refused = None
-        unalias(partitions)
-        for part in partitions:
+        for part, changed in zip(partitions, unalias(partitions)):
             try:
-                part.adopt_outside_changes(self.names)
+                part.adopt_outside_changes(self.names, changed)
             except RuntimeError as error:
                 refused = refused or error
         if refused is not None:

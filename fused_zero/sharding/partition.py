@@ -42,12 +42,11 @@ class Placeholders:
         return self._made[key]
 
 
-def unalias(partitions) -> None:
+def unalias(partitions) -> list[list[int]]:
     """``Partition.unalias`` on each of ``partitions`` against all their flat buffers: before any of them takes in
-    what user code assigned to its parameters."""
+    what user code assigned to its parameters. Each one's changed parameters (for ``adopt_outside_changes``)."""
     flats = {key for key in (part.storage_key() for part in partitions) if key}
-    for part in partitions:
-        part.unalias(flats)
+    return [part.unalias(flats) for part in partitions]
 
 
 class PartitionIndex(NamedTuple):
@@ -169,11 +168,13 @@ class Partition:
         storages of every partition taking changes in: ``a.data, b.data = b.data, a.data``, ``b.data = a.data``)
         get a copy of the values they were given. Taking the changes in copies each parameter into its own slot,
         one after another: without it a later one would read what an earlier copy wrote. Call on every
-        partition before any takes its changes in."""
-        for i in self._changed():
+        partition before any takes its changes in. Returns the changed parameters (``_changed``)."""
+        changed = self._changed()
+        for i in changed:
             p = self.params[i]
             if p.numel() and p.untyped_storage().data_ptr() in flats:
                 p.data = p.data.clone()
+        return changed
 
     def storage_key(self) -> int:
         """The address of the flat buffer's memory (0 while released), for ``unalias``."""
@@ -186,7 +187,7 @@ class Partition:
         return [i for i, p in enumerate(self.params) if p.data_ptr() != ptrs[i] or p._version != versions[i]]
 
     @torch.no_grad()
-    def adopt_outside_changes(self, names: dict) -> None:
+    def adopt_outside_changes(self, names: dict, changed: list[int] | None = None) -> None:
         """Take in what user code did to the (bound) parameters since the optimizer last wrote them.
 
         A parameter that no longer views the flat buffer (``model.to()`` that copied,
@@ -194,9 +195,10 @@ class Partition:
         again; one written in place (``model.load_state_dict``, ``p.copy_``) keeps its
         new values. Either way its master is reloaded, as torch.optim would step from
         the values the parameter holds. A parameter whose shape, dtype or device
-        changed cannot live in this buffer: a RuntimeError names the call.
+        changed cannot live in this buffer: a RuntimeError names the call. ``changed``: ``_changed()``, when
+        the caller just found it (``unalias``).
         """
-        changed = self._changed()
+        changed = self._changed() if changed is None else changed
         refused, unfit = None, []
         for i in changed:  # all checked before any is taken in: one that cannot be is left as it is
             try:
