@@ -327,6 +327,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
+        self.grad_sync.on_unseen = Relay(self._take_swapped)  # (stages 2-3: a .grad no hook saw, before refusing it)
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
                                      self.topology.replicate_again() if self.config.grad_comm else None)
@@ -499,12 +500,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.apply_clip(coef, during_backward)
         return clip, coef
 
-    def _take_swapped(self) -> None:
-        """Parameters whose tensor user code swapped for another (``HookSet.rehook_swapped``) are hooked again; at
-        stages 2-3 what their gradient got unseen since is reduced now, as a frozen parameter's that trains again.
-        Their values are taken in as any assigned tensor's (``before_update``)."""
-        swapped = self._hooks.rehook_swapped()
-        unseen = [p for p in swapped if p.grad is not None] if self.grad_sync.frees_grads else []
+    def _take_swapped(self, stale: list) -> None:
+        """Stages 2-3, at the step or clip, ``stale`` holding a .grad no hook saw: those whose tensor user code
+        swapped for another (``HookSet.rehook_swapped``) are hooked again and what their gradient got unseen is
+        reduced now, as a frozen parameter's that trains again (among ranks: refused). Their values are taken in
+        as any assigned tensor's (``before_update``); the others are refused as set by hand."""
+        swapped = {id(p) for p in self._hooks.rehook_swapped()}
+        unseen = [p for p in stale if id(p) in swapped]
         if not unseen:
             return
         if self.topology.world_size == 1:
@@ -666,7 +668,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "norm of the whole step's averaged gradients, which exist only after the last micro-batch's "
                 "backward. Clip once, after that backward and before step() (with Accelerate: under `if "
                 "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
-        self._take_swapped()
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()
@@ -744,7 +745,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if bad_hyper is not None:
             hypers = REFUSED
         # 1. reduce, and take in what user code did to the parameters since the last step
-        self._take_swapped()
         if self._unhooked:
             self._take_unfrozen()
         hand_set = self._reduce_grads()

@@ -107,6 +107,9 @@ class GradSync:
 
     def __init__(self, partitions: list[Partition], positions: list[list[int]], comm: Comm, overlap: bool) -> None:
         self.names: dict = {}  # parameter -> its name, for messages (the optimizer sets it)
+        # stages 2-3: called with the parameters holding a .grad no hook saw, before they are refused as set by
+        # hand (the optimizer's: those whose tensor was swapped, their hooks lost, are taken in or refused)
+        self.on_unseen = None
         self.partitions = partitions
         self.comm = comm
         self.overlap = overlap
@@ -527,6 +530,9 @@ class ReduceInBackward(GradSync):
 
     def prepare_step(self) -> Exception | None:
         stale = self.unreduced_grads()
+        if stale and self.on_unseen is not None:
+            self.on_unseen(stale)
+            stale = self.unreduced_grads()
         if stale and self._accumulated:
             raise RuntimeError(
                 f"{len(stale)} parameters hold gradients that were never reduced (accumulated under "
