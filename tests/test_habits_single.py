@@ -164,6 +164,29 @@ def test_parameters_given_each_others_tensors_through_data_keep_what_they_were_g
     assert _param_error(model, opt, ref) < TOL
 
 
+def test_parameters_written_in_place_are_not_copied_before_they_are_taken_in():
+    """Only a parameter pointed at memory outside its own slot is copied first (unalias); one written in place
+    (load_state_dict's copy_, p.mul_) still views its slot and is taken in as it is (a copy of each would hold a
+    second model in memory at the step)."""
+    from fused_zero.sharding.partition import unalias
+    model = TinyNet()
+    opt = _build(model, 2)
+    _train(model, opt, 1)
+    part = opt.partitions[0]
+    ptrs = [p.data_ptr() for p in part.params]
+    with torch.no_grad():
+        for p in part.params:
+            p.mul_(0.5)
+    a, b = model.proj.weight, model.branch.weight
+    a.data, b.data = b.data, a.data
+    changed = unalias([part])[0]
+    moved = {i for i, p in enumerate(part.params) if p.data_ptr() != ptrs[i]}
+    swapped = {i for i, p in enumerate(part.params) if p is a or p is b}
+    assert set(changed) == set(range(len(part.params))) - {i for i, p in enumerate(part.params) if not p.numel()}
+    assert moved == swapped  # copied: the two given each other's slots, and nothing written in place
+    opt.close()
+
+
 @contextlib.contextmanager
 def _swapping():
     """torch.__future__'s swap_module_params_on_conversion: load_state_dict swaps each parameter's tensor for a new

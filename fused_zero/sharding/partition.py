@@ -163,16 +163,18 @@ class Partition:
             self._check_compatible(self.params[i], self.shapes[i], names)
 
     @torch.no_grad()
-    def unalias(self, flats: set[int]) -> None:
+    def unalias(self, flats: set[int]) -> list[int]:
         """Parameters user code pointed at memory of a flat buffer other than their own slot (``flats``: the
         storages of every partition taking changes in: ``a.data, b.data = b.data, a.data``, ``b.data = a.data``)
         get a copy of the values they were given. Taking the changes in copies each parameter into its own slot,
         one after another: without it a later one would read what an earlier copy wrote. Call on every
         partition before any takes its changes in. Returns the changed parameters (``_changed``)."""
         changed = self._changed()
+        base, size = self.flat.data_ptr(), self.flat.element_size()
         for i in changed:
             p = self.params[i]
-            if p.numel() and p.untyped_storage().data_ptr() in flats:
+            if p.numel() and p.untyped_storage().data_ptr() in flats and \
+                    p.data_ptr() != base + self.layout.slots[i].offset * size:  # (written in place: left alone)
                 p.data = p.data.clone()
         return changed
 
