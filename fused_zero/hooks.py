@@ -152,6 +152,15 @@ class HookSet:
         self._cdatas = now
         return swapped
 
+    def reattach(self, params) -> None:
+        """Attach each of ``params``' hook dicts to the tensor it holds now, whatever ``rehook_swapped`` saw: two
+        swaps between its checks can give a parameter a tensor at the address its first one had (freed between),
+        and the comparison misses it. Idempotent (setting the dict replaces, never adds, the tensor's hook)."""
+        for p in params:
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None:
+                p._post_accumulate_grad_hooks = hooks
+
     def add(self, handle) -> None:
         """Own a handle registered elsewhere (a module or tensor hook built with ``relay``)."""
         self._handles.append(handle)

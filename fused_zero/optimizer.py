@@ -507,6 +507,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         as any assigned tensor's (``before_update``); the others are refused as set by hand."""
         swapped = {id(p) for p in self._hooks.rehook_swapped()}
         unseen = [p for p in stale if id(p) in swapped]
+        # the others are refused as set by hand; their hooks are attached again all the same, so that a swap the
+        # comparison missed (two between checks, an address reused) costs this one step, not every step after
+        self._hooks.reattach([p for p in stale if id(p) not in swapped])
         if not unseen:
             return
         if self.topology.world_size == 1:

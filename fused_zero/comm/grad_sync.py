@@ -547,8 +547,10 @@ class ReduceInBackward(GradSync):
         if stale:  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
             return HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
-                "(assigned by hand?): stages 2 and 3 reduce gradients during backward and free .grad; "
-                "compute gradients with backward(), or use stage=1, which reduces .grad at step()")
+                "(assigned by hand? or their tensors swapped twice by torch.utils.swap_tensors since zero_grad(), "
+                "which hides the swap: they are hooked again for the next step): stages 2 and 3 reduce gradients "
+                "during backward and free .grad; compute gradients with backward(), or use stage=1, which reduces "
+                ".grad at step()")
         return None
 
 
