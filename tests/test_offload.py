@@ -396,9 +396,11 @@ def test_a_full_disk_on_one_rank_undoes_the_step_on_every_rank(stage, tmp_path):
 
 
 def test_files_of_a_process_killed_by_a_signal_are_removed_by_the_next_optimizer(tmp_path):
-    """SIGTERM (torchrun's, to the other ranks when one fails) runs no exit handler: the files stay until the
-    next scratch file made in that folder on this host, which removes those of processes that are gone. A live
-    process's files and another host's are kept."""
+    """SIGTERM (torchrun's, to the other ranks when one fails) runs no exit handler: the file stays until a process
+    first makes scratch files in that folder, which removes those nobody holds (each is flock'ed by its process,
+    and the kernel drops the lock when the process ends). A file a live process holds is kept (whatever its name
+    says of host and process id), and so is a file whose name merely looks like one."""
+    import fcntl
     import signal
     import subprocess
     import sys
@@ -414,12 +416,17 @@ def test_files_of_a_process_killed_by_a_signal_are_removed_by_the_next_optimizer
     left = os.listdir(tmp_path)
     assert len(left) == 1 and left[0].startswith(scratch._PREFIX) and left[0].endswith(".states")
     dead = left[0][len(scratch._PREFIX):].split("-")[0]  # the killed process's id
-    live = f"{scratch._PREFIX}{os.getppid()}-0.states"  # a process that is alive
-    elsewhere = f"fused_zero-{scratch._HOST}x-{dead}-0.states"  # another host's, of the same (there dead) id
-    for name in (live, elsewhere):
+    held = f"fused_zero-elsewhere-{dead}-{'0' * 32}.states"  # held by a live process (here: this one)
+    alike = f"{scratch._PREFIX}{dead}-notes.txt"  # a user's file, named like one
+    for name in (held, alike):
         open(tmp_path / name, "wb").close()
-    opt = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])
-    now = set(os.listdir(tmp_path))
-    assert left[0] not in now and {live, elsewhere} <= now
-    opt.close()
-    assert set(os.listdir(tmp_path)) == {live, elsewhere}
+    fd = os.open(tmp_path / held, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        opt = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])
+        now = set(os.listdir(tmp_path))
+        assert left[0] not in now and {held, alike} <= now
+        opt.close()
+        assert set(os.listdir(tmp_path)) == {held, alike}
+    finally:
+        os.close(fd)

@@ -4,49 +4,66 @@ Named by host, process id and a random id under the user's ``nvme_path`` and cre
 mode 0600, so two optimizers (or two ranks sharing a folder) never share one and no other user reads
 it. It is removed on ``close()``, when its owner is collected, and at exit (``weakref.finalize``),
 its descriptors closed first. A process killed by a signal (SIGTERM, which torchrun and mp.spawn send
-the other ranks when one fails; SIGKILL; the OOM killer) removes nothing: the next scratch file made
-in that folder on the same host first removes the files of this host's processes that are gone
-(``sweep``; a process id alive again, reused, keeps its files). ``transfer`` moves bytes at an offset
+the other ranks when one fails; SIGKILL; the OOM killer) removes nothing; but each file is locked
+(``flock``) by its process from before it bears its name, and the kernel drops the lock when the
+process ends, however it ends. So the first scratch file a process makes in a folder first removes the
+scratch files there that nobody holds (``sweep``): a live process's are locked, whatever host or PID
+namespace it runs in (where the file system shares locks: local disks, NFS); other users' cannot be
+opened; where the file system takes no locks, nothing is removed. ``transfer`` moves bytes at an offset
 and turns a failed or short transfer into an OSError naming the file and the fix.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import socket
 import uuid
 import weakref
 
-#: this host in scratch file names ("-" taken out: the name's fields are split at "-")
+#: this host in scratch file names (for people reading the folder; liveness is the lock's)
 _HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
 _PREFIX = f"fused_zero-{_HOST}-"
+#: what a scratch file's name is, exactly (host, process id, 32 hex digits, its kind)
+_NAME = re.compile(r"fused_zero-[A-Za-z0-9._]+-\d+-[0-9a-f]{32}\.(?:states|params)")
+_swept: set[str] = set()  # the folders this process swept
 
 
-def _alive(pid: int) -> bool:
+def _lock(fd: int) -> bool:
+    """An exclusive lock on ``fd``'s file, or False where it is held (or the file system takes no locks)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         return False
-    except OSError:  # (EPERM: another user's process)
-        return True
     return True
 
 
 def sweep(folder: str) -> list[str]:
-    """Remove the scratch files in ``folder`` left by processes of this host that are gone; their names."""
+    """Remove the scratch files in ``folder`` that no process holds (their process ended without removing them:
+    killed by a signal); once per folder and process. Returns their names."""
+    key = os.path.realpath(folder)
+    if key in _swept:
+        return []
+    _swept.add(key)
     try:
-        names = os.listdir(folder)
+        names = [n for n in os.listdir(folder) if _NAME.fullmatch(n)]
     except OSError:
         return []
     removed = []
     for name in names:
-        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # (another user's: not ours to open, kept)
+        except OSError:
             continue
         try:
-            os.remove(os.path.join(folder, name))
-            removed.append(name)
+            if _lock(fd):  # nobody holds it
+                os.remove(path)
+                removed.append(name)
         except OSError:
             pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -64,9 +81,18 @@ class ScratchFile:
 
     def __init__(self, folder: str, suffix: str, *, what: str, label: str, hint: str) -> None:
         sweep(folder)
-        self.path = os.path.join(folder, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.{suffix}")
+        name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.{suffix}"
+        self.path = os.path.join(folder, name)
         self.what, self.label, self.hint = what, label, hint
-        self._fds = [os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
+        # made under a name no sweep takes, locked, then given its own: never seen unlocked while its process lives
+        hidden = os.path.join(folder, f".{name}.new")
+        self._fds = [os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)]
+        try:
+            _lock(self._fds[0])
+            os.rename(hidden, self.path)
+        except OSError:
+            _remove(hidden, self._fds)
+            raise
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
 
     def open_direct(self) -> None:
