@@ -131,7 +131,7 @@ class StateAccess:
         if self.closed and self.state_tier is Tier.NVME:
             raise RuntimeError('this ShardedOptimizer was closed, and close() removed the NVMe files its states '
                                '(offload_optimizer="nvme") lived in: save optimizer.state_dict() or a '
-                               'fused_zero.checkpoint before close()')
+                               'fused_zero.checkpoint before close(), and load into an open optimizer')
 
     @torch.no_grad()
     def load_shards(self, staged) -> None:

@@ -265,6 +265,7 @@ def test_states_after_close_are_read_where_kept_and_refused_where_removed(tier, 
     opt = _build(model, 2, str(tmp_path), **TIERS[tier])
     _step(model, opt, 0, 0)
     before = opt.state_dict()
+    ckpt.save(str(tmp_path / "saved"), model, opt)
     opt.close()
     if TIERS[tier]["offload_optimizer"] == "nvme":
         with pytest.raises(RuntimeError, match=r"closed, and close\(\) removed the NVMe files.*before close\(\)"):
@@ -272,6 +273,8 @@ def test_states_after_close_are_read_where_kept_and_refused_where_removed(tier, 
         with pytest.raises(RuntimeError, match="removed the NVMe files"):
             ckpt.save(str(tmp_path / "ck"), model, opt)
         assert not (tmp_path / "ck").exists()  # refused before anything is written
+        with pytest.raises(RuntimeError, match="removed the NVMe files"):
+            ckpt.load(str(tmp_path / "saved"), model, opt)
     else:
         after = opt.state_dict()
         assert all(torch.equal(a, b) for k in before["state"] for a, b in

@@ -191,6 +191,7 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
     comm = comm_of(optimizer)
 
     def prepare():
+        optimizer.check_states_kept()  # (closed with its states in NVMe files: nowhere to load them)
         view = ModelView(model, optimizer)
         _check_scheduler(scheduler, optimizer)
         path = files.resolve(_folder(directory, "load"), tag)
