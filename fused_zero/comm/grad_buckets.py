@@ -240,9 +240,11 @@ class BucketPipe:
         (nothing to reduce), the shard beside the gradients: the states not offloaded, or offloaded on a CPU-only
         run (the host shard is where the gradients are; not with ``copy_down``, the GPU's way). ``plan/memory.py``
         then counts no pool buffer (it plans the GPU's way: with offload, a pool buffer on the device)."""
-        return (self.comm.world_size == 1 and self.replicate is None and self.codec is None and part.grad_shard
-                is not None and (part.grad_tier is Tier.DEVICE or (not self.copy_down
-                                                                   and part.grad_shard.device == part.flat.device)))
+        if self.comm.world_size != 1 or self.replicate is not None or self.codec is not None:
+            return False
+        if part.grad_tier is Tier.DEVICE:
+            return True
+        return not self.copy_down and part.grad_shard is not None and part.grad_shard.device == part.flat.device
 
     def span(self, replicate: Comm | None, world_size: int) -> None:
         """HSDP: also all-reduce each reduced shard over ``replicate``; average over ``world_size`` ranks."""

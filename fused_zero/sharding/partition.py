@@ -45,7 +45,7 @@ class Placeholders:
 def unalias(partitions) -> list[list[int]]:
     """``Partition.unalias`` on each of ``partitions`` against all their flat buffers: before any of them takes in
     what user code assigned to its parameters. Each one's changed parameters (for ``adopt_outside_changes``)."""
-    flats = {key for key in (part.storage_key() for part in partitions) if key}
+    flats = {key for key in (part.flat.untyped_storage().data_ptr() for part in partitions) if key}  # (0: released)
     return [part.unalias(flats) for part in partitions]
 
 
@@ -177,10 +177,6 @@ class Partition:
                     p.data_ptr() != base + self.layout.slots[i].offset * size:  # (written in place: left alone)
                 p.data = p.data.clone()
         return changed
-
-    def storage_key(self) -> int:
-        """The address of the flat buffer's memory (0 while released), for ``unalias``."""
-        return self.flat.untyped_storage().data_ptr()
 
     def _changed(self) -> list[int]:
         """The parameters user code moved or wrote in place since ``mark_synced`` (two reads a parameter: the
