@@ -305,6 +305,69 @@ def test_stage3_trains_a_model_of_nested_modulelists():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+class _Middle(nn.Module):
+    """peft's LoraModel: holds the model, no parameters of its own; its forward is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Inner()
+
+
+class _Wrapped(nn.Module):
+    """peft's PeftModel (no task type): its forward calls the model inside directly (get_base_model()), past the
+    wrapper between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.base_model = _Middle()
+
+    def forward(self, x):
+        return self.base_model.model(x)
+
+
+def test_default_looks_through_wrappers():
+    model = _Wrapped()
+    inner = model.base_model.model
+    same(default_units(model), [inner.a, inner.b])
+    own = _Wrapped()
+    own.scale = nn.Parameter(torch.ones(()))  # parameters of its own: not a wrapper, its children are the units
+    same(default_units(own), [own.base_model])
+    two = nn.Sequential()
+    two.add_module("w", _Middle())
+    two.add_module("head", nn.Linear(3, 3))
+    same(default_units(two), [two.w, two.head])  # two children holding parameters: not a wrapper
+
+
+@pytest.mark.parametrize("min_unit_numel", [0, None])
+def test_stage3_trains_a_wrapped_model_whose_forward_skips_the_wrapper(min_unit_numel):
+    """The wrapper was the one unit (min_unit_numel 0: the forward then raised that its unit never ran)."""
+    from fused_zero import ShardedOptimizer
+    torch.manual_seed(0)
+    model, ref = _Wrapped(), _Wrapped()
+    ref.load_state_dict(model.state_dict())
+    kw = {} if min_unit_numel is None else {"min_unit_numel": min_unit_numel}
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    with opt.full_parameters():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- merging small units
 def test_merge_small_runs():
     assert merge_small([], 10) == []

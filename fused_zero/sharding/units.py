@@ -9,7 +9,10 @@ By default the units are the elements of every ``nn.ModuleList`` in the model
 that hold parameters (transformer blocks), outermost first; a model without a
 ModuleList gets one unit per direct child that holds parameters (the layers of a
 child that is an ``nn.Sequential``, whose own forward a loop over its layers
-skips). ``units=``
+skips). A wrapper around the model (a root without parameters of its own whose
+parameters all sit in one child, as peft's ``PeftModel`` > ``LoraModel`` > model,
+whose forward calls the model inside and skips the ``LoraModel``'s) is looked
+through: the model inside gets the units it would get unwrapped. ``units=``
 overrides that with module classes (every instance below the root becomes a
 unit) or with the module objects themselves.
 
@@ -82,11 +85,22 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     if not found:
-        for child in model.children():
+        for child in _unwrapped(model).children():
             for c in _layers(child):
                 if _has_params(c):
                     found.setdefault(id(c), c)
     return list(found.values())
+
+
+def _unwrapped(m: nn.Module) -> nn.Module:
+    """``m``, or where it only wraps (no parameters of its own, all of them in one child), what it wraps, in turn:
+    a wrapper's forward may call the module inside directly, and a unit around it would never be gathered."""
+    while not any(p is not None for p in m._parameters.values()):
+        held = [c for c in m.children() if _has_params(c)]
+        if len(held) != 1 or isinstance(held[0], _CONTAINERS):
+            break
+        m = held[0]
+    return m
 
 
 def _layers(m: nn.Module):
