@@ -22,6 +22,7 @@ import math
 import torch
 
 from .host_read import to_host
+from .tiers.tier import Tier
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -69,11 +70,19 @@ class ParamState(dict):
     looks for replaced moments only then (one flag a partition, not three lookups a parameter a step). The
     optimizer's own writes go through ``dict``'s methods. Copies and pickles are plain dicts."""
 
-    __slots__ = ("edited",)
+    __slots__ = ("edited", "in_files")
 
-    def __init__(self, items, edited: list) -> None:
+    def __init__(self, items, edited: list, in_files: bool = False) -> None:
         super().__init__(items)
         self.edited = edited  # the partition's flag, [bool]
+        self.in_files = in_files  # the moments live in NVMe files: ``state[p]["exp_avg"]`` says so
+
+    def __missing__(self, key):
+        if self.in_files and key in MOMENT_KINDS:
+            raise KeyError(f"{key} (offload_optimizer='nvme' keeps the moments in files, not in memory: "
+                           "optimizer.state[p] holds 'step' only; read them from optimizer.state_dict(), which "
+                           "every rank calls, or from a fused_zero.checkpoint)")
+        raise KeyError(key)
 
     def __setitem__(self, key, value):
         self.edited[0] = True
@@ -106,7 +115,7 @@ def own_state(state: dict, part, p) -> ParamState:
     """``state[p]`` as a ``ParamState`` of ``part`` (a plain dict user code or a load put there is wrapped)."""
     s = state[p]
     if type(s) is not ParamState:
-        s = state[p] = ParamState(s, part.state_edited)
+        s = state[p] = ParamState(s, part.state_edited, getattr(part.store, "tier", None) is Tier.NVME)
     return s
 
 

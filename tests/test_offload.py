@@ -265,6 +265,15 @@ def test_states_after_close_are_read_where_kept_and_refused_where_removed(tier, 
     opt = _build(model, 2, str(tmp_path), **TIERS[tier])
     _step(model, opt, 0, 0)
     before = opt.state_dict()
+    p = next(model.parameters())
+    if TIERS[tier]["offload_optimizer"] == "nvme":  # the moments are in files: state[p] says where to read them
+        assert sorted(opt.state[p]) == ["step"] and opt.state[p].get("exp_avg") is None
+        with pytest.raises(KeyError, match=r"exp_avg \(offload_optimizer='nvme' keeps the moments in files.*optimizer.state_dict\(\)"):
+            opt.state[p]["exp_avg"]
+    else:
+        assert torch.equal(opt.state[p]["exp_avg"].reshape(-1), before["state"][0]["exp_avg"].reshape(-1))
+    with pytest.raises(KeyError, match="^'momentum_buffer'$"):
+        opt.state[p]["momentum_buffer"]
     ckpt.save(str(tmp_path / "saved"), model, opt)
     opt.close()
     if TIERS[tier]["offload_optimizer"] == "nvme":
