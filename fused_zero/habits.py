@@ -228,9 +228,11 @@ def torch_clip_in_loop() -> tuple[str, int] | None:
         if not any(part in frame.f_code.co_filename for part in _LIBRARY):
             if not _calls_torch_clip(frame):
                 return None
-            return ("torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing at ZeRO stages 2-3: "
-                    "after backward .grad is None (the averaged gradients live in the optimizer's shards), so it "
-                    "returns 0 and the step runs unclipped. Clip with optimizer.clip_grad_norm_(max_norm) (every "
-                    "rank calls it; it returns the global norm) or build with max_grad_norm=", 2 + up)
+            return ("torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing at ZeRO stages 2-3 "
+                    "where given this optimizer's parameters: after backward their .grad is None (the averaged "
+                    "gradients live in the optimizer's shards), so it returns 0 and the step runs unclipped. Clip "
+                    "with optimizer.clip_grad_norm_(max_norm) (every rank calls it; it returns the global norm) or "
+                    "build with max_grad_norm=. (This loop calls torch's clip; if it clips only another model's "
+                    "parameters, ignore this)", 2 + up)
         frame = frame.f_back
     return None

@@ -282,6 +282,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         first = next(q for g in self.param_groups for q in g["params"])
         check_param(p, self._names.get(p, f"of shape {tuple(p.shape)}"), first.device)
 
+    @torch.inference_mode(False)  # built under inference_mode (a setup helper): its buffers stay trainable
     def _build(self) -> None:
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
         if self.grad_sync is None:  # first build: a previous optimizer over these parameters steps aside
@@ -713,6 +714,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """
         if torch.compiler.is_compiling():  # torch.compile(opt.step), or a compiled training step: run eagerly
             return _eagerly(type(self).step, self, closure)
+        if torch.is_inference_mode_enabled():  # what a step allocates (its first: the step counts) must stay
+            with torch.inference_mode(False):  # usable by the steps outside inference_mode
+                return type(self).step(self, closure)
         self._check_open()
         if self._on_cuda:
             check_not_capturing()

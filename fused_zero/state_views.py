@@ -133,7 +133,7 @@ def reset_moments(part, index: int) -> None:
     again, as torch.optim.AdamW starts a parameter without state from zero moments)."""
     for kind in _moment_kinds(part):
         for pc in part.pieces_of(index):
-            part.store.write(kind, pc.shard_offset, torch.zeros(pc.numel))
+            part.store.write(kind, pc.shard_offset, torch.zeros(pc.numel, dtype=torch.float32))
 
 
 def take_in_moments(state: dict, part, index: int) -> None:
@@ -247,7 +247,7 @@ class StepCounts:
     """
 
     def __init__(self, n: int, device: torch.device) -> None:
-        self.flat = torch.zeros(n, device=device)
+        self.flat = torch.zeros(n, dtype=torch.float32, device=device)  # (whatever the default dtype)
         self.views = list(self.flat.unbind()) if n else []
         self.keys = [0] * n  # equal keys: equal counts
         self.started = [False] * n  # had a state once: its moments may hold values
@@ -311,7 +311,7 @@ class StepCounts:
         if len(active) == len(views):
             self.flat += by
         else:
-            self.flat.index_add_(0, self._index_of(active), torch.ones(len(active), device=self.flat.device) * by)
+            self.flat.index_add_(0, self._index_of(active), torch.ones(len(active), dtype=torch.float32, device=self.flat.device) * by)
         self._version = self.flat._version
         return active
 

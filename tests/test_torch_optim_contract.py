@@ -346,3 +346,74 @@ def test_state_is_in_param_groups_order_as_torchs(stage):
     sd["state"] = dict(reversed(list(sd["state"].items())))
     opt.load_state_dict(sd)
     assert list(opt.state) == params
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_a_default_dtype_leaves_the_fp32_state_alone(stage, default):
+    """torch.set_default_dtype(...) before the build: the step counts were made in it (bf16 counts stopped at 256,
+    a silently wrong bias correction from step 257 on) and state_dict()'s gather buffers too (it raised)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            for _ in range(258):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+        sd = opt.state_dict()
+    finally:
+        torch.set_default_dtype(before)
+    assert float(sd["state"][0]["step"]) == 258 and sd["state"][0]["exp_avg"].dtype == torch.float32
+    with opt.full_parameters():
+        assert _max_err(model, ref) < TOL
+
+
+def test_inference_mode_around_the_build_and_the_step_is_torchs_no_op():
+    """Built, stepped and evaluated under torch.inference_mode() as torch's AdamW may be: the first step made its
+    step counts there (inference tensors: it raised), a build made its flat buffers there (backward then raised)."""
+    model, ref = TinyNet(), TinyNet()
+    with torch.inference_mode():
+        opt = ShardedOptimizer(model.parameters(), stage=2, bucket_numel=1000)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False)
+    for t in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, t).backward()
+            with torch.inference_mode():
+                o.step()
+    assert _max_err(model, ref) < TOL
+
+
+def test_a_bf16_default_dtype_keeps_checkpoint_steps_and_moments(tmp_path):
+    from fused_zero import checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    fresh = copy.deepcopy(model)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        opt = ShardedOptimizer(model.parameters(), stage=2, lr=1e-3)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 6, dtype=torch.float32)).square().mean().backward()
+            opt.step()
+        for p in opt.state:
+            opt.state[p]["step"].fill_(300.0)  # a count bf16 cannot hold (its neighbours: 298, 300, 302)
+        opt.state[next(model.parameters())]["step"].fill_(301.0)
+        checkpoint.save(str(tmp_path / "ck"), model, opt)
+        loaded = ShardedOptimizer(fresh.parameters(), stage=2, lr=1e-3)
+        checkpoint.load(str(tmp_path / "ck"), fresh, loaded)
+        got, want = loaded.state_dict(), opt.state_dict()
+    finally:
+        torch.set_default_dtype(before)
+    assert [float(s["step"]) for s in got["state"].values()] == [301.0, 300.0, 300.0, 300.0]
+    for k, s in want["state"].items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert got["state"][k][kind].dtype == torch.float32 and torch.equal(got["state"][k][kind], s[kind])

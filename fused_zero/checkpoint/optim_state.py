@@ -59,14 +59,14 @@ def gather_state_dict(opt, comm, keep: bool = True) -> dict | None:
             targets = {}
             for j, p in enumerate(part.params):
                 if "step" in opt.state.get(p, {}) and (kind != "master" or _saves_master(p)):
-                    targets[j] = torch.zeros(numel_of(shapes[id(p)])) if keep else None
+                    targets[j] = torch.zeros(numel_of(shapes[id(p)]), dtype=torch.float32) if keep else None
                     if keep:
                         full.setdefault(number[id(p)], {})[kind] = targets[j]
             if not targets:
                 continue
             for s in range(0, n, GATHER_NUMEL):
                 e = min(n, s + GATHER_NUMEL)
-                out = torch.empty(comm.world_size * (e - s), device=device)
+                out = torch.empty(comm.world_size * (e - s), dtype=torch.float32, device=device)
                 comm.all_gather(out, opt.read_shard(k, kind, s, e, settle=keep).to(device))
                 if not keep:
                     continue
@@ -200,7 +200,7 @@ def load_state_dict(opt, sd) -> None:
         for p in part.params:
             opt.state.pop(p, None)
             if p in steps:
-                opt.state[p]["step"] = torch.tensor(steps[p])
+                opt.state[p]["step"] = torch.tensor(steps[p], dtype=torch.float32)
             if extras.get(p):  # what a state-dict hook added, as torch's load keeps it
                 opt.state[p].update(extras[p])
     # state under keys that are no parameter's index: replaced by the loaded ones, copied as they are (torch)

@@ -81,7 +81,7 @@ def reshard(view, meta: dict, read_chunk: Callable[[str, Chunk], dict],
     lacks, stay zero (check_match has refused saved kinds a partition lacks). A parameter frozen when
     saved (no state kinds) and trained now gets its master from its saved weights, ``weights(name)``.
     """
-    staged = [{kind: torch.zeros(part.shard_numel) for kind in part.kinds} for part in view.index]
+    staged = [{kind: torch.zeros(part.shard_numel, dtype=torch.float32) for kind in part.kinds} for part in view.index]
     wants: dict[str, list] = {}
     for k, part in enumerate(view.index):
         for piece in part.pieces:

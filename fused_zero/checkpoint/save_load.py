@@ -234,7 +234,7 @@ def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, sc
             opt.state.pop(p, None)
             step = steps.get(view.name(p))
             if step is not None:
-                opt.state[p]["step"] = torch.tensor(float(step))
+                opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
     for group, hyper in zip(opt.param_groups, hypers):
         group.update(hyper)
     for key, b in view.buffers.items():

@@ -107,7 +107,7 @@ class Reader:
     def full(self, name: str) -> dict[str, torch.Tensor]:
         """Every saved kind of parameter ``name``, full-shape."""
         rec = self.meta["params"][name]
-        out = {kind: torch.zeros(numel_of(rec["shape"])) for kind in rec["kinds"]}
+        out = {kind: torch.zeros(numel_of(rec["shape"]), dtype=torch.float32) for kind in rec["kinds"]}
         for row in rec["chunks"]:
             c = Chunk.parse(row)
             for kind, src in self.chunk(name, c).items():

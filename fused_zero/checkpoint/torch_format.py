@@ -44,7 +44,7 @@ def adamw_state_dict(meta: dict, moments: Mapping[str, Mapping[str, torch.Tensor
     for g in meta["param_groups"]:
         for n in g["params"]:
             index[n] = len(index)
-    state = {index[n]: {"step": torch.tensor(float(meta["params"][n]["step"])), **moments[n]}
+    state = {index[n]: {"step": torch.tensor(float(meta["params"][n]["step"]), dtype=torch.float32), **moments[n]}
              for n in index if meta["params"][n]["step"] is not None}
     groups = torch_param_groups([decode(g["hyper"]) for g in meta["param_groups"]],
                                 [[index[n] for n in g["params"]] for g in meta["param_groups"]],
@@ -158,7 +158,7 @@ def slice_into_shards(index, kinds: Callable[[object], tuple], source: Callable)
     staged = []
     for k, part in enumerate(index):
         written = kinds(part)
-        new = {kind: torch.zeros(part.shard_numel) if kind in written else None for kind in part.kinds}
+        new = {kind: torch.zeros(part.shard_numel, dtype=torch.float32) if kind in written else None for kind in part.kinds}
         for piece in part.pieces:
             p, at = part.params[piece.param_index], piece.shard_offset
             for kind in written:

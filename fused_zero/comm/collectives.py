@@ -203,7 +203,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
                              "make it with duplicate(backend=\"gloo\")")
         t = self.__dict__.get("_flag")
         if t is None:
-            t = self._flag = torch.zeros(1)
+            t = self._flag = torch.zeros(1, dtype=torch.float32)
         t.fill_(float(flag))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(to_host(t[0], site))

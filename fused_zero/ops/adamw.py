@@ -177,7 +177,7 @@ def _native(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, we
     if isinstance(step, torch.Tensor):
         step = step.to(device=param.device, dtype=torch.float32)
     else:
-        step = torch.tensor(float(step))
+        step = torch.tensor(float(step), dtype=torch.float32)
     fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
     fused([param], [grad], [exp_avg], [exp_avg_sq], [max_exp_avg_sq] if amsgrad else [], [step], lr=lr,
           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,

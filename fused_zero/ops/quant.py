@@ -131,7 +131,7 @@ def quantize_twin(x, q, scales, *, n, chunks, chunk_words, q_words, bits, block,
     q_t = torch.full_like(absmax, qmax)  # tensor / tensor: ``qmax / t`` would be reciprocal(t) * qmax in torch
     scale = torch.where(tiny, 0.0, torch.div(absmax, q_t))
     inv = torch.where(tiny, 0.0, torch.div(q_t, absmax.clamp(min=TINY)))
-    scale = torch.where(bad, torch.tensor(float("nan"), device=x.device), scale)
+    scale = torch.where(bad, torch.tensor(float("nan"), dtype=scale.dtype, device=x.device), scale)
     inv = torch.where(bad, 0.0, inv)
     y = torch.where(fin, xb * inv[..., None], 0.0)
     if seed is None:
