@@ -569,7 +569,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._end_backward()
 
     def _meet_eval(self) -> None:
-        """Stage 3, a forward without gradients (evaluation): every rank runs it, so they meet first."""
+        """Stage 3, an evaluation forward (without gradients, or in eval mode): every rank runs it, so they meet
+        first."""
         with self.collective_call(EVAL_FORWARD):
             pass
 

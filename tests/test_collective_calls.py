@@ -94,11 +94,20 @@ def _lone(opt, model, call, folder):
             with torch.no_grad():
                 model(batch(9, 0)[0])
         return evaluate
+    if call == "evaluate_with_grad":  # the same in eval mode, torch.no_grad() forgotten (a validation loss)
+        def evaluate_with_grad():
+            model.eval()
+            try:
+                model(batch(9, 0)[0]).float().square().mean().item()
+            finally:
+                model.train()
+        return evaluate_with_grad
     raise AssertionError(call)
 
 
 #: how each call names itself in the error
-_NAMES = {"evaluate": "a stage-3 forward without gradients"}
+_EVAL = "a stage-3 evaluation forward (without gradients, or in eval mode)"
+_NAMES = {"evaluate": _EVAL, "evaluate_with_grad": _EVAL}
 
 
 def _lone_call_raises(rank, world_size, stage, call, folder, alone):
@@ -121,7 +130,8 @@ def _lone_call_raises(rank, world_size, stage, call, folder, alone):
 
 
 @pytest.mark.parametrize("call,stage", [("load_state_dict", 2), ("checkpoint.save", 1), ("checkpoint.load", 2),
-                                        ("full_parameters", 3), ("load_state_dict", 3), ("evaluate", 3)])
+                                        ("full_parameters", 3), ("load_state_dict", 3), ("evaluate", 3),
+                                        ("evaluate_with_grad", 3)])
 def test_lone_call_raises_on_its_rank_and_training_goes_on(call, stage, tmp_path):
     got = run_ranks(_lone_call_raises, 2, stage, call, str(tmp_path / "a"), True, timeout=TIMEOUT)
     ref = run_ranks(_lone_call_raises, 2, stage, call, str(tmp_path / "b"), False, timeout=TIMEOUT)
@@ -135,6 +145,21 @@ def test_lone_call_raises_on_its_rank_and_training_goes_on(call, stage, tmp_path
         for k in ref[r][2]:
             assert torch.equal(got[r][2][k], ref[r][2][k]), (r, k)
 
+
+
+def _trained_in_mode(rank, world_size, eval_mode):
+    model, opt = _build(3)
+    model.train(not eval_mode)  # training in eval mode (dropout off): each step's first forward meets the others
+    _train(model, opt, rank, range(4))
+    return _flat(opt.state_dict())
+
+
+def test_stage3_training_in_eval_mode_on_every_rank_trains_as_in_train_mode():
+    got = run_ranks(_trained_in_mode, 2, True, timeout=TIMEOUT)
+    ref = run_ranks(_trained_in_mode, 2, False, timeout=TIMEOUT)
+    for r in range(2):
+        assert got[r].keys() == ref[r].keys()
+        assert all(torch.equal(got[r][k], ref[r][k]) for k in ref[r])
 
 def _mismatch(rank, world_size):
     model, opt = _build(2)

@@ -301,11 +301,13 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if self.check_model is not None:
                 self._kept_refusal(self.check_model)
             self._grad_forward = torch.is_grad_enabled()
-            if self._grad_forward:
+            if self._grad_forward and module.training:
                 self._eval_met = False
             elif not self._eval_met and not self._holding and self.meet_eval is not None:
+                # an evaluation: without gradients, or in eval mode (a validation loss with no_grad forgotten; its
+                # gathers would pair with a peer's next training forward and hang both in the backward after)
                 self.meet_eval()  # every rank runs it (before any gather): DDP's rank-0-only eval is refused
-                self._eval_met = True  # the forwards without gradients that follow, until the next training
+                self._eval_met = True  # the evaluation forwards that follow, until the next training
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
                 check, self._first_forward = self._first_forward, None
                 check()

@@ -42,8 +42,9 @@ import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
-#: the name a stage-3 forward without gradients meets the other ranks under (optimizer._meet_eval)
-EVAL_FORWARD = "a stage-3 forward without gradients"
+#: the name a stage-3 evaluation forward (without gradients, or in eval mode) meets the other ranks under
+#: (optimizer._meet_eval)
+EVAL_FORWARD = "a stage-3 evaluation forward (without gradients, or in eval mode)"
 
 #: Seconds a collective call waits for the other ranks before it warns that they have not called it.
 WARN_S = float(os.environ.get("FUSED_ZERO_COLLECTIVE_WARN_S", "30"))
