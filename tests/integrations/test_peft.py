@@ -236,3 +236,37 @@ def test_zero_trainer_lora_loads_the_best_adapter_at_the_end(stage, tmp_path):
     best, evaluated, final = run_ranks(_load_best, 1, stage, str(tmp_path / "out"), timeout=300)[0]
     assert best.endswith("checkpoint-2") and len(evaluated) == 2
     assert abs(final - evaluated[0]) < 1e-5 * abs(evaluated[0]), (final, evaluated)
+
+
+def test_stage3_lora_on_a_model_without_a_modulelist_trains_as_torch():
+    """peft's PeftModel (no task type) calls the model inside directly, past its LoraModel: the default units were
+    [LoraModel], never gathered (its first forward raised); they are now the model's own layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from fused_zero import ShardedOptimizer
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.act, self.o = torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.o(self.act(self.q(x)))
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["q"], init_lora_weights="gaussian")
+    model = get_peft_model(Net(), config)
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    inner = model.base_model.model
+    assert [u.modules for u in opt._stage.gatherer.units[1:]] == [(inner.q,), (inner.o,)]
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    with opt.full_parameters():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
