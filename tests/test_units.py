@@ -287,14 +287,13 @@ def test_string_units_are_rejected():
         resolve_units(GPT(CFG), "")
 
 
-def test_stage3_trains_a_model_of_nested_modulelists():
+def _stage3_trains_as_torch(make, x, **options):
+    """Three steps of ``make()`` at stage 3 (``options``) and of a copy under torch AdamW: the same parameters."""
     from fused_zero import ShardedOptimizer
-    model = _Stages()
-    ref = _Stages()
+    model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
-    opt = ShardedOptimizer(model, stage=3, lr=1e-2)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **options)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     for m, o in ((model, opt), (ref, ref_opt)):
         for _ in range(3):
             o.zero_grad()
@@ -303,6 +302,10 @@ def test_stage3_trains_a_model_of_nested_modulelists():
     with opt.full_parameters():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_stage3_trains_a_model_of_nested_modulelists():
+    _stage3_trains_as_torch(_Stages, torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
 
 
 class _Inner(nn.Module):
@@ -350,22 +353,8 @@ def test_default_looks_through_wrappers():
 @pytest.mark.parametrize("min_unit_numel", [0, None])
 def test_stage3_trains_a_wrapped_model_whose_forward_skips_the_wrapper(min_unit_numel):
     """The wrapper was the one unit (min_unit_numel 0: the forward then raised that its unit never ran)."""
-    from fused_zero import ShardedOptimizer
-    torch.manual_seed(0)
-    model, ref = _Wrapped(), _Wrapped()
-    ref.load_state_dict(model.state_dict())
     kw = {} if min_unit_numel is None else {"min_unit_numel": min_unit_numel}
-    opt = ShardedOptimizer(model, stage=3, lr=1e-2, **kw)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
-    for m, o in ((model, opt), (ref, ref_opt)):
-        for _ in range(3):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    with opt.full_parameters():
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _stage3_trains_as_torch(_Wrapped, torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), **kw)
 
 
 # ----------------------------------------------------------------------------- merging small units
