@@ -322,13 +322,20 @@ class Partition:
     def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
         """The master (and narrow param shard) of the parameters ``indices`` <- their given values; where a
         master ``load_state_dict`` kept aside rounds to them (the model's weights loaded after the optimizer's
-        state), that master."""
+        state), that master; else, for narrow parameters, where their master rounds to them already (the same
+        weights loaded again, as torch.distributed.checkpoint's loads do, or written back unchanged), the master
+        they have, as a writeback keeps it (``load_master_from_params``)."""
         wanted = set(indices)
         pending = self.pending_master
+        keep = self.dtype != torch.float32 and "master" in self.store.kinds
         for piece in self.pieces:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
                 v32 = v.to(device=self.device, dtype=torch.float32)
+                if keep and piece.numel:
+                    old = self.store.read("master", piece.shard_offset, piece.shard_offset + piece.numel)
+                    old = old.to(self.device)
+                    v32 = torch.where(old.to(v.dtype) == v.to(self.device), old, v32)
                 saved = None if pending is None else pending.pop((piece.param_index, piece.param_offset), None)
                 if saved is not None:
                     saved = saved.to(self.device)
