@@ -384,6 +384,7 @@ class Stage3(Stage2):
 
     def params_from_shards(self, partitions) -> None:
         self.gatherer.release_all()  # the next forward (or full_parameters()) gathers the loaded values
+        self.gatherer.regather_held()  # (inside full_parameters(): now)
 
     def start_behind(self, partitions, plan, updated) -> None:
         self.behind.start(partitions, plan, self.update_order(plan.jobs))
@@ -406,6 +407,7 @@ class Stage3(Stage2):
 
     def load_frozen(self, values: dict) -> None:
         load_frozen(self.frozen_parts, values, self.names, self.gatherer._placeholder)
+        self.gatherer.regather_held()  # inside full_parameters(): the block holds the loaded weights
 
     def codec_state(self) -> dict:
         sync = self.gatherer.sync

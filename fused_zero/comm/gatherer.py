@@ -509,6 +509,24 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._drop_copies()
         self.peak_bytes = self.live_bytes
 
+    def regather_held(self) -> None:
+        """Inside ``full_parameters()``, the shards changed (a load inside the block, every rank in it): every unit is
+        gathered again from them, so the block, and a writeback at its end, hold the loaded values (the writeback
+        took the block's pre-load copies back into the masters). What user code wrote inside before is dropped: the
+        shards are newer. Outside the block nothing is held: the next gather reads the new shards anyway."""
+        if not self._holding:
+            return
+        self._holding = False
+        try:
+            self.release_all()
+            order = [self.units[0]] + [self.units[i] for i in self.schedule]
+            for u in order:
+                self._issue_exact(u)
+            for u in order:
+                self._wait(u)
+        finally:
+            self._holding = True
+
     @contextmanager
     def full_parameters(self):
         if self.state is not TrainingState.IDLE:
