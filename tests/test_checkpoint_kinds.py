@@ -107,3 +107,31 @@ def test_state_dict_carries_the_kind():
     zero.load_state_dict(sd)  # group 1 was saved without it: zero-filled
     assert all(torch.equal(zero.extra[k], opt.extra[k]) if k in opt.extra else not t.any()
                for k, t in zero.extra.items())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_beyond_steps_and_moments_round_trips_as_state_dict_keeps_it(stage, tmp_path):
+    """optimizer.state under keys that are no parameter (torch keeps them in state_dict()) and keys of user code's own
+    in a parameter's state: checkpoint.save raised on a non-dict value ("argument of type 'int' is not iterable")
+    and dropped the rest, silently."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        return model, ShardedOptimizer(model if stage == 3 else model.parameters(), lr=1e-3, stage=stage)
+    model, opt = build()
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    first = next(model.parameters())
+    opt.state["epoch"] = 7
+    opt.state[3] = {"seen": torch.tensor([1.0, 2.0])}
+    opt.state[first]["ema_norm"] = torch.tensor(0.5)
+    ckpt.save(str(tmp_path), model, opt)
+    fresh, fresh_opt = build()
+    ckpt.load(str(tmp_path), fresh, fresh_opt)
+    assert fresh_opt.state["epoch"] == 7 and torch.equal(fresh_opt.state[3]["seen"], torch.tensor([1.0, 2.0]))
+    assert torch.equal(fresh_opt.state[next(fresh.parameters())]["ema_norm"], torch.tensor(0.5))
+    assert fresh_opt.state_dict()["state"]["epoch"] == 7
+    fresh_opt.zero_grad()
+    fresh(torch.randn(3, 4)).sum().backward()
+    fresh_opt.step()  # and training goes on

@@ -59,6 +59,7 @@ def build_metadata(view: ModelView, tag: str, written: list, files_of: dict) -> 
         "params": params, "state_dict_keys": view.keys, "model_tensors": model_tensors,
         "rank_files": [rank_file(r, ws) for r in range(ws)],
         "scheduler": files_of.get("scheduler"), "extra": files_of.get("extra"), "files": files,
+        "optim_extra": files_of.get("optim_extra"),  # optimizer.state beyond steps and moments (absent before)
         "codec_state": opt.codec_state(),  # qwZ's gathers' count (absent in older checkpoints: 0)
     }
     meta[CHECKSUM] = checksum(meta)
@@ -111,7 +112,9 @@ class _Schema:
         self.strs(rank_files, "rank_files")
         for fname in [*rank_files, MODEL_FILE]:
             self.need(fname in files, f"file {fname!r}", "is not listed in 'files'")
-        for key in ("scheduler", "extra"):
+        for key in ("scheduler", "extra", "optim_extra"):
+            if key == "optim_extra" and key not in meta:
+                continue  # (checkpoints written before it existed)
             blob = self.typed(meta, key, (str, type(None)), "metadata")
             self.need(blob is None or (blob in files and blob.endswith((".json", ".pt"))), f"metadata[{key!r}]",
                       f"names {blob!r}, which is not a listed .json or .pt file")

@@ -96,7 +96,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
         _check_scheduler(scheduler, optimizer)
-        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        steps = [int(s["step"]) for p, s in optimizer.state.items() if id(p) in view.where and "step" in s]
         name = check_tag(f"step{max(steps, default=0)}" if tag is None else tag)
         blobs = {}
         if comm.rank == 0:
@@ -104,6 +104,10 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
                 blobs["scheduler"] = to_blob(scheduler.state_dict(), "scheduler", "the scheduler's state_dict()")
             if extra is not None:
                 blobs["extra"] = to_blob(extra, "extra", "extra")
+            kept = state_extras(view)
+            if kept is not None:
+                blobs["optim_extra"] = to_blob(kept, "optim_extra", "optimizer.state's entries beyond its moments "
+                                               "and steps (under keys that are no parameter, or keys of its own)")
         return view, name, blobs, folder
 
     (view, name, blobs, directory), tags = agree(comm, prepare, share=lambda r: r[1])
@@ -215,18 +219,50 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
         tensors = {k: saved[alias.get(k, k)] for k in [*view.buffers, *view.unmanaged()]}
         steps = {n: meta["params"][alias[n]]["step"] for n in view.group_of}
         hypers = [decode(g["hyper"]) for g in meta["param_groups"]]
-        extras = {k: unblob(path, meta, meta[k]) for k in ("scheduler", "extra")}
+        extras = {k: unblob(path, meta, meta.get(k)) for k in ("scheduler", "extra", "optim_extra")}
         return staged, steps, hypers, tensors, extras
 
     (staged, steps, hypers, tensors, extras), _ = agree(comm, read)
-    commit(view, staged, steps, hypers, tensors, scheduler, extras["scheduler"])
+    commit(view, staged, steps, hypers, tensors, scheduler, extras["scheduler"], extras["optim_extra"])
     optimizer.load_codec_state(meta.get("codec_state") or {})
     return extras["extra"]
 
 
+#: what optimizer.state[p] holds of the optimizer's own (the moments are views of the shards, saved from them)
+_OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+
+
+def state_extras(view: ModelView) -> dict | None:
+    """What ``optimizer.state`` holds beyond the steps and moments, which ``state_dict()`` keeps as torch's does:
+    entries under keys that are no parameter (``opt.state["epoch"] = 7``) and keys of user code's own in a
+    parameter's state (by the parameter's name); None where there is none."""
+    others, own = [], {}
+    for key, value in view.opt.state.items():
+        if id(key) not in view.where:
+            others.append([key, value])
+        elif isinstance(value, dict):
+            mine = {k: v for k, v in value.items() if k not in _OWN_KEYS}
+            if mine:
+                own[view.name(key)] = mine
+    return {"state": others, "params": own} if others or own else None
+
+
+def _restore_extras(view: ModelView, kept: dict | None) -> None:
+    if not kept:
+        return
+    opt = view.opt
+    for key, value in kept["state"]:
+        opt.state[key] = value
+    by_name = {view.name(p): p for info in opt.shard_index() for p in info.params}
+    for name, values in kept["params"].items():
+        p = by_name.get(name)
+        if p is not None:  # (a parameter trained then and frozen now: check_match refused another model)
+            opt.state[p].update(values)
+
+
 @torch.no_grad()
 def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, scheduler=None,
-           sched_state=None) -> None:
+           sched_state=None, state_extra=None) -> None:
     """Write what every rank has read into the optimizer, model and scheduler (all ranks join)."""
     opt = view.opt
     for info in opt.shard_index():
@@ -235,6 +271,7 @@ def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, sc
             step = steps.get(view.name(p))
             if step is not None:
                 opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+    _restore_extras(view, state_extra)
     for group, hyper in zip(opt.param_groups, hypers):
         group.update(hyper)
     for key, b in view.buffers.items():

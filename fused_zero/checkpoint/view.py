@@ -57,7 +57,11 @@ class ModelView:
             for p in group["params"]:
                 if id(p) not in self.names:
                     raise ValueError(f"param group {gi} holds {self._label(p, opt)} that is not in "
-                                     "model.named_parameters(); pass the model this optimizer trains")
+                                     "model.named_parameters(): fused_zero.checkpoint names every trained parameter "
+                                     "by its place in the model. Pass the model this optimizer trains; a parameter "
+                                     "kept outside it (a learnable loss temperature) needs registering on it "
+                                     "(model.temperature = nn.Parameter(...), before building the optimizer), or "
+                                     "save optimizer.state_dict() and the model's weights instead")
             self.groups.append([self.names[id(p)][0] for p in group["params"]])
         self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
 
