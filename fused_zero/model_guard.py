@@ -77,6 +77,10 @@ class ModelGuard:
             # stages 1-2: a parameter this optimizer trains took its place (a new head given to add_param_group, a
             # weight tied to another): what backward reaches is trained, as torch.optim would
             there = self.param_at(name)
+            if there is not None and not isinstance(there, nn.Parameter):
+                # a plain tensor in its place: torch.func.functional_call (stateless reparametrization) swapped it in
+                # for one call and puts the parameter back after it; looked at again then (the watch is kept)
+                return
             if there is not None and there in trained and not shards_params:
                 continue
             if there is None:

@@ -213,6 +213,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                         else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
         first = next((p for g in self.param_groups for p in g["params"]), None)
+        if module is not None and first is not None and not self._names.keys() & {
+                p for g in self.param_groups for p in g["params"]}:
+            raise ValueError("module= names a model that holds none of the parameters given: its buffers would be "
+                             "broadcast and its parameters watched while others are trained. Pass the model whose "
+                             "parameters these are")
         refused = capturable_refusal(bool(capturable), config, None if first is None else first.device,
                                      self.topology.world_size > 1 and collectives_checked_on_host())
         if refused is not None:  # every rank alike (the options agree), before any collective

@@ -736,3 +736,65 @@ def test_join_is_refused_naming_the_fix():
     with pytest.raises(RuntimeError, match="drop_last=True"):
         with Join([opt]):
             pass
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 8)[:, ::2], lambda: torch.tensor(0.5).expand(4, 4)],
+                         ids=["every_other_column", "expanded"])
+def test_a_hand_set_grad_whose_strides_flatten_without_a_copy_steps_as_torch(make):
+    """Its flat view is strided (t[:, ::2].reshape(-1)): the pack refused it as not contiguous (among ranks the
+    other rank then waited in the step)."""
+    model, ref = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    ref.load_state_dict(model.state_dict())
+    opt = ShardedOptimizer(model.parameters(), stage=1, **HYPER)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    grad = make()
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.weight.grad = grad.clone() if m is ref else grad
+        o.step()
+    assert torch.equal(model.weight, ref.weight)
+
+
+def test_stage3_functional_call_overriding_the_first_or_last_parameter_runs_as_torch():
+    """torch.func.functional_call swaps a plain tensor in for one call: over the first or last parameter (the ones the
+    model guard looks at) it was refused as "another nn.Parameter took its place"; a real replacement still is."""
+    from torch.func import functional_call, grad, vmap
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model, ref = make(), make()
+    opt = ShardedOptimizer(model, stage=3, min_unit_numel=0, **HYPER)
+    x = torch.randn(5, 4)
+    for name in ("0.weight", "2.bias"):
+        t = torch.randn_like(dict(ref.named_parameters())[name])
+        assert torch.equal(functional_call(model, {name: t}, (x,)), functional_call(ref, {name: t}, (x,)))
+
+    def loss(params, xi):
+        return functional_call(model, params, (xi[None],)).square().mean()
+    with opt.full_parameters():  # per-sample gradients
+        per_sample = vmap(grad(loss), in_dims=(None, 0))({k: v.detach() for k, v in model.named_parameters()}, x)
+    assert per_sample["0.weight"].shape == (5, 8, 4)
+    model(x).square().mean().backward()
+    opt.step()
+    model[0].weight = nn.Parameter(torch.zeros(8, 4))
+    with pytest.raises(RuntimeError, match="no longer the one the optimizer was built over"):
+        model(x)
+
+
+def test_stage3_a_refused_sparse_gradient_leaves_the_optimizer_usable():
+    """The refusal left the sparse .grad behind: full_parameters() then failed inside torch (reshape of a sparse
+    tensor)."""
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    opt = ShardedOptimizer(model, stage=3, min_unit_numel=0, **HYPER)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        model(torch.tensor([1, 2, 3])).sum().backward()
+    with opt.full_parameters():
+        pass
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_module_naming_another_model_is_refused(stage):
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="module= names a model that holds none of the parameters given"):
+        ShardedOptimizer(a.parameters(), stage=stage, module=b)

@@ -139,6 +139,8 @@ class GradBucket:
                 flags[s.index] = True
                 if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
                     g = g.reshape(-1)[s.start: s.start + s.numel]
+                    if not g.is_contiguous():  # a .grad set by hand whose strides flatten without a copy (t[:, ::2])
+                        g = g.contiguous()
             tensors.append(g)
         n = pipe.divisor
         if self._plan is None:

@@ -210,6 +210,7 @@ class GradSync:
             _check_grad(p, entry, self.names)
         except RuntimeError as error:
             if self.pipe.divisor == 1:  # (every rank that trains divides: one is alone)
+                p.grad = None  # (left, the end of this backward would pack it: full_parameters() then failed)
                 raise
             self.refused = self.refused or error
             p.grad = None
