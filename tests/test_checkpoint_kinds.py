@@ -135,3 +135,13 @@ def test_state_beyond_steps_and_moments_round_trips_as_state_dict_keeps_it(stage
     fresh_opt.zero_grad()
     fresh(torch.randn(3, 4)).sum().backward()
     fresh_opt.step()  # and training goes on
+
+
+def test_saving_into_a_path_that_is_a_file_names_it(tmp_path):
+    model = torch.nn.Linear(3, 3)
+    opt = ShardedOptimizer(model.parameters(), lr=1e-3)
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"not a folder")
+    with pytest.raises(FileExistsError, match=r"is a file, not a folder.*pass a folder path"):
+        ckpt.save(str(path), model, opt)
+    assert path.read_bytes() == b"not a folder"

@@ -91,6 +91,9 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
 
     def prepare():
         folder = _folder(directory, "save")  # (on every rank: DDP scripts pass None on all but rank 0)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise FileExistsError(f"{folder} is a file, not a folder: fused_zero.checkpoint.save() writes a folder of "
+                                  "shards there; pass a folder path (it is made if missing)")
         optimizer.check_states_kept()  # (closed with its states in NVMe files: nothing to save)
         view = ModelView(model, optimizer)
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
