@@ -140,6 +140,12 @@ def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
     """A parameter the sharded optimizer can lay out in its flat buffers."""
     if p.is_sparse or p.layout != torch.strided:
         raise TypeError(f"parameter {name} is sparse ({p.layout}); ShardedOptimizer needs dense parameters")
+    if p.is_complex() and not p.requires_grad:
+        raise TypeError(f"parameter {name} is complex ({p.dtype}) and frozen: ShardedOptimizer lays out every "
+                        "parameter of the model it is given, frozen ones too (stage 3 shards them), in float32, "
+                        "bfloat16, float16, float64 or an integer type. Hold a fixed complex tensor as a buffer "
+                        "(module.register_buffer), or keep it real: nn.Parameter(torch.view_as_real(w), "
+                        "requires_grad=False) with torch.view_as_complex(...) in forward")
     if p.is_complex():
         raise TypeError(f"parameter {name} is complex ({p.dtype}); ShardedOptimizer supports float32, "
                         "bfloat16 and float16: keep the parameter real, nn.Parameter(torch.view_as_real(w)), and "

@@ -119,6 +119,14 @@ def test_complex_parameter_raises_type_error():
         ShardedOptimizer([p, nn.Parameter(torch.zeros(3))])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_frozen_complex_parameter_is_refused_naming_a_buffer(stage):
+    model = nn.Linear(4, 4)
+    model.fixed = nn.Parameter(torch.zeros(4, dtype=torch.complex64), requires_grad=False)
+    with pytest.raises(TypeError, match=r"complex \(torch.complex64\) and frozen.*register_buffer"):
+        ShardedOptimizer(model, stage=stage)
+
+
 def test_parameter_in_two_groups():
     model = TinyNet()
     groups = param_groups(model)
