@@ -156,6 +156,11 @@ def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
                         "float16 parameters (a frozen one, requires_grad=False, may also be float64 or an integer "
                         "type, as a quantized base model's weights): convert it (model.float()), or freeze it "
                         "before building the optimizer")
+    grad_dtype = getattr(p, "grad_dtype", None)  # torch >= 2.13: gradients accumulated in another dtype
+    if p.requires_grad and grad_dtype is not None and grad_dtype != p.dtype:
+        raise TypeError(f"parameter {name} has grad_dtype {grad_dtype} (its dtype is {p.dtype}): ShardedOptimizer "
+                        "takes gradients of the parameter's own dtype, and keeps the fp32 master itself (bf16 "
+                        "parameters: reduce_dtype=torch.float32 reduces in fp32). Leave grad_dtype unset")
     if p.device.type == "meta":
         raise ValueError(f"parameter {name} is on the meta device: materialize the model (model.to_empty("
                          "device=...) and initialise it) before building the optimizer")

@@ -348,3 +348,20 @@ def test_a_parameter_resized_in_place_is_refused_naming_it(stage):
     with pytest.raises(RuntimeError, match=r"parameter 0\.weight changed shape from \(16, 8\) to \(20, 8\).*resize"):
         model(torch.tensor([[1, 19]])).sum().backward()
         opt.step()
+
+
+def test_grad_dtype_other_than_the_parameters_is_refused_naming_it():
+    """torch 2.13's p.grad_dtype: set before the build it is refused there; set after, at the backward, naming it
+    (the message blamed a .grad assigned by hand)."""
+    model = nn.Linear(4, 2).bfloat16()
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    with pytest.raises(TypeError, match=r"grad_dtype torch.float32 \(its dtype is torch.bfloat16\).*unset"):
+        ShardedOptimizer(model.parameters(), stage=2)
+    model = nn.Linear(4, 2).bfloat16()
+    opt = ShardedOptimizer(model.parameters(), stage=2)
+    for p in model.parameters():
+        p.grad_dtype = torch.float32
+    with pytest.raises(RuntimeError, match="was given grad_dtype torch.float32 after the optimizer was built"):
+        model(torch.randn(3, 4).bfloat16()).float().sum().backward()
+    del opt

@@ -594,6 +594,11 @@ def _check_grad(p: torch.nn.Parameter, entry: GradEntry, names: dict) -> None:
             f"ShardedOptimizer does not support sparse gradients (a parameter of shape {tuple(p.shape)} "
             f"got a {g.layout} gradient); use dense gradients, e.g. nn.Embedding(sparse=False)"
         )
+    if g.dtype != p.dtype and getattr(p, "grad_dtype", p.dtype) == g.dtype:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(p.shape)} and dtype {p.dtype} was given grad_dtype {g.dtype} after the "
+            "optimizer was built: ShardedOptimizer takes gradients of the parameter's own dtype (it keeps the fp32 "
+            "master itself); leave grad_dtype unset")
     if g.shape != p.shape or g.dtype != p.dtype:
         raise RuntimeError(
             f"a parameter of shape {tuple(p.shape)} and dtype {p.dtype} holds a .grad of shape {tuple(g.shape)} "
