@@ -242,7 +242,8 @@ def state_extras(view: ModelView) -> dict | None:
     others, own = [], {}
     for key, value in view.opt.state.items():
         if id(key) not in view.where:
-            others.append([key, value])
+            if not isinstance(key, torch.Tensor):  # (a tensor key no param group holds: torch's state_dict() fails)
+                others.append([key, value])
         elif isinstance(value, dict):
             mine = {k: v for k, v in value.items() if k not in _OWN_KEYS}
             if mine:
