@@ -139,6 +139,13 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         if getattr(optimizer, "_is_accelerate_prepared", False):
+            # prepared before (HF Trainer's second train() prepares its optimizer again after free_memory()): its
+            # ShardedOptimizer is this accelerator's again, or clipping, no_sync and saves would pass it by
+            inner = unwrap_optimizer(optimizer)
+            if isinstance(inner, ShardedOptimizer) and not any(o is inner for _, o in self._zero_pairs):
+                module = self._module_for(inner)
+                inner.mark_integrated()
+                self._zero_pairs.append((module if module is not None else inner.module, inner))
             return super().prepare_optimizer(optimizer, device_placement)
         inner = unwrap_optimizer(optimizer)
         check_convertible(inner, "ZeroAccelerator.prepare")

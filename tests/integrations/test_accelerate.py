@@ -183,6 +183,25 @@ def test_clip_with_gradients_the_optimizer_does_not_hold_is_refused():
         assert norm > 0
 
 
+
+def _reprepared_after_free_memory(rank, world_size, stage):
+    """Clip norms of one step before ``free_memory()`` and, the same prepared model and optimizer prepared again
+    (HF Trainer's second train()), of the step after; and the norms torch computes on each step's gradients."""
+    acc = accelerator(rank, world_size, stage, 1)
+    model = tiny_gpt2()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))  # every rank the same batch
+    norms = []
+    for again in (False, True):
+        if again:
+            acc.free_memory()
+            model, opt = acc.prepare(model, opt)
+        acc.backward(model(input_ids=x, labels=x).loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    return norms, len(acc._sharded())
+
 def _save_model_and_free_memory(rank, world_size, stage, folder):
     """``save_model`` writes what Accelerate's own DDP run writes; after ``free_memory()`` a new model and
     optimizer are prepared, trained a step, saved with ``save_state`` and loaded back by a fresh accelerator."""
@@ -228,3 +247,14 @@ def test_save_model_and_a_sweep_after_free_memory_as_accelerate(tmp_path):
         assert saved == ref and exact, (stage, saved)
         assert "fused_zero_1" not in files, files
         assert err == 0.0, (stage, err)
+
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizer_prepared_again_after_free_memory_is_still_the_integrations(stage):
+    """free_memory() forgot the ShardedOptimizer and preparing the prepared optimizer again did not take it back:
+    clip_grad_norm_ fell through to torch's (0 at stages 2-3: nothing clipped; each rank's own at stage 1), and so
+    did no_sync and the stage-3 saves. HF Trainer's second train() does exactly this."""
+    for norms, held in run_ranks(_reprepared_after_free_memory, 2, stage, timeout=300):
+        assert held == 1
+        assert norms[0] > 0 and norms[1] > 0 and norms[1] != norms[0], norms
