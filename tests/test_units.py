@@ -308,53 +308,33 @@ def test_stage3_trains_a_model_of_nested_modulelists():
     _stage3_trains_as_torch(_Stages, torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
 
 
-class _Inner(nn.Module):
+class _TiedNet(nn.Module):
+    """Its forward reads a child's weight directly (a tied output projection): only a unit around it serves that."""
+
     def __init__(self):
         super().__init__()
-        self.a, self.act, self.b = nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)
+        self.emb, self.mid = nn.Embedding(50, 16), nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.b(self.act(self.a(x)))
+        return nn.functional.linear(self.mid(self.emb(x)), self.emb.weight)
 
 
-class _Middle(nn.Module):
-    """peft's LoraModel: holds the model, no parameters of its own; its forward is never called."""
-
+class _Wrapper(nn.Module):
     def __init__(self):
         super().__init__()
-        self.model = _Inner()
-
-
-class _Wrapped(nn.Module):
-    """peft's PeftModel (no task type): its forward calls the model inside directly (get_base_model()), past the
-    wrapper between them."""
-
-    def __init__(self):
-        super().__init__()
-        self.base_model = _Middle()
+        self.net = _TiedNet()
 
     def forward(self, x):
-        return self.base_model.model(x)
+        return self.net(x).square()
 
 
-def test_default_looks_through_wrappers():
-    model = _Wrapped()
-    inner = model.base_model.model
-    same(default_units(model), [inner.a, inner.b])
-    own = _Wrapped()
-    own.scale = nn.Parameter(torch.ones(()))  # parameters of its own: not a wrapper, its children are the units
-    same(default_units(own), [own.base_model])
-    two = nn.Sequential()
-    two.add_module("w", _Middle())
-    two.add_module("head", nn.Linear(3, 3))
-    same(default_units(two), [two.w, two.head])  # two children holding parameters: not a wrapper
-
-
-@pytest.mark.parametrize("min_unit_numel", [0, None])
-def test_stage3_trains_a_wrapped_model_whose_forward_skips_the_wrapper(min_unit_numel):
-    """The wrapper was the one unit (min_unit_numel 0: the forward then raised that its unit never ran)."""
-    kw = {} if min_unit_numel is None else {"min_unit_numel": min_unit_numel}
-    _stage3_trains_as_torch(_Wrapped, torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), **kw)
+def test_default_keeps_a_plain_wrapped_model_a_unit():
+    """Looking through every parameterless single-child wrapper (peft's are looked through: test_peft) made the tied
+    net's layers the units, and its forward then read an empty placeholder."""
+    model = _Wrapper()
+    same(default_units(model), [model.net])
+    _stage3_trains_as_torch(_Wrapper, torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(0)),
+                            min_unit_numel=0)
 
 
 # ----------------------------------------------------------------------------- merging small units

@@ -9,10 +9,11 @@ By default the units are the elements of every ``nn.ModuleList`` in the model
 that hold parameters (transformer blocks), outermost first; a model without a
 ModuleList gets one unit per direct child that holds parameters (the layers of a
 child that is an ``nn.Sequential``, whose own forward a loop over its layers
-skips). A wrapper around the model (a root without parameters of its own whose
-parameters all sit in one child, as peft's ``PeftModel`` > ``LoraModel`` > model,
-whose forward calls the model inside and skips the ``LoraModel``'s) is looked
-through: the model inside gets the units it would get unwrapped. ``units=``
+skips). peft's wrappers (``PeftModel`` > ``LoraModel`` > model: ``PeftModel``'s
+forward may call the model inside directly, past the ``LoraModel``'s, whose unit
+would then never be gathered) are looked through: the model inside gets the units
+it would get unwrapped. Other wrappers stay units (their forward may read a
+child's weight directly: a tied head). ``units=``
 overrides that with module classes (every instance below the root becomes a
 unit) or with the module objects themselves.
 
@@ -93,9 +94,11 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _unwrapped(m: nn.Module) -> nn.Module:
-    """``m``, or where it only wraps (no parameters of its own, all of them in one child), what it wraps, in turn:
-    a wrapper's forward may call the module inside directly, and a unit around it would never be gathered."""
-    while not any(p is not None for p in m._parameters.values()):
+    """``m``, or below peft's wrappers (no parameters of their own, all of them in one child) the model they wrap:
+    ``PeftModel``'s forward may call that model directly, past the ``LoraModel``'s, so a unit around the ``LoraModel``
+    would never be gathered. Only peft's: another wrapper's forward may read a child's weight directly (a tied head,
+    ``F.linear(h, self.emb.weight)``), which only a unit around the wrapper serves."""
+    while type(m).__module__.split(".", 1)[0] == "peft" and not any(p is not None for p in m._parameters.values()):
         held = [c for c in m.children() if _has_params(c)]
         if len(held) != 1 or isinstance(held[0], _CONTAINERS):
             break
