@@ -117,3 +117,22 @@ def _inside_writeback_on_ranks(rank, world_size, folder):
 def test_stage3_checkpoint_load_inside_a_writeback_block_on_two_ranks(tmp_path):
     from _dist import run_ranks
     assert run_ranks(_inside_writeback_on_ranks, 2, str(tmp_path), timeout=180) == [[], []]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_weights_of_another_step_restored_reset_the_masters(stage):
+    """A restart (the initial weights and the initial, empty optimizer state loaded into a trained run) equals a
+    fresh run: the masters of weights that changed are taken from them whole, not kept where an element's bf16
+    value happened not to move."""
+    model, opt = _build(stage, torch.bfloat16)
+    initial = _params(model, opt, stage)
+    empty = opt.state_dict()
+    _train(model, opt, range(3))
+    with _full(opt, stage, writeback=True):
+        model.load_state_dict(initial, strict=False)
+    opt.load_state_dict(empty)
+    _train(model, opt, range(3))
+    fresh, fresh_opt = _build(stage, torch.bfloat16)
+    _train(fresh, fresh_opt, range(3))
+    got, want = _params(model, opt, stage), _params(fresh, fresh_opt, stage)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]

@@ -322,9 +322,9 @@ class Partition:
     def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
         """The master (and narrow param shard) of the parameters ``indices`` <- their given values; where a
         master ``load_state_dict`` kept aside rounds to them (the model's weights loaded after the optimizer's
-        state), that master; else, for narrow parameters, where their master rounds to them already (the same
-        weights loaded again, as torch.distributed.checkpoint's loads do, or written back unchanged), the master
-        they have, as a writeback keeps it (``load_master_from_params``)."""
+        state), that master; else, for narrow parameters whose master rounds to every one of the values already
+        (the same weights loaded again, as torch.distributed.checkpoint's loads do), the master they have. Values
+        that differ anywhere in this rank's piece (weights of another step restored) reload it whole."""
         wanted = set(indices)
         pending = self.pending_master
         keep = self.dtype != torch.float32 and "master" in self.store.kinds
@@ -335,7 +335,8 @@ class Partition:
                 if keep and piece.numel:
                     old = self.store.read("master", piece.shard_offset, piece.shard_offset + piece.numel)
                     old = old.to(self.device)
-                    v32 = torch.where(old.to(v.dtype) == v.to(self.device), old, v32)
+                    if torch.equal(old.to(v.dtype), v.to(self.device)):
+                        v32 = old
                 saved = None if pending is None else pending.pop((piece.param_index, piece.param_offset), None)
                 if saved is not None:
                     saved = saved.to(self.device)
