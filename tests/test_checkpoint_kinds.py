@@ -128,7 +128,9 @@ def test_state_beyond_steps_and_moments_round_trips_as_state_dict_keeps_it(stage
     opt.state[first]["ema_norm"] = torch.tensor(0.5)
     ckpt.save(str(tmp_path), model, opt)
     fresh, fresh_opt = build()
+    fresh_opt.state["stale"] = 1  # replaced by the checkpoint's, as load_state_dict replaces them
     ckpt.load(str(tmp_path), fresh, fresh_opt)
+    assert "stale" not in fresh_opt.state
     assert fresh_opt.state["epoch"] == 7 and torch.equal(fresh_opt.state[3]["seen"], torch.tensor([1.0, 2.0]))
     assert torch.equal(fresh_opt.state[next(fresh.parameters())]["ema_norm"], torch.tensor(0.5))
     assert fresh_opt.state_dict()["state"]["epoch"] == 7

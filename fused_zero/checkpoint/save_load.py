@@ -252,9 +252,13 @@ def state_extras(view: ModelView) -> dict | None:
 
 
 def _restore_extras(view: ModelView, kept: dict | None) -> None:
+    """The saved extras in, in place of those under keys that are no parameter (as ``load_state_dict`` replaces
+    them)."""
+    opt = view.opt
+    for key in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
+        del opt.state[key]
     if not kept:
         return
-    opt = view.opt
     for key, value in kept["state"]:
         opt.state[key] = value
     by_name = {view.name(p): p for info in opt.shard_index() for p in info.params}
