@@ -71,6 +71,7 @@ class ModelGuard:
                 return
             candidates = [(p, name) for _, _, p, name in self._watched if name is not None]
         now = {id(q) for q in self.module.parameters()}
+        swapped = False
         for p, name in candidates:
             if id(p) in now:
                 continue
@@ -80,7 +81,8 @@ class ModelGuard:
             if there is not None and not isinstance(there, nn.Parameter):
                 # a plain tensor in its place: torch.func.functional_call (stateless reparametrization) swapped it in
                 # for one call and puts the parameter back after it; looked at again then (the watch is kept)
-                return
+                swapped = True
+                continue
             if there is not None and there in trained and not shards_params:
                 continue
             if there is None:
@@ -96,6 +98,8 @@ class ModelGuard:
                 "a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. "
                 "Change the model before building the optimizer, or build a new one over model.parameters() (save "
                 "and load its state_dict() to keep the states); to change values, assign p.data = t instead")
+        if swapped:
+            return  # (watched afresh once the swapped-in tensors are gone)
         if flagged:
             self.watcher.changed = False  # looked at: the names are taken afresh
         self.watch(param_groups)
