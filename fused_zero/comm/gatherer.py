@@ -307,7 +307,9 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 # an evaluation: without gradients, or in eval mode (a validation loss with no_grad forgotten; its
                 # gathers would pair with a peer's next training forward and hang both in the backward after)
                 self.meet_eval()  # every rank runs it (before any gather): DDP's rank-0-only eval is refused
-                self._eval_met = True  # the evaluation forwards that follow, until the next training
+                # the forwards without gradients that follow, until the next training forward, need not meet again;
+                # after one in eval mode with gradients (a model trained in eval mode) they still do
+                self._eval_met = not self._grad_forward
             if self._grad_forward and self._first_forward is not None:  # before any gather, on every rank
                 check, self._first_forward = self._first_forward, None
                 check()
