@@ -311,7 +311,8 @@ class StepCounts:
         if len(active) == len(views):
             self.flat += by
         else:
-            self.flat.index_add_(0, self._index_of(active), torch.ones(len(active), dtype=torch.float32, device=self.flat.device) * by)
+            ones = torch.ones(len(active), dtype=self.flat.dtype, device=self.flat.device)
+            self.flat.index_add_(0, self._index_of(active), ones * by)
         self._version = self.flat._version
         return active
 

@@ -22,6 +22,7 @@ from .metadata import build_metadata, check_match, read_metadata
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
 from .shards import Reader, model_tensors, shard_tensors, unblob
 from .view import ModelView
+from ..state_views import MOMENT_KINDS
 
 
 class ShardOwner(abc.ABC):
@@ -232,7 +233,7 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
 
 
 #: what optimizer.state[p] holds of the optimizer's own (the moments are views of the shards, saved from them)
-_OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+_OWN_KEYS = frozenset(("step", *MOMENT_KINDS))
 
 
 def state_extras(view: ModelView) -> dict | None:
@@ -251,21 +252,13 @@ def state_extras(view: ModelView) -> dict | None:
     return {"state": others, "params": own} if others or own else None
 
 
-def _restore_extras(view: ModelView, kept: dict | None) -> None:
-    """The saved extras in, in place of those under keys that are no parameter (as ``load_state_dict`` replaces
+def _replace_other_keys(state: dict, kept: list) -> None:
+    """``state``'s entries under keys that are no parameter <- the saved ones (as ``load_state_dict`` replaces
     them)."""
-    opt = view.opt
-    for key in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
-        del opt.state[key]
-    if not kept:
-        return
-    for key, value in kept["state"]:
-        opt.state[key] = value
-    by_name = {view.name(p): p for info in opt.shard_index() for p in info.params}
-    for name, values in kept["params"].items():
-        p = by_name.get(name)
-        if p is not None:  # (a parameter trained then and frozen now: check_match refused another model)
-            opt.state[p].update(values)
+    for key in [k for k in state if not isinstance(k, torch.Tensor)]:
+        del state[key]
+    for key, value in kept:
+        state[key] = value
 
 
 @torch.no_grad()
@@ -273,13 +266,17 @@ def commit(view: ModelView, staged, steps: dict, hypers: list, tensors: dict, sc
            sched_state=None, state_extra=None) -> None:
     """Write what every rank has read into the optimizer, model and scheduler (all ranks join)."""
     opt = view.opt
+    own = state_extra["params"] if state_extra else {}  # per parameter name: keys of user code's own
     for info in opt.shard_index():
         for p in info.params:
             opt.state.pop(p, None)
-            step = steps.get(view.name(p))
+            name = view.name(p)
+            step = steps.get(name)
             if step is not None:
                 opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
-    _restore_extras(view, state_extra)
+            if name in own:
+                opt.state[p].update(own[name])
+    _replace_other_keys(opt.state, state_extra["state"] if state_extra else [])
     for group, hyper in zip(opt.param_groups, hypers):
         group.update(hyper)
     for key, b in view.buffers.items():

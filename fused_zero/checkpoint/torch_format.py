@@ -158,7 +158,8 @@ def slice_into_shards(index, kinds: Callable[[object], tuple], source: Callable)
     staged = []
     for k, part in enumerate(index):
         written = kinds(part)
-        new = {kind: torch.zeros(part.shard_numel, dtype=torch.float32) if kind in written else None for kind in part.kinds}
+        new = {kind: torch.zeros(part.shard_numel, dtype=torch.float32) if kind in written else None
+               for kind in part.kinds}
         for piece in part.pieces:
             p, at = part.params[piece.param_index], piece.shard_offset
             for kind in written:

@@ -521,13 +521,17 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._holding = False
         try:
             self.release_all()
-            order = [self.units[0]] + [self.units[i] for i in self.schedule]
-            for u in order:
-                self._issue_exact(u)
-            for u in order:
-                self._wait(u)
+            self._gather_all()
         finally:
             self._holding = True
+
+    def _gather_all(self) -> None:
+        """Every unit gathered exactly (the root first, then the forward's order), all issued before any wait."""
+        order = [self.units[0]] + [self.units[i] for i in self.schedule]
+        for u in order:
+            self._issue_exact(u)
+        for u in order:
+            self._wait(u)
 
     @contextmanager
     def full_parameters(self):
@@ -535,11 +539,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             raise RuntimeError("full_parameters() cannot be entered inside the model's forward or backward")
         if self.behind is not None:
             self.behind.wait()
-        order = [self.units[0]] + [self.units[i] for i in self.schedule]
-        for u in order:
-            self._issue_exact(u)
-        for u in order:
-            self._wait(u)
+        self._gather_all()
         self._holding = True  # an eval forward or a state_dict() inside keeps everything gathered
         try:
             yield

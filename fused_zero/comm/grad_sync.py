@@ -209,11 +209,10 @@ class GradSync:
         try:
             _check_grad(p, entry, self.names)
         except RuntimeError as error:
+            p.grad = None  # (alone too: left, the end of this backward would pack it)
             if self.pipe.divisor == 1:  # (every rank that trains divides: one is alone)
-                p.grad = None  # (left, the end of this backward would pack it: full_parameters() then failed)
                 raise
             self.refused = self.refused or error
-            p.grad = None
         return p.grad
 
     def reduce_unhooked(self, params) -> None:

@@ -143,9 +143,7 @@ class ZeroAccelerator(Accelerator):
             # ShardedOptimizer is this accelerator's again, or clipping, no_sync and saves would pass it by
             inner = unwrap_optimizer(optimizer)
             if isinstance(inner, ShardedOptimizer) and not any(o is inner for _, o in self._zero_pairs):
-                module = self._module_for(inner)
-                inner.mark_integrated()
-                self._zero_pairs.append((module if module is not None else inner.module, inner))
+                self._adopt(inner, self._module_for(inner))
             return super().prepare_optimizer(optimizer, device_placement)
         inner = unwrap_optimizer(optimizer)
         check_convertible(inner, "ZeroAccelerator.prepare")
@@ -158,10 +156,15 @@ class ZeroAccelerator(Accelerator):
                                  "accelerator.prepare() call as its optimizer, or prepare the model first")
             sharded = sharded_from_torch(inner, self.zero, module)
             self._replaced.append((inner, sharded))
-        sharded.mark_integrated()  # fused_zero.habits: stepped through the integration
-        self._zero_pairs.append((module if module is not None else sharded.module, sharded))
+        self._adopt(sharded, module)
         # device_placement=False: the state is already where the parameters are (and is empty)
         return super().prepare_optimizer(sharded, device_placement=False)
+
+    def _adopt(self, sharded: ShardedOptimizer, module: nn.Module | None) -> None:
+        """``sharded`` is this accelerator's: stepped through the integration (fused_zero.habits), paired with
+        the model that holds its parameters."""
+        sharded.mark_integrated()
+        self._zero_pairs.append((module if module is not None else sharded.module, sharded))
 
     def prepare_scheduler(self, scheduler):
         for old, new in self._replaced:
