@@ -186,13 +186,18 @@ def _writeback(rank, ws, stage, units):
     _step(ref, ref_opt, 0, 0, k=1)
     t_emb = torch.full((1000, 128), 0.25)
     t_a = torch.full((8, 128), -0.125)
-    for m, ctx in ((model, opt.full_parameters(writeback=True)), (ref, torch.no_grad())):
+    with opt.full_parameters():  # what the edits must leave, from the model's own weights (torch's AdamW may
+        expected = [p.detach().clone() for p in model.parameters()]  # differ from the update by an ulp)
+    edited = copy.deepcopy(model).requires_grad_(False)
+    for p, v in zip(edited.parameters(), expected):
+        p.data = v
+    for m, ctx in ((model, opt.full_parameters(writeback=True)), (ref, torch.no_grad()), (edited, torch.no_grad())):
         with ctx, torch.no_grad():
             m.block["base"].weight.add_(m.block["lora_b"].weight[:28] @ m.block["lora_a"].weight)
             m.emb.weight.data = t_emb.clone()
             m.block["lora_a"].weight.data = t_a.clone()
     with opt.full_parameters():
-        held = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        held = max((p - q).abs().max().item() for p, q in zip(model.parameters(), edited.parameters()))
     _step(model, opt, 1, 0, k=1)
     _step(ref, ref_opt, 1, 0, k=1)
     with opt.full_parameters():
