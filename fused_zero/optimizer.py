@@ -52,7 +52,7 @@ from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
-from .update import REFUSED, plan_update, read_hypers, update_all
+from .update import REFUSED, mark_written, plan_update, read_hypers, update_all
 
 
 def _norm_key(max_norm) -> object:
@@ -944,6 +944,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with the model) the update is planned here and the host update left running behind the step
         (behind.py, behind_buckets.py); stages 1-2 with ``update_behind`` and the states beside the parameters
         update here and leave the all-gathers running behind the step (gathers_behind.py)."""
+        mark_written(self.partitions, has_grad)
         behind = self._stage.behind
         if behind is None or behind.gathers_only:
             # a store that can fail (a disk): every rank learns whether every rank's update succeeded before any commits

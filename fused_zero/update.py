@@ -80,6 +80,15 @@ def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[b
     commit(partitions)
 
 
+def mark_written(partitions: list[Partition], has_grad: tuple[tuple[bool, ...], ...]) -> None:
+    """Every parameter the step updates, marked written in place, as torch's in-place update marks it
+    (``Partition.mark_written``): a graph saved before the step and run backward after it (``retain_graph`` across
+    a step, a GAN's second loss through the updated discriminator) raises torch's "modified by an inplace
+    operation" instead of mixing old activations with new weights."""
+    for part, flags in zip(partitions, has_grad):
+        part.mark_written(flags)
+
+
 def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],
                 grad_scale: torch.Tensor | None, skip: torch.Tensor | None, hypers, read_skip: bool = True) -> UpdatePlan:
     """Advance the step counts (in one op per partition, on the device) and decide each partition's job.

@@ -417,3 +417,48 @@ def test_a_bf16_default_dtype_keeps_checkpoint_steps_and_moments(tmp_path):
     for k, s in want["state"].items():
         for kind in ("exp_avg", "exp_avg_sq"):
             assert got["state"][k][kind].dtype == torch.float32 and torch.equal(got["state"][k][kind], s[kind])
+
+
+def _stale_graph_second_backward(opt_d, d_net, g_net):
+    """A GAN's mistake: the discriminator steps between two backwards through one retained graph."""
+    out = d_net(g_net(torch.randn(5, 4, generator=torch.Generator().manual_seed(0))))
+    out.square().mean().backward(retain_graph=True)
+    opt_d.step()
+    out.mean().backward()
+
+
+@pytest.mark.parametrize("kind", ["torch", "stage1", "stage2", "stage3", "stage1_behind", "stage3_per_module"])
+def test_a_backward_through_a_graph_saved_before_the_step_raises_as_torchs(kind):
+    """The update writes the flat buffers the parameters view, unseen by autograd: a graph saved before the step
+    and run backward after it silently mixed old activations with the new weights (torch raises)."""
+    torch.manual_seed(0)
+    g_net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    d_net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if kind == "torch":
+        opt_d = torch.optim.AdamW(d_net.parameters())  # (its fused update does not mark the parameters written)
+    else:
+        stage = int(kind[5])
+        opt_d = ShardedOptimizer(d_net if stage == 3 else d_net.parameters(), stage=stage,
+                                 **({"update_behind": True, "module": d_net} if "behind" in kind else {}),
+                                 **({"min_unit_numel": 0} if "per_module" in kind else {}))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _stale_graph_second_backward(opt_d, d_net, g_net)
+    # the next steps are as ever: fresh graphs, no refusal of the optimizer's own writes as user code's
+    for _ in range(2):
+        opt_d.zero_grad()
+        d_net(torch.randn(3, 4)).mean().backward()
+        opt_d.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_without_a_gradient_is_not_marked_written(stage):
+    """Only what the step updates is marked written, as torch's update skips a parameter without a .grad: a graph
+    through an unused layer stays usable across the step."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "idle": torch.nn.Linear(4, 4)})
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, min_unit_numel=0)
+    opt.zero_grad()
+    model["used"](torch.randn(2, 4)).sum().backward()
+    before = model["idle"].weight._version
+    opt.step()
+    assert model["idle"].weight._version == before
+    assert model["used"].weight._version > 0 or stage == 3

@@ -156,6 +156,21 @@ class Partition:
         for i in self._unfit:  # refused (adopt_outside_changes): compared, and refused, again at the next step
             self._ptrs[i] = -1
 
+    def mark_written(self, flags: tuple[bool, ...]) -> None:
+        """Bump the autograd version of the parameters ``flags`` marks (those the step updates): the update writes
+        the flat buffers they view (stage 3: the shards their next gather reads), which autograd does not see. The
+        versions remembered for finding user code's writes (``mark_synced``, ``release``) move with them, so a
+        write user code made before still shows. One C call."""
+        written = [i for i, f in enumerate(flags) if f]
+        if not written:
+            return
+        torch.autograd.graph.increment_version(self.params if len(written) == len(self.params)
+                                               else [self.params[i] for i in written])
+        for versions in (self._versions, self._released_versions):
+            if versions is not None and len(versions) == len(self.params):
+                for i in written:
+                    versions[i] += 1
+
     def check_fit(self, names: dict) -> None:
         """Raise what ``adopt_outside_changes`` would refuse, changing nothing (clip_grad_norm_: the step that
         follows makes no all-reduce of its own, so a refusal must be known at the clip's)."""
