@@ -552,6 +552,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
         self.grad_sync.reduce_unhooked(params)
 
+    @torch.no_grad()  # (a backward(create_graph=True) runs its callbacks and hooks with grad mode on)
     def _end_backward(self) -> None:
         self._in_backward = False
         self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait

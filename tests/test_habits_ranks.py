@@ -1235,3 +1235,35 @@ def test_a_state_dict_loaded_by_swapping_tensors_trains_or_is_refused_on_every_r
     for r in results:
         assert r[2] is not None and "swapped for other tensors" in r[2][1], r[2]
         assert r[0] is None and r[1] is None and r[3] is None, r
+
+
+def _create_graph(rank, world_size, stage):
+    from fused_zero import ShardedOptimizer
+
+    model = TinyNet()
+    ref = copy.deepcopy(model)  # DDP refuses create_graph: every rank's batch, averaged, on one copy instead
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")
+        for t in range(3):
+            opt.zero_grad()
+            x, y = batch(t, rank)
+            loss_fn(model(x, **flags(t, rank)), y).backward(create_graph=True)
+            opt.step()
+            ref_opt.zero_grad()
+            sum(loss_fn(ref(*batch(t, r)[:1], **flags(t, r)), batch(t, r)[1]) for r in range(world_size)).div(
+                world_size).backward()
+            ref_opt.step()
+    with opt.full_parameters():
+        refs = dict(ref.named_parameters())
+        return max(rel(p, refs[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_backward_with_create_graph_matches_ddp(stage):
+    """backward(create_graph=True) runs the optimizer's hooks and end-of-backward callback with grad mode on:
+    stages 2-3 packed the gradients there and torch refused the in-place write into the bucket's view (DDP itself
+    refuses create_graph; the reference averages every rank's gradient as it would)."""
+    for err in run_ranks(_create_graph, 2, stage, timeout=TIMEOUT):
+        assert err < 1e-5, err

@@ -103,6 +103,7 @@ class GradBucket:
         self._plan = None  # the pack plan: its device table serves every step (kernels/pack.py)
         self.remaining = 0  # stages 2-3: trainable parameters whose gradient this round still waits for
 
+    @torch.no_grad()  # (in a hook of a backward(create_graph=True), grad mode is on)
     def start(self, present, accumulate: bool, free_grads: bool, block: bool, late: dict | None = None) -> bool:
         """Pack the gradients and launch the reduce-scatter (``accumulate``: added to the shard when it lands);
         the parameters that held a gradient are marked in ``present`` (a ``grad_sync.Presence``).
