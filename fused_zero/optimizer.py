@@ -817,6 +817,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._update(stats.has_grad, grad_scale, skip, hypers)
             return _Body(stats, clip_coef, None if scaler.state is None else scaler.state["found_inf_per_device"])
 
+        runs = None if key is None else (self._graph.replays, self._graph.captures)
         out = body() if key is None else self._graph.run(key, body)
         if clip is None:
             self._verdicts.post(out.stats.disagree)
@@ -825,6 +826,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             scaler.state["found_inf_per_device"] = out.found_inf if key is None else {
                 d: t.clone() for d, t in out.found_inf.items()}
         if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
+            replayed, captured = self._graph.replays != runs[0], self._graph.captures != runs[1]
+            if replayed and not captured:  # (a replay runs no Python: a capture's body marked them already)
+                mark_written(self.partitions, out.stats.has_grad)
             for part in self.partitions:
                 part.mark_synced()
         self._last_update = agreed

@@ -95,6 +95,7 @@ def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32, captur
     states = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
               for s in opt.state_dict()["state"].values()]
     return dict(params=[p.detach().clone() for p in model.parameters()], states=states,
+                versions=[p._version for p in model.parameters()],  # each step marks them written, replayed too
                 scale=scaler.get_scale() if amp else None, bytes=opt.comm_bytes(), reads=reads,
                 found=[float(t) for t in found], captures=graph.captures if graph else 0,
                 replays=graph.replays if graph else 0)
@@ -102,6 +103,7 @@ def _train(rank, world_size, stage, capture, recipe, dtype=torch.float32, captur
 
 def _same(a: dict, b: dict) -> None:
     assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
+    assert a["versions"] == b["versions"]
     for s, t in zip(a["states"], b["states"]):
         assert s.keys() == t.keys()
         for key in s:
