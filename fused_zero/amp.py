@@ -153,8 +153,9 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
         found = (stats.nonfinite > 0).float()
         if scaler.found_inf is not None:
             found = torch.maximum(found, scaler.found_inf.to(found))
-        if scaler.state is not None:
-            scaler.state["found_inf_per_device"] = {found.device: found}
+        if scaler.state is not None:  # no gradient on any rank (a forgotten backward): none, as torch's fused
+            # AdamW records none, so scaler.update() raises "No inf checks were recorded prior to update."
+            scaler.state["found_inf_per_device"] = {found.device: found} if any(map(any, stats.has_grad)) else {}
         skip = found if skip is None else torch.maximum(found, skip)
     coef = None
     if clip is not None:

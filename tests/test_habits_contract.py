@@ -70,6 +70,27 @@ def test_grad_scaler_steps_without_futurewarning_and_backs_off_as_torch(stage):
     assert _max_error(model, opt, ref) < TOL
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_grad_scaler_step_without_a_backward_is_refused_at_update_as_torchs_fused(stage):
+    """A forgotten backward: no gradient anywhere, so no inf check recorded and scaler.update() raises, as with
+    torch's fused AdamW (it recorded one anyway, and the mistake passed silently); training goes on as torch's."""
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    words = []
+    for m, o in ((model, opt), (ref, ref_opt)):
+        scaler = torch.amp.GradScaler("cpu")
+        _step(m, o, 0, 1.0, scaler)
+        o.zero_grad()
+        scaler.step(o)
+        with pytest.raises(AssertionError) as caught:
+            scaler.update()
+        words.append(str(caught.value))
+        _step(m, o, 1, 1.0, torch.amp.GradScaler("cpu"))  # (torch's scaler keeps the failed step's state)
+    assert words[0] == words[1] == "No inf checks were recorded prior to update."
+    assert _max_error(model, opt, ref) < TOL
+
+
 # --- zero-element parameters train as torch's (they do nothing but count steps) -----------------
 
 class WithEmpty(nn.Module):
