@@ -249,13 +249,21 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 self._check_inside(owners, module)
             return
         todo = [u for u in owners if u.state is not UnitState.GATHERED]
-        if not todo:
-            return
         for u in todo:
             self._issue(u)
         for u in todo:
             self._wait(u)
-        if not torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # its outputs start the owners' backward, as a unit's do: a second backward
+            handle = None  # through the graph (retain_graph, a second loss) gathers them again after the first's end
+
+            def hook_outputs(module, args, output):
+                handle.remove()
+                if self.state is TrainingState.IDLE and not sys.exc_info()[0]:
+                    tensors = _output_tensors(output)
+                    for u in owners:
+                        self._hook_outputs(u, tensors)
+            handle = module.register_forward_hook(hook_outputs, always_call=True)
+        elif todo:
             handle = None
 
             def release(module, args, output):
