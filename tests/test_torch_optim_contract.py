@@ -312,7 +312,10 @@ def test_loading_a_state_dict_without_a_flag_takes_torchs_default(stage, flag, k
         o.load_state_dict(sd)
         assert o.param_groups[0][flag] is False and o.param_groups[0]["foreach"] is None
         _steps(m, o, 3, 3)
-    assert all(torch.equal(a, b) for a, b in zip(_params(model, opt, stage), ref.parameters()))
+    # (torch's loaded group lost fused=True: its for-loop update may differ from the fused kernel's by an ulp, as on
+    # an AMD EPYC)
+    for a, b in zip(_params(model, opt, stage), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("kw, words", [
