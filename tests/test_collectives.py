@@ -372,3 +372,58 @@ def test_a_slice_timing_out_as_the_collective_ends_is_no_error(monkeypatch):
     monkeypatch.setattr(rendezvous, "peer_failure", lambda: "rank 1 stopped in step(): it raised")
     with pytest.raises(RuntimeError, match="rank 1 stopped"):
         works._Watched(_RacingWork(ok=False)).wait()
+
+
+def _groups_dropped_with_their_optimizer(rank, world_size):
+    import gc
+
+    from torch import nn
+    from torch.distributed.distributed_c10d import _world
+
+    from fused_zero import ShardedOptimizer
+
+    def train(stage, **kw):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+        opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-3,
+                               **({"module": model} if kw.get("update_behind") else {}), **kw)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        return opt
+
+    base = len(_world.pg_map)
+    counts = {}
+    for name, stage, kw in (("stage3", 3, {}), ("stage1_behind", 1, {"update_behind": True}),
+                            ("stage2", 2, {})):
+        for _ in range(3):
+            opt = train(stage, **kw)
+            made = len(_world.pg_map) - base
+            del opt
+            gc.collect()
+        counts[name] = (made, len(_world.pg_map) - base)
+    opt = None
+    counts["reassigned"] = []
+    for _ in range(2):  # a sweep in a notebook: each new optimizer replaces the last in one variable (built while
+        for _ in range(3):  # the last is open, it reduces over a group of its own too)
+            opt = train(3)
+        gc.collect()
+        counts["reassigned"].append(len(_world.pg_map) - base)
+    # a group torch.distributed destroyed first (destroy_process_group(), of every group): dropping its Comm later
+    # stays quiet
+    from fused_zero.comm.collectives import _destroy_made
+    group = dist.new_group([0, 1])
+    dist.destroy_process_group(group)
+    _destroy_made(group)
+    del opt
+    gc.collect()
+    counts["after_last"] = len(_world.pg_map) - base
+    return counts
+
+
+def test_process_groups_an_optimizer_made_go_with_it():
+    """Each optimizer's own groups (stage 3's gathers, the gathers behind step()) stayed registered, with their
+    sockets, after it was dropped: a sweep in one process ran out of file descriptors."""
+    for counts in run_ranks(_groups_dropped_with_their_optimizer, 2, timeout=180):
+        assert counts["stage3"][0] > 0 and counts["stage1_behind"][0] > 0, counts
+        assert all(left == 0 for made, left in (counts[k] for k in ("stage3", "stage1_behind", "stage2"))), counts
+        assert counts["reassigned"][0] == counts["reassigned"][1] <= 2, counts  # only the live one's
+        assert counts["after_last"] == 0, counts

@@ -31,6 +31,7 @@ import ctypes
 import hashlib
 import pickle
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -119,6 +120,23 @@ def is_device_mesh(obj: object) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
+def _owning(group) -> "Comm":
+    """A Comm over ``group``, a process group this package made (``Comm.spanning``, ``Comm.split``): the group is
+    destroyed when the Comm is collected (its optimizer dropped, or rebuilt in a sweep), as torch keeps every group
+    registered, with its sockets and threads, until destroy_process_group. Not at interpreter exit: torch's own
+    teardown takes them then."""
+    comm = Comm(group)
+    weakref.finalize(comm, _destroy_made, group).atexit = False
+    return comm
+
+
+def _destroy_made(group) -> None:
+    """Destroy ``group`` unless torch.distributed went first (destroy_process_group() of every group, or a new
+    default group since): local, no collective."""
+    if dist.is_available() and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
+
+
 class Comm(TensorChecks, TrafficCount, Agreement):
     """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
 
@@ -155,8 +173,8 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         reduce-scatters) gets a group of its own so the two never interleave.
         ``backend``: another backend for the new group ("gloo": host flags beside an NCCL group).
         """
-        if self._local:  # nothing to keep apart: the same (local) communicator, own traffic count
-            twin = copy.copy(self)
+        if self._local:  # nothing to keep apart: the same (local) communicator, own traffic count (the group, if
+            twin = copy.copy(self)  # one this package made, is destroyed when this Comm goes: _owning)
             twin.reset_traffic()
             return twin
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
@@ -165,7 +183,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
     def spanning(self, ranks: list[int], backend: str | None = None, local: bool = True) -> "Comm":
         """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it, and with
         ``local=False`` every rank of the default group), with this group's timeout."""
-        return Comm(self._new_group(ranks, backend, local))
+        return _owning(self._new_group(ranks, backend, local))
 
     def _new_group(self, ranks: list[int], backend: str | None, local: bool):
         """dist.new_group over ``ranks`` with this group's timeout (None on a rank outside them with ``local``)."""
@@ -187,7 +205,7 @@ class Comm(TensorChecks, TrafficCount, Agreement):
             block = ranks[start:start + size]
             made = self._new_group(block, None, local=self.group is not None)
             if self.rank // size == start // size:
-                mine = Comm(made)
+                mine = _owning(made)
         return mine
 
     def any_rank(self, flag: bool, site: str) -> bool:
