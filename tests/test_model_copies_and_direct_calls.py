@@ -272,11 +272,15 @@ def _children_rank(rank, world_size, pattern, per_module):
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def _children_cases(rank, world_size):
+    return {(pattern, per_module): _children_rank(rank, world_size, pattern, per_module)
+            for pattern in ("retain_graph", "second_loss") for per_module in (False, True)}
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("pattern", ["retain_graph", "second_loss"])
-@pytest.mark.parametrize("per_module", [False, True], ids=["default_units", "per_module"])
-def test_stage3_children_called_directly_then_two_backwards_match_torch(pattern, per_module, world_size):
+def test_stage3_children_called_directly_then_two_backwards_match_torch(world_size):
     """The first backward's end released the head (the root's unit); the second backward then read its empty
-    placeholder (a torch size error). A direct call's outputs now gather its owners for every backward."""
-    for err in run_ranks(_children_rank, world_size, pattern, per_module):
-        assert err < 1e-6, err
+    placeholder (a torch size error). A direct call's outputs now gather its owners for every backward. Both
+    patterns, with the default units and one unit per module, in one spawn."""
+    for errors in run_ranks(_children_cases, world_size):
+        assert all(err < 1e-6 for err in errors.values()), errors
