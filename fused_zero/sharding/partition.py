@@ -161,11 +161,17 @@ class Partition:
         the flat buffers they view (stage 3: the shards their next gather reads), which autograd does not see. The
         versions remembered for finding user code's writes (``mark_synced``, ``release``) move with them, so a
         write user code made before still shows. One C call."""
+        if all(flags):  # (the common case: one C call, and one pass over each remembered list)
+            torch.autograd.graph.increment_version(self.params)
+            if len(self._versions) == len(self.params):
+                self._versions = [v + 1 for v in self._versions]
+            if self._released_versions is not None and len(self._released_versions) == len(self.params):
+                self._released_versions = [v + 1 for v in self._released_versions]
+            return
         written = [i for i, f in enumerate(flags) if f]
         if not written:
             return
-        torch.autograd.graph.increment_version(self.params if len(written) == len(self.params)
-                                               else [self.params[i] for i in written])
+        torch.autograd.graph.increment_version([self.params[i] for i in written])
         for versions in (self._versions, self._released_versions):
             if versions is not None and len(versions) == len(self.params):
                 for i in written:
