@@ -1252,8 +1252,11 @@ def _create_graph(rank, world_size, stage):
             loss_fn(model(x, **flags(t, rank)), y).backward(create_graph=True)
             opt.step()
             ref_opt.zero_grad()
-            sum(loss_fn(ref(*batch(t, r)[:1], **flags(t, r)), batch(t, r)[1]) for r in range(world_size)).div(
-                world_size).backward()
+            losses = []
+            for r in range(world_size):
+                xr, yr = batch(t, r)
+                losses.append(loss_fn(ref(xr, **flags(t, r)), yr))
+            (sum(losses) / world_size).backward()
             ref_opt.step()
     with opt.full_parameters():
         refs = dict(ref.named_parameters())

@@ -243,7 +243,9 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         """A module that is not a unit's own, called outside the model's forward (``model.head(x)``,
         ``block.attn(x)`` between steps; every rank calls it, as a unit's module): the ``owners`` of its
         parameters are gathered for it, as a unit's module gathers its unit. Without gradients they are
-        released after the call; with them they stay gathered for their backward, until the step."""
+        released after the call; with them they stay gathered for their backward, and the call's outputs start
+        the owners' backward as a unit's outputs do, so each backward through the graph (``retain_graph``, a
+        second loss) gathers them again after an earlier one's end released them."""
         if self.state is not TrainingState.IDLE or self._holding or self._closed:
             if self._checking and self.state is TrainingState.FORWARD:
                 self._check_inside(owners, module)
@@ -253,25 +255,24 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             self._issue(u)
         for u in todo:
             self._wait(u)
-        if torch.is_grad_enabled():  # its outputs start the owners' backward, as a unit's do: a second backward
-            handle = None  # through the graph (retain_graph, a second loss) gathers them again after the first's end
+        grad = torch.is_grad_enabled()
+        if not grad and not todo:
+            return
+        handle = None
 
-            def hook_outputs(module, args, output):
-                handle.remove()
-                if self.state is TrainingState.IDLE and not sys.exc_info()[0]:
+        def after_call(module, args, output):
+            handle.remove()
+            if self.state is not TrainingState.IDLE:
+                return
+            if grad:
+                if not sys.exc_info()[0]:
                     tensors = _output_tensors(output)
                     for u in owners:
                         self._hook_outputs(u, tensors)
-            handle = module.register_forward_hook(hook_outputs, always_call=True)
-        elif todo:
-            handle = None
-
-            def release(module, args, output):
-                handle.remove()
-                if self.state is TrainingState.IDLE and not self._holding:
-                    for u in todo:
-                        self._release(u)
-            handle = module.register_forward_hook(release, always_call=True)
+            elif not self._holding:
+                for u in todo:
+                    self._release(u)
+        handle = module.register_forward_hook(after_call, always_call=True)
 
     def _check_inside(self, owners: tuple, module: nn.Module) -> None:
         """The first training forward: ``module``, which holds parameters of the units ``owners`` without being
