@@ -17,10 +17,10 @@ names them and shows where they were.
 
 Start-up. A "spawn" process imports torch itself: about 2 s of CPU per rank, so 4 ranks
 take 4-8 s on two cores before ``fn`` runs. Ranks therefore start from a "forkserver"
-that imported torch once per test session (the first call pays ~2-3 s, later ones
-~0.1 s). The server is a clean process that never ran a test, so the ranks are as
+that imported torch, fused_zero and the installed frameworks once per test session (the first
+call pays ~2-10 s, later ones ~0.1 s). The server is a clean process that never ran a test, so the ranks are as
 fresh as spawned ones, and each rank gets the caller's current os.environ, working
-folder and sys.path (variables read only while torch imports come from the first
+folder and sys.path (variables read only while those modules import come from the first
 call's environment).
 FUSED_ZERO_TEST_START=spawn switches to plain spawn. Ranks end with ``os._exit``
 (interpreter shutdown with torch loaded takes 1-4 s), so atexit handlers do not run.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -54,11 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the forkserver imports once for every rank: torch, the package, and the frameworks the integration tests
+# run when they are installed (transformers and lightning take 3-4 s of CPU each to import, per rank, per call)
+_PRELOAD = ["torch", "torch.distributed", "fused_zero"] + [
+    m for m in ("transformers", "transformers.trainer", "accelerate", "peft", "lightning.pytorch")
+    if importlib.util.find_spec(m.split(".")[0]) is not None]
+
+
 def _context():
     method = os.environ.get("FUSED_ZERO_TEST_START", "forkserver")
     if method == "forkserver" and method in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])  # takes effect when the server starts
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts
         return ctx
     return mp.get_context("spawn")
 
