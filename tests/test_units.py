@@ -370,3 +370,67 @@ def test_plan_merges_small_default_units_only():
     # units= given explicitly are the user's choice: never merged
     same(single(plan_units(model, list(model.blocks), min_unit_numel=10 ** 9)), [model, *model.blocks])
     same(single(plan_units(model, [Block], min_unit_numel=10 ** 9)), [model, *model.blocks])
+
+
+class _Attention(nn.Module):
+    """A Linear, a MultiheadAttention (its forward passes ``out_proj.weight`` to ``F.multi_head_attention_forward``
+    without calling ``out_proj``) and a TransformerEncoderLayer (its eval fast path under ``no_grad`` passes every
+    child's weights to one fused op)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.layer(self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_linear_units_leave_the_weights_attention_reads_directly_to_the_unit_around_it():
+    """units=[nn.Linear] (wrap every Linear, an FSDP habit) made MultiheadAttention.out_proj a unit, whose forward
+    never runs: the attention read its empty placeholder ("mat2 must be a matrix, got 1-D tensor"). Linears inside
+    a MultiheadAttention or a TransformerEncoderLayer are no units; the others are."""
+    model = _Attention()
+    same(resolve_units(model, [nn.Linear]), [model.inp])
+    same(resolve_units(model, [nn.Linear, nn.TransformerEncoderLayer]), [model.inp, model.layer])
+    same(resolve_units(model, [nn.MultiheadAttention]), [model.attn])  # not the layer's own self_attn
+    for root in (nn.MultiheadAttention(8, 2), nn.TransformerEncoderLayer(8, 2, 16)):
+        assert resolve_units(root, None) == []  # the default: the root's children, none of them here
+
+
+@pytest.mark.parametrize("where", ["attn.out_proj", "layer.linear1", "layer.self_attn"])
+def test_a_unit_inside_attention_is_refused_naming_the_module_to_pass(where):
+    model = _Attention()
+    reader = "MultiheadAttention attn" if where.startswith("attn") else "TransformerEncoderLayer layer"
+    with pytest.raises(ValueError, match=f"units contains {where}, inside the {reader}, whose forward reads its "
+                                         f"weights directly.*pass the {reader.split()[0]}"):
+        resolve_units(model, [model.get_submodule(where)])
+
+
+def test_stage3_with_linear_units_trains_attention_as_torch():
+    """Three steps against torch AdamW (the key bias's gradient is zero but for rounding, which Adam scales up to
+    +-lr a step in any implementation: left out), then an eval forward on the fast path."""
+    from fused_zero import ShardedOptimizer
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    model, ref = _Attention(), _Attention()
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, units=[nn.Linear])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    with opt.full_parameters():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            keep = torch.ones_like(p, dtype=torch.bool)
+            if name.endswith("in_proj_bias"):
+                keep[8:16] = False
+            torch.testing.assert_close(p[keep], q[keep], rtol=1e-5, atol=1e-6)
+    model.eval()
+    with torch.no_grad():  # the layer's fast path reads all its weights at once: gathered with the root
+        out = model(x)
+    with opt.full_parameters(), torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)

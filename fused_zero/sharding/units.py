@@ -117,17 +117,40 @@ def _layers(m: nn.Module):
         yield m
 
 
+#: torch modules whose own forward reads their submodules' parameters without calling those submodules:
+#: ``MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``, and
+#: ``TransformerEncoderLayer``'s fast path (eval under ``no_grad``) passes every child's weights to one fused op.
+#: A unit inside one would never be gathered when it is read: the weights belong to the unit around it.
+_READS_CHILDREN = (nn.MultiheadAttention, nn.TransformerEncoderLayer)
+
+
+def _inside_readers(model: nn.Module) -> dict[int, tuple[str, str, str]]:
+    """For each module strictly inside a ``_READS_CHILDREN`` module of ``model``: (its name, the reader's name,
+    the reader's class name)."""
+    inside: dict[int, tuple[str, str, str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, _READS_CHILDREN):
+            for sub, d in m.named_modules(prefix=name):
+                if d is not m:
+                    inside.setdefault(id(d), (sub or "the model", name or "the model", type(m).__name__))
+    return inside
+
+
 def resolve_units(model: nn.Module, units) -> list[nn.Module]:
-    """The unit modules below the root for ``units`` (None, classes or modules), model order."""
+    """The unit modules below the root for ``units`` (None, classes or modules), model order. Modules inside one
+    that reads their weights directly (``_READS_CHILDREN``) are no units: by default and for classes they are left
+    to the unit around them (``units=[nn.Linear]`` makes every other Linear a unit); passed by themselves they are
+    refused, naming the module to pass instead."""
+    inside = _inside_readers(model)
     if units is None:
-        chosen = default_units(model)
+        chosen = [m for m in default_units(model) if id(m) not in inside]
     else:
         if isinstance(units, (type, nn.Module, str, bytes)) or not isinstance(units, Sequence):
             raise TypeError("units must be a list of nn.Module classes or of submodules of the model, "
                             f"got {type(units).__name__}")
         if all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             classes = tuple(units)
-            chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+            chosen = [m for m in model.modules() if m is not model and isinstance(m, classes) and id(m) not in inside]
         elif all(isinstance(u, nn.Module) for u in units):
             members = {id(m) for m in model.modules()}
             for u in units:
@@ -136,6 +159,12 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
                                      "pass modules of the model the optimizer shards")
                 if u is model:
                     raise ValueError("units must not contain the model itself: it is always the root unit")
+                if id(u) in inside:
+                    sub, reader, kind = inside[id(u)]
+                    raise ValueError(
+                        f"units contains {sub}, inside the {kind} {reader}, whose forward reads its weights directly "
+                        "without calling it, so they would never be gathered when they are read: pass the "
+                        f"{kind} (or a module around it) as the unit instead")
             chosen = list(units)
         else:
             bad = [u for u in units if not (isinstance(u, nn.Module) or (isinstance(u, type) and issubclass(u, nn.Module)))]
