@@ -10,7 +10,8 @@ import torch
 
 def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -> Callable:
     """``hook`` kept out of torch.compile's graph: called through ``torch.compiler.disable`` while Dynamo
-    traces, directly otherwise (the wrapper's own cost, paid per module per forward, is then saved).
+    traces or compiled code runs, directly in plain eager code (the wrapper's own cost, paid per module per forward,
+    is then saved).
     ``on_compiled``: called first on each call from compiled code (behind_buckets: the model is compiled)."""
     if on_compiled is not None:
         def from_compiled(*args, hook=hook):
@@ -20,8 +21,33 @@ def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -
     else:
         disabled = torch.compiler.disable(hook)
 
-    def call(*args):
-        if torch.compiler.is_compiling():
+    def call(*args, callback=_GET_CALLBACK or _no_callback):
+        # ``call`` is inlined where Dynamo traces a module's forward (is_compiling: the hook, a graph break, runs
+        # out of the graph); run from compiled code's eager frames (a graph break in the model's forward), Dynamo's
+        # frame callback is set and would compile the hook's frames: it runs disabled then too
+        if torch.compiler.is_compiling() or callback() is not None:
             return disabled(*args)
         return hook(*args)
+    _skip_frame(call)
     return call
+
+
+def _no_callback() -> None:
+    """Where torch has no ``get_eval_frame_callback``: no callback seen."""
+
+
+def _skip_frame(fn: Callable) -> None:
+    """Dynamo never compiles ``fn``'s own frame (one code object for every hook made here): compiled alone, once per
+    module class and input signature that reached it, it hit Dynamo's recompile limit and warned at stage 3 with a
+    unit per module. Run eagerly, it sees Dynamo's callback and runs the hook disabled."""
+    global _SKIPPED
+    if not _SKIPPED:
+        import torch._dynamo.decorators  # imported already: torch.compiler.disable made the hook's twin
+        skip = getattr(torch._dynamo.decorators, "skip", None)
+        if skip is not None:
+            skip(fn)
+        _SKIPPED = True
+
+
+_SKIPPED = False
+_GET_CALLBACK = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)

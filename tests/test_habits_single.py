@@ -377,6 +377,42 @@ def test_compiled_model_trains_like_eager(stage):
         assert max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())) < TOL
 
 
+def test_compiled_model_with_a_unit_per_module_never_compiles_the_hooks_own_frame():
+    """Stage 3 with a unit per Linear and LayerNorm under torch.compile: the hooks' wrapper (eager_hooks.call) was
+    compiled on its own, once per module class and input signature that reached it, until Dynamo warned that it hit
+    its recompile limit (8). Its frame is now never compiled (no cache entry), and training equals eager."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from fused_zero.eager_hooks import _eager_only
+
+    torch._dynamo.reset()
+    units = dict(units=[nn.Linear, nn.LayerNorm], min_unit_numel=0)
+    model, ref = _Blocks(), _Blocks()
+    opt, ref_opt = (ShardedOptimizer(m, lr=1e-2, stage=3, **units) for m in (model, ref))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    for m, o in ((compiled, opt), (ref, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    assert _debug_get_cache_entry_list(_eager_only(lambda: None).__code__) == []
+    with opt.full_parameters(), ref_opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
 def test_hand_assigned_grad_at_stage2_is_refused_with_the_reason():
     model = PlainNet()
     opt = _build(model, 2)
