@@ -25,12 +25,19 @@ from _dist import run_ranks
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int = 8) -> None:
+    """``inside``: the block's own forward checkpoints its first layer (reentrant or not), inside its unit."""
+
+    def __init__(self, d: int = 8, inside: bool | None = None) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(d, 24), nn.Linear(24, d)
+        self.inside = inside
+
+    def _first(self, x):
+        return torch.tanh(self.fc1(x))
 
     def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
+        h = self._first(x) if self.inside is None else checkpoint(self._first, x, use_reentrant=self.inside)
+        return x + self.fc2(h)
 
 
 class _Net(nn.Module):
@@ -38,12 +45,12 @@ class _Net(nn.Module):
     leaves block 2 out; ``lora``: each block's fc1 frozen (a frozen unit is released once its inputs' gradient
     is in too)."""
 
-    def __init__(self, reentrant: bool | None, twice: bool, lora: bool) -> None:
+    def __init__(self, reentrant: bool | None, twice: bool, lora: bool, inside: bool | None = None) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
             self.inp = nn.Linear(8, 8)
-            self.blocks = nn.ModuleList(_Block() for _ in range(3))
+            self.blocks = nn.ModuleList(_Block(inside=inside) for _ in range(3))
             self.head = nn.Linear(8, 2)
         if lora:
             for b in self.blocks:
@@ -62,10 +69,10 @@ class _Net(nn.Module):
         return self.head(h).square().mean()
 
 
-def _train(rank, world_size, stage, reentrant, twice, lora, skip_last, bucket_numel):
+def _train(rank, world_size, stage, reentrant, twice, lora, skip_last, bucket_numel, inside=None):
     import torch.distributed as dist
     from fused_zero import ShardedOptimizer
-    ref = _Net(reentrant, twice, lora)
+    ref = _Net(reentrant, twice, lora, inside)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     kw = {} if bucket_numel is None else dict(bucket_numel=bucket_numel)
@@ -121,6 +128,17 @@ def test_a_rank_skipping_the_last_unit_under_checkpointing_trains_as_torch(reent
     checkpointing released that unit after its forward on the ranks that ran it (under no_grad) while the
     skipping rank kept it: their backward gathers paired different units (a hang, or equal-sized units mixed)."""
     _check(run_ranks(_train, 2, 3, reentrant, False, False, True, None, timeout=120))
+
+
+@pytest.mark.parametrize("stage,world_size,inside,twice", [(3, 2, True, False), (3, 2, False, False), (3, 2, True, True),
+                                                       (3, 2, False, True), (3, 1, True, True), (2, 2, True, True)])
+def test_checkpointing_inside_a_units_forward_trains_as_torch(stage, world_size, inside, twice):
+    """Each block's forward checkpoints its first layer (reentrant or not): the recomputation runs inside the unit's
+    backward, with its parameters gathered; twice: block 1 runs twice per forward, so its recomputations and
+    gradients come twice in one backward. Before, at stage 3 the unit was released once one call's gradients
+    completed it, and the other call's reentrant recomputation read its empty placeholders ("mat2 must be a
+    matrix")."""
+    _check(run_ranks(_train, world_size, stage, None, twice, False, False, 64, inside, timeout=120))
 
 
 def test_a_block_run_twice_without_checkpointing_is_unchanged():

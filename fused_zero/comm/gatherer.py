@@ -249,6 +249,14 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         if self.state is not TrainingState.IDLE or self._holding or self._closed:
             if self._checking and self.state is TrainingState.FORWARD:
                 self._check_inside(owners, module)
+            elif self.state is TrainingState.BACKWARD and not self._holding and not self._closed:
+                # a recomputation (activation checkpointing inside a unit's forward: the checkpointed function calls
+                # the unit's inner modules, not its own) after the unit's gradients were all in and it was released
+                # (a unit called twice: one call's gradients complete it before the other call's recomputation):
+                # gathered again, as a unit whose own forward is recomputed (every rank recomputes alike)
+                for u in owners:
+                    if u.state is not UnitState.GATHERED:
+                        self._require(u)
             return
         todo = [u for u in owners if u.state is not UnitState.GATHERED]
         for u in todo:
