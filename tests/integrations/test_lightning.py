@@ -288,3 +288,53 @@ def test_fp16_mixed_with_grad_scaler_matches_ddp():
     assert len(have) == len(want) == 6 * ACCUM
     worst = max(_rel(a, b) for a, b in zip(have, want))
     assert worst <= 1e-4, (worst, have, want)
+
+
+class ManualGPT(LitGPT):
+    """Manual optimization with one optimizer: training_step runs backward, clips and steps itself, one step per
+    micro-batch (Lightning refuses accumulate_grad_batches and gradient_clip_val with manual optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        opt.step()
+        sched.step()
+
+
+def _fit_manual(rank, world, stage, units):
+    _lightning_env(rank, world)
+    model = ManualGPT()
+    if stage == "ddp":
+        strategy = "ddp"
+    else:
+        from fused_zero.integrations.lightning import ZeroStrategy
+        strategy = ZeroStrategy(stage=stage, **({"min_unit_numel": 0} if units else {}))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=6, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, enable_checkpointing=False)
+    trainer.fit(model)
+    return model.losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def manual_ddp():
+    return run_ranks(_fit_manual, 2, "ddp", False, timeout=300)
+
+
+@pytest.mark.parametrize("stage,units", [(2, False), (3, False), (3, True)])
+def test_manual_optimization_with_one_optimizer_matches_ddp(stage, units, manual_ddp):
+    """manual_backward, clip_gradients (active every step) and step() inside training_step (stage 3 runs it inside
+    the LightningModule's own call, the root unit's forward; units: each GPT block a unit of its own)."""
+    got = run_ranks(_fit_manual, 2, stage, units, timeout=300)
+    for (losses, params), (ref_losses, ref_params) in zip(got, manual_ddp):
+        assert len(losses) == len(ref_losses) == 6
+        assert max(_rel(a, b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
+        for name, p in params.items():
+            assert float((p - ref_params[name]).norm() / ref_params[name].norm()) <= 1e-5, name
