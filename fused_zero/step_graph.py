@@ -23,6 +23,8 @@ replay of the recorded ops that stands in for the CUDA graph there).
 """
 from __future__ import annotations
 
+import gc
+
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -234,6 +236,12 @@ class StepGraph:
         """Record ``body`` as ``key``'s graph (None where the capture raised: warned once, the key runs eagerly)."""
         comms = self._traffic_comms()
         before = [comm.traffic() for comm in comms]
+        # no garbage collection while capturing: a finalizer it runs (an earlier optimizer's pinned buffer or event
+        # freed, a query of its event) would be a CUDA call on the capturing thread, which invalidates the capture
+        # (seen once on an H100 after the other CUDA tests: "operation not permitted when stream is capturing").
+        # torch.cuda.graph collects before the capture begins.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             graph = (new_graph or _CudaGraph)()
             with graph.capture():
@@ -249,6 +257,9 @@ class StepGraph:
             self.captures += 1
             while len(self._graphs) > MAX_GRAPHS:
                 self._graphs.popitem(last=False)
+        finally:
+            if collecting:
+                gc.enable()
         for comm, b in zip(comms, before):  # a capture moves nothing: the replays count
             comm.reset_traffic()
             comm.add_traffic(b)

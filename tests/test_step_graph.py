@@ -217,6 +217,35 @@ def test_a_failed_capture_warns_once_and_runs_eagerly():
     assert failed["captures"] == 0 and failed["replays"] == 0
 
 
+from _graph_twin import GraphTwin  # noqa: E402
+
+
+class _GcWatchingGraph(GraphTwin):
+    """The CPU twin, noting whether Python's garbage collector was on while the body was captured."""
+    gc_during_capture: list = []
+
+    @contextlib.contextmanager
+    def capture(self):
+        import gc
+        with super().capture():
+            _GcWatchingGraph.gc_during_capture.append(gc.isenabled())
+            yield
+
+
+def test_no_garbage_is_collected_while_capturing():
+    """A finalizer run by the collector mid-capture (an earlier optimizer's pinned buffer or event freed) is a CUDA
+    call on the capturing thread and invalidates the capture (once on an H100, after the other CUDA tests): the
+    collector is off during the capture and on again after it, and replays still equal eager steps."""
+    import gc
+    assert gc.isenabled()
+    eager = _train(0, 1, 2, False, "clip")
+    _GcWatchingGraph.gc_during_capture.clear()
+    replayed = _train(0, 1, 2, True, "clip", new_graph=_GcWatchingGraph)
+    assert _GcWatchingGraph.gc_during_capture == [False] and gc.isenabled()
+    _same(eager, replayed)
+    assert replayed["captures"] == 1
+
+
 def _detail(rank, world_size):
     import torch.distributed as dist
 
