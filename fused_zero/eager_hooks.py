@@ -28,7 +28,7 @@ def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -
         if torch.compiler.is_compiling() or callback() is not None:
             return disabled(*args)
         return hook(*args)
-    _skip_frame(call)
+    _skip_frame(call.__code__)
     return call
 
 
@@ -36,18 +36,13 @@ def _no_callback() -> None:
     """Where torch has no ``get_eval_frame_callback``: no callback seen."""
 
 
-def _skip_frame(fn: Callable) -> None:
-    """Dynamo never compiles ``fn``'s own frame (one code object for every hook made here): compiled alone, once per
-    module class and input signature that reached it, it hit Dynamo's recompile limit and warned at stage 3 with a
-    unit per module. Run eagerly, it sees Dynamo's callback and runs the hook disabled."""
-    global _SKIPPED
-    if not _SKIPPED:
-        import torch._dynamo.decorators  # imported already: torch.compiler.disable made the hook's twin
-        skip = getattr(torch._dynamo.decorators, "skip", None)
-        if skip is not None:
-            skip(fn)
-        _SKIPPED = True
-
-
-_SKIPPED = False
+def _skip_frame(code) -> None:
+    """Dynamo never compiles a frame of ``code`` (``call``'s: one code object for every hook made here) on its own:
+    compiled alone, once per module class and input signature that reached it, it hit Dynamo's recompile limit and
+    warned at stage 3 with a unit per module. Run eagerly, it sees Dynamo's callback and runs the hook disabled.
+    Only the frame: where Dynamo traces a forward it still inlines ``call`` (idempotent: a set of codes)."""
+    import torch._dynamo.eval_frame  # imported already: torch.compiler.disable made the hook's twin
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip_code is not None:
+        skip_code(code)
 _GET_CALLBACK = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)

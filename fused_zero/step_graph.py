@@ -24,7 +24,6 @@ replay of the recorded ops that stands in for the CUDA graph there).
 from __future__ import annotations
 
 import gc
-
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager

@@ -12,12 +12,14 @@ runs the same on a GPU with CUDA graphs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import pytest
 import torch
 
 from _dist import run_ranks
+from _graph_twin import GraphTwin
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 
 STEPS = 10
@@ -39,7 +41,6 @@ def _graph_settings():
 
 def _setup(capture: bool):
     import fused_zero.step_graph as sg
-    from _graph_twin import GraphTwin
 
     # the ops' pure-torch twins, which decide a skipped step on the device as the Triton kernels do (torch's fused
     # CPU AdamW, the CPU default, reads the verdict on the host: no CUDA graph could hold that)
@@ -217,16 +218,12 @@ def test_a_failed_capture_warns_once_and_runs_eagerly():
     assert failed["captures"] == 0 and failed["replays"] == 0
 
 
-from _graph_twin import GraphTwin  # noqa: E402
-
-
 class _GcWatchingGraph(GraphTwin):
     """The CPU twin, noting whether Python's garbage collector was on while the body was captured."""
     gc_during_capture: list = []
 
     @contextlib.contextmanager
     def capture(self):
-        import gc
         with super().capture():
             _GcWatchingGraph.gc_during_capture.append(gc.isenabled())
             yield
@@ -236,7 +233,6 @@ def test_no_garbage_is_collected_while_capturing():
     """A finalizer run by the collector mid-capture (an earlier optimizer's pinned buffer or event freed) is a CUDA
     call on the capturing thread and invalidates the capture (once on an H100, after the other CUDA tests): the
     collector is off during the capture and on again after it, and replays still equal eager steps."""
-    import gc
     assert gc.isenabled()
     eager = _train(0, 1, 2, False, "clip")
     _GcWatchingGraph.gc_during_capture.clear()

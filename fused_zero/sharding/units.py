@@ -132,7 +132,7 @@ def _inside_readers(model: nn.Module) -> dict[int, tuple[str, str, str]]:
         if isinstance(m, _READS_CHILDREN):
             for sub, d in m.named_modules(prefix=name):
                 if d is not m:
-                    inside.setdefault(id(d), (sub or "the model", name or "the model", type(m).__name__))
+                    inside.setdefault(id(d), (sub, name or "the model", type(m).__name__))
     return inside
 
 
