@@ -8,8 +8,9 @@ cuda_world1 run, on CPU a small one) or, with ``--blocks N``, bench_host.py's N 
 ``AdamW(fused=True)``. After warm-up steps each optimizer's step (zero_grad, forward, backward,
 step) runs once under the profiler; printed per optimizer: wall time of the profiled step, the
 device-to-host reads fused_zero made (``host_read.counting``: each a sync on a GPU), the device
-kernels launched, the CUDA syncs (cudaStreamSynchronize / cudaDeviceSynchronize calls), and the
-top operators by self time on the host and on the device. bench/gpu_checks.sh runs it on a lent GPU.
+kernels launched, the packs' address uploads (gradients at addresses no recent step used), the
+CUDA syncs (cudaStreamSynchronize / cudaDeviceSynchronize calls), and the top operators by self
+time on the host and on the device. bench/gpu_checks.sh runs it on a lent GPU.
 """
 from __future__ import annotations
 
@@ -114,6 +115,14 @@ def python_time(name: str, opt, loss_of, steps: int, device: torch.device, top: 
     return head + "\n" + "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
+def _address_uploads(device: torch.device) -> int | None:
+    """The Triton packing kernels' address uploads so far (kernels/pack.py), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from fused_zero.kernels import pack as kpack
+    return kpack.uploads
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
@@ -134,6 +143,7 @@ def main(argv=None) -> int:
             step(opt, loss_of)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        uploads = _address_uploads(device)
         with counting() as reads, profile(activities=activities) as prof:
             t0 = time.perf_counter()
             step(opt, loss_of)
@@ -142,6 +152,8 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
         name = "torch AdamW(fused=True)" if which == "torch" else f"ShardedOptimizer stage {args.stage}"
         print(summarize(f"{name}, {args.dtype}, {device}", prof, wall, reads, device, args.top), flush=True)
+        if uploads is not None:  # the packs' address vectors sent up in that step (new .grad addresses)
+            print(f"   pack address uploads in the profiled step: {_address_uploads(device) - uploads}", flush=True)
         if args.cprofile:
             print(python_time(name, opt, loss_of, args.cprofile, device, args.top), flush=True)
         if hasattr(opt, "close"):

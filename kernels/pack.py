@@ -183,8 +183,14 @@ def build_table(dtypes, offsets, numels, bucket: torch.Tensor) -> Table:
     return Table(table, len(parts[0]), mask, aligned, ready, copy)
 
 
+#: address vectors uploaded so far (bench/profile_step.py reports them per step)
+uploads = 0
+
+
 def upload_addresses(ptrs: list, table: Table, device: torch.device) -> Addresses:
     """The entries' addresses (0 for a None entry) on ``device``, for ``table``'s rows."""
+    global uploads
+    uploads += 1
     host = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs)) if ptrs else np.zeros(1, dtype=np.int64)
     aligned = not np.any(host[table.copied] & 15)
     vec, ready = _upload(host, device)

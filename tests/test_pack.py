@@ -422,3 +422,33 @@ def test_pack_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")
     stdout = run_sm90_script("_pack_sm90.py", tmp_path)
     assert "128-bit stores: yes" in stdout
+
+
+@_TRITON
+def test_recent_address_lists_are_not_uploaded_again(monkeypatch):
+    """Backward's allocations often put a step's gradients back at addresses an earlier step used: the plan keeps
+    the address vectors of its last few address lists and uploads only a list it has not seen recently; every
+    call still reads through the addresses of the tensors it was given."""
+    from fused_zero.kernels import pack as kpack
+    dev = _triton_dev(monkeypatch)
+    shapes = [((BLOCK + 3,), F32), ((5,), BF16), ((2, 4), F32)]
+    lists = [_make(shapes, dev, seed=20 + k) for k in range(6)]  # all alive: six distinct address lists
+    offsets, size = _layout(lists[0])
+    bucket = torch.zeros(size, device=dev)
+    plan = ops.pack_plan(lists[0], offsets, bucket)
+    before = kpack.uploads
+    for k in (0, 1, 0, 1, 2, 0):  # three lists in turn: uploaded once each
+        ops.pack_checked_(plan, lists[k], bucket)
+        _assert_bitwise(bucket, _expected(torch.zeros_like(bucket), lists[k], offsets))
+    assert kpack.uploads - before == 3
+    for k in (3, 4, 5, 0):  # 4 more lists: the least recently used vector (list 1, then 2) leaves
+        ops.pack_checked_(plan, lists[k], bucket)
+    assert kpack.uploads - before == 6  # (list 0 was used last before 3, 4, 5: still kept)
+    for k in (1, 2):
+        ops.pack_checked_(plan, lists[k], bucket)
+        _assert_bitwise(bucket, _expected(torch.zeros_like(bucket), lists[k], offsets))
+    assert kpack.uploads - before == 8
+    none = [lists[0][0], None, lists[0][2]]  # an entry's None-ness changes the table: its vectors go with it
+    ops.pack_checked_(plan, none, bucket)
+    ops.pack_checked_(plan, lists[0], bucket)
+    assert kpack.uploads - before == 10

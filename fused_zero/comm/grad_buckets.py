@@ -124,25 +124,7 @@ class GradBucket:
             if base is None:
                 return False
             buf = base[: b.numel]
-        tensors = []
-        flags = present.flags[self.pi]
-        held = pipe.held
-        for s in self.segments:
-            if s.param is None:
-                g = None
-            elif late is not None:
-                g = late.get(id(s.param))
-            elif s.whole or not held:
-                g = s.param.grad
-            else:  # part of a parameter that an earlier bucket packed part of
-                g = held.get(id(s.param), s.param.grad)
-            if g is not None:
-                flags[s.index] = True
-                if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
-                    g = g.reshape(-1)[s.start: s.start + s.numel]
-                    if not g.is_contiguous():  # a .grad set by hand whose strides flatten without a copy (t[:, ::2])
-                        g = g.contiguous()
-            tensors.append(g)
+        tensors = self.gradients(present, late)
         n = pipe.divisor
         if self._plan is None:
             self._plan = ops.pack_plan(tensors, [s.bucket_offset for s in self.segments], buf,
@@ -172,6 +154,30 @@ class GradBucket:
         pipe.pending.append(_Inflight(self, handle, base, out, acc, down, scratch))
         self._free(free_grads and late is None)
         return True
+
+    def gradients(self, present, late: dict | None = None) -> list:
+        """What each segment packs (None: zeros), its parameter marked in ``present``: ``.grad`` (the part of it
+        this bucket holds), or from ``late`` (by parameter id) when given."""
+        tensors = []
+        flags = present.flags[self.pi]
+        held = self.pipe.held
+        for s in self.segments:
+            if s.param is None:
+                g = None
+            elif late is not None:
+                g = late.get(id(s.param))
+            elif s.whole or not held:
+                g = s.param.grad
+            else:  # part of a parameter that an earlier bucket packed part of
+                g = held.get(id(s.param), s.param.grad)
+            if g is not None:
+                flags[s.index] = True
+                if not (s.whole and g.is_contiguous()):  # a whole contiguous .grad packs as it is
+                    g = g.reshape(-1)[s.start: s.start + s.numel]
+                    if not g.is_contiguous():  # a .grad set by hand whose strides flatten without a copy (t[:, ::2])
+                        g = g.contiguous()
+            tensors.append(g)
+        return tensors
 
     def _free(self, free_grads: bool) -> None:
         if free_grads:

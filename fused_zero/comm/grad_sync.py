@@ -44,6 +44,7 @@ from ..host_read import to_host
 from ..lifecycle import expect, setting
 from ..sharding.partition import Partition
 from .collectives import Comm
+from .direct_runs import DirectRun, direct_runs
 from .grad_buckets import BucketPipe, GradBucket
 
 
@@ -140,6 +141,17 @@ class GradSync:
         self._last_present = self.present.copy()  # present at the last step
         self.state = RoundState.EMPTY
         self._accumulated = False  # a backward ran under no_sync() since the last step
+        self._runs: dict[int, DirectRun] | None = None  # one rank: buckets packed together (direct_runs.py)
+
+    #: whether a direct run's gradients are bounded by the pool's bytes (they wait in .grad for its last bucket)
+    bounded_runs = True
+
+    def direct_runs(self) -> dict[int, DirectRun]:
+        """One rank: the runs of buckets packed by one launch, by the launch-order position of their first (found
+        at the first pack: the pipe's codec and replicas are set after the build)."""
+        if self._runs is None:
+            self._runs = direct_runs(self.buckets, self.pipe, self.bounded_runs)
+        return self._runs
 
     # -- backward ---------------------------------------------------------
     def hooked(self, params) -> list[torch.nn.Parameter]:
@@ -242,6 +254,8 @@ class GradSync:
 class ReduceAtStep(GradSync):
     """Stage 1: ``.grad`` is kept through backward, and every bucket is reduced from it at step()."""
 
+    bounded_runs = False  # .grad is kept until the step: one rank packs each partition in one launch
+
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
         # .grad's version counter when backward left it, per partition and position (None: not seen)
@@ -313,8 +327,16 @@ class ReduceAtStep(GradSync):
         if self.state is not RoundState.REDUCED:
             refused, kept = self._check_kept()
             self.present.clear()
-            for bucket in self.buckets:
-                bucket.start(self.present, accumulate=False, free_grads=False, block=True, late=kept)
+            runs = self.direct_runs() if kept is None else {}
+            k = 0
+            while k < len(self.buckets):
+                run = runs.get(k)
+                if run is not None:  # one rank: the partition's buckets in one launch
+                    run.start(self.present, accumulate=False, free_grads=False)
+                    k += len(run.buckets)
+                    continue
+                self.buckets[k].start(self.present, accumulate=False, free_grads=False, block=True, late=kept)
+                k += 1
             for e in self._empty:
                 if e.part.params[e.index].grad is not None:
                     self.present.flags[e.pi][e.index] = True
@@ -507,7 +529,15 @@ class ReduceInBackward(GradSync):
         self._seen.clear()
 
     def _start_ready(self, flush: bool) -> None:
+        runs = self.direct_runs()
         while self._next < len(self.buckets):
+            run = runs.get(self._next)
+            if run is not None:  # one rank: started once its last bucket is complete
+                if not flush and any(b.remaining > 0 for b in run.buckets):
+                    return
+                run.start(self.present, accumulate=self.state is RoundState.ADDING, free_grads=True)
+                self._next += len(run.buckets)
+                continue
             bucket = self.buckets[self._next]
             if not flush and bucket.remaining > 0:
                 return

@@ -273,9 +273,23 @@ def _triton_args(kpack, plan, tensors, bucket):
         if dtypes != state.get("dtypes"):
             state["table"] = kpack.build_table(dtypes, plan.offsets, plan.numels, bucket)
             state["dtypes"] = dtypes
-        state["addrs"] = kpack.upload_addresses(ptrs, state["table"], bucket.device)
+            state["recent"] = {}
+        # the address vectors of this table's last few address lists: where backward's allocations come back to
+        # addresses an earlier step used, no upload (a vector only ever holds the addresses it is keyed by)
+        recent, key = state["recent"], tuple(ptrs)
+        addrs = recent.pop(key, None)
+        if addrs is None:
+            addrs = kpack.upload_addresses(ptrs, state["table"], bucket.device)
+            if len(recent) >= _RECENT_ADDRESSES:
+                recent.pop(next(iter(recent)))
+        recent[key] = addrs  # (most recent last)
+        state["addrs"] = addrs
         state["uploaded"] = ptrs
     return state["table"], state["addrs"]
+
+
+#: address vectors a plan keeps per table (``_triton_args``): 8 bytes an entry each on the device
+_RECENT_ADDRESSES = 4
 
 
 def _pack_triton(plan, tensors, bucket, *, accumulate, scale):
