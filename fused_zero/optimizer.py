@@ -47,7 +47,7 @@ from .sharding.partition import Partition, unalias
 from .profiling import UPDATE, label
 from .stages import make_stage
 from .state_io import StateAccess
-from .state_views import attach_all, check_state_edits
+from .state_views import OptimizerState, attach_all, check_state_edits
 from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
@@ -118,6 +118,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
+        """(torch.optim's constructor, or user code resetting it: ``optimizer.state = defaultdict(dict)``) kept as
+        an ``OptimizerState`` with its entries, which the next step checks and takes in."""
+        flags = self.__dict__.setdefault("_state_flags", {})
+        if not (isinstance(value, OptimizerState) and value.flags is flags):
+            value = OptimizerState(flags, value)
+            for flag in flags.values():
+                flag[0] = True
         self.__dict__["state"] = value
 
     def _settle_update(self) -> None:
@@ -330,6 +337,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
         if self._guard is not None:
             self._guard.watch(self.param_groups)
+        flags = self.__dict__["_state_flags"]  # optimizer.state's: an entry put in whole flags its partition
+        flags.clear()
+        flags.update((id(p), part.state_edited) for part in self.partitions for p in part.params)
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
@@ -1001,7 +1011,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         first = [p for p in dict.fromkeys(p for g in self.param_groups for p in g["params"]) if p in state]
         ids = {id(p) for p in first}
         for key in first + [k for k in state if id(k) not in ids]:
-            state[key] = state.pop(key)
+            dict.__setitem__(state, key, dict.pop(state, key))  # (a move, not an edit: OptimizerState)
         self._state_len = len(state)
 
 

@@ -15,6 +15,7 @@ from .comm.collectives import Comm
 from .sharding.partition import PartitionIndex
 from .state_views import attach_all
 from .tiers.tier import Tier
+from .update import step_counts_of
 
 
 class StateAccess:
@@ -148,6 +149,8 @@ class StateAccess:
             for kind, t in new.items():
                 if t is not None:
                     part.store.write(kind, 0, t)
+            if part.grad_shard is not None:  # (a trained partition) a state taken away before the next step
+                step_counts_of(part).loaded()  # restarts from zeros, not from what the load wrote
         for part in self.partitions:
             part.param_shard_from_master()
         attach_all(self.state, self.partitions)

@@ -17,6 +17,7 @@ States kept on NVMe (``offload_optimizer="nvme"``) are not in memory: there ``st
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -111,6 +112,49 @@ class ParamState(dict):
         return dict, (dict(self),)
 
 
+class OptimizerState(collections.defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)``, which notes a parameter's whole state put in
+    (``state[p] = {...}``, ``update``, ``setdefault``, ``|=``) in that parameter's partition's flag, as
+    ``ParamState`` notes an edit inside one: the next step then checks (before its collectives) and takes in
+    the moments put there, as torch's AdamW would use them. ``flags`` (id of a parameter -> its partition's
+    ``state_edited``) is the optimizer's, filled at each build. Copies and pickles are plain defaultdicts."""
+
+    def __init__(self, flags: dict, items=()) -> None:
+        super().__init__(dict, items)
+        self.flags = flags
+
+    def _note(self, key) -> None:
+        flag = self.flags.get(id(key))
+        if flag is not None:
+            flag[0] = True
+
+    def __setitem__(self, key, value):
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs):
+        items = dict(*args, **kwargs)
+        for key in items:
+            self._note(key)
+        super().update(items)
+
+    def setdefault(self, key, default=None):
+        self._note(key)
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def copy(self):
+        return collections.defaultdict(self.default_factory, self)
+
+    __copy__ = copy
+
+    def __reduce__(self):
+        return collections.defaultdict, (self.default_factory,), None, None, iter(self.items())
+
+
 def own_state(state: dict, part, p) -> ParamState:
     """``state[p]`` as a ``ParamState`` of ``part`` (a plain dict user code or a load put there is wrapped)."""
     s = state[p]
@@ -180,7 +224,10 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
             raise ValueError(
                 f"optimizer.state[p][{kind!r}] was given {flat.numel()} elements; the parameter has {full} "
                 f"({tuple(part.shapes[index])}) and this rank holds {mine} of them: give a tensor shaped like "
-                "the parameter (or like the view it replaced)")
+                "the parameter (or like the view it replaced)" + (
+                    "; at stage 3 a parameter is an empty placeholder between steps, so a tensor made like it "
+                    f"(torch.zeros_like(p)) is empty: use torch.zeros({tuple(part.shapes[index])})"
+                    if flat.numel() == 0 else ""))
         out.append((kind, flat, view))
     return out
 
@@ -211,7 +258,8 @@ def check_state_edits(state: dict, part) -> None:
         count = s.get("step")
         if count is not None and (counts is None or count is not counts.views[i]):  # (advance reads it anyway)
             check_step_count(count, f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])}")
-        if counts is not None and counts.started[i] and "step" in s:
+        # the moments the next advance takes in: a started parameter's, or one whose count is put in now (it starts)
+        if "step" in s and (counts is None or counts.started[i] or count is not counts.views[i]):
             _replaced_moments(s, part, i)
 
 
@@ -255,6 +303,11 @@ class StepCounts:
         self._runs: dict = {}  # the active positions (None: all) -> runs, for the current keys
         self._version = self.flat._version  # after this class's own last write: a later one is user code's
         self._indices: dict = {}  # positions advanced alone -> their device index (_index_of)
+
+    def loaded(self) -> None:
+        """A load wrote the store's moments: any parameter's may hold values now (one given a new state later
+        starts from zeros, as after ``state.clear()``)."""
+        self.started = [True] * len(self.started)
 
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None, edits: bool = True) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d

@@ -184,6 +184,13 @@ def _real(value, key: str, index: int) -> float:
                     f"{type(value).__name__} {value!r}")
 
 
+def step_counts_of(part: Partition) -> StepCounts:
+    """``part``'s step counts, made on first use on the device its update runs on."""
+    if part.step_counts is None:
+        part.step_counts = StepCounts(len(part.params), part.grad_shard.device)
+    return part.step_counts
+
+
 REFUSED = object()  # plan_update's hypers for a step this rank refuses: see there
 # what a refused step's jobs carry instead of the bad values: valid, and unused (the step is skipped)
 _PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.0, adam_w_mode=True,
@@ -193,8 +200,7 @@ _PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.
 def _plan_partition(part: Partition, hyper: Hyper, state: dict, flags: tuple[bool, ...], grad_scale, skip,
                     advanced: list, host: dict, read_skip: bool, edits: bool = True) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
-    if part.step_counts is None:
-        part.step_counts = StepCounts(len(part.params), device)
+    step_counts_of(part)
     on_host = device.type == "cpu" and read_skip
     if skip is not None:
         skip = _where_it_runs(skip, device, host, "offload: the host update's skip verdict")

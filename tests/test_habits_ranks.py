@@ -1085,6 +1085,57 @@ def test_a_state_edit_unfit_on_one_rank_raises_on_every_rank_without_hanging(sta
     assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
 
 
+def _moment_unfit_after_a_load(rank, world_size, stage, how):
+    """Rank 1 alone gives a parameter's state a moment of the wrong size before a step: refused there after the
+    step's collectives, the other rank at its next step. ``how``: "loaded" (a new optimizer loaded a state dict and
+    has not stepped; before: the check passed over parameters it had not stepped yet, rank 1 raised inside the
+    update and the ranks hung), "whole" (``state[p] = {...}`` put in whole after a step; before: not seen as an
+    edit, its moments silently left out)."""
+    from fused_zero import ShardedOptimizer
+
+    def build():
+        return ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    model = TinyNet()
+    opt = build()
+    _train(model, opt, 0, rank)
+    opt.step()
+    if how == "loaded":
+        sd = opt.state_dict()
+        opt.close()
+        opt = build()
+        opt.load_state_dict(sd)
+    out = {}
+    for t in (1, 2, 3):
+        _train(model, opt, t, rank)
+        if rank == 1 and t == 1:
+            p = next(iter(opt.state))
+            s = opt.state[p]
+            if how == "whole":
+                opt.state[p] = {**s, "exp_avg": torch.zeros(3)}
+            else:
+                kept, s["exp_avg"] = s["exp_avg"], torch.zeros(3)
+        out[t] = _caught(opt.step)
+        if rank == 1 and t == 1:  # mended
+            if how == "whole":
+                opt.state[p] = s
+            else:
+                s["exp_avg"] = kept
+    with opt.full_parameters():
+        out["after"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("how", ["loaded", "whole"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_moment_unfit_on_one_rank_after_a_load_raises_on_every_rank_without_hanging(stage, how):
+    first, second = run_ranks(_moment_unfit_after_a_load, 2, stage, how, timeout=TIMEOUT)
+    assert second[1] is not None and "optimizer.state[p]['exp_avg'] was given 3 elements" in second[1][1], second[1]
+    assert first[1] is None
+    assert first[2] is not None and "ranks disagree" in first[2][1], first[2]
+    assert first[3] is None and second[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(first["after"], second["after"]))
+
+
 def _edits_on_one_rank(rank, world_size, stage):
     """Edits that step() refuses, made on rank 1 only between backward and step (each undone after): refused
     there after the step's collectives, the others learn at their next step() (before: an IndexError or

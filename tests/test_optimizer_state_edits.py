@@ -71,6 +71,65 @@ def test_a_state_taken_away_restarts_from_zero_moments_as_torch(stage, how):
     assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"])
 
 
+@pytest.mark.parametrize("how", ["clear", "del", "empty dict"])
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, None), (3, None), (2, "cpu"), (3, "nvme")])
+def test_a_state_taken_away_after_a_load_restarts_from_zero_moments_as_torch(stage, offload, how, tmp_path):
+    """A state dict loaded into a new optimizer, then a state taken away before its first step: that parameter starts
+    from zero moments and step 0, as torch's (before: the count restarted, the loaded moments stayed)."""
+    model, ref, src = PlainNet(), PlainNet(), PlainNet()
+    src_opt = torch.optim.AdamW(src.parameters(), lr=1e-2, fused=True)
+    for t in range(3):
+        _step(src, src_opt, t)
+    sd = src_opt.state_dict()
+    tier = {} if offload is None else {"offload_optimizer": offload,
+                                       **({"nvme_path": str(tmp_path)} if offload == "nvme" else {})}
+    opt = _build(model, stage, lr=1e-2, **tier)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for o in (opt, ref_opt):
+        o.load_state_dict(sd)
+    _reset(how, opt, next(model.parameters()))
+    _reset(how, ref_opt, next(ref.parameters()))
+    for t in range(3, 5):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+    p, r = next(model.parameters()), next(ref.parameters())
+    assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"]) == 2.0
+    opt.close()
+
+
+@pytest.mark.parametrize("container", [False, True])
+@pytest.mark.parametrize("first", [0, 2])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_whole_state_put_in_is_used_as_torch(stage, first, container):
+    """``state[p] = {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}`` (a state copied in from elsewhere), on a new
+    optimizer or after steps, or a whole new ``optimizer.state`` holding it: the next step starts from it, as torch's
+    (before: the count was taken, the moments silently left out)."""
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(first):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    for o, m in ((opt, model), (ref_opt, ref)):
+        w = m.layers[0].weight
+        shape = ref.layers[0].weight.shape  # (stage 3 between steps: w is an empty placeholder)
+        given = {"step": torch.tensor(7.0), "exp_avg": torch.full(shape, 1e-3), "exp_avg_sq": torch.full(shape, 1e-4)}
+        if container:  # the others keep theirs
+            new = collections.defaultdict(dict, {q: dict(s) for q, s in o.state.items()})
+            new[w] = given
+            o.state = new
+        else:
+            o.state[w] = given
+    for t in range(first, first + 2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+    w = model.layers[0].weight
+    assert float(opt.state[w]["step"]) == 9.0
+    assert type(opt.state).__name__ == "OptimizerState" and isinstance(opt.state, collections.defaultdict)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
     model, ref = PlainNet(), PlainNet()
