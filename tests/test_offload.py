@@ -258,6 +258,27 @@ def test_scratch_files_are_private_and_removed(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("params", [None, "nvme"])
+def test_stage3_files_of_a_dropped_optimizer_go_when_the_next_one_takes_over(params, tmp_path):
+    """Stage 3: an optimizer dropped without close() (``del opt``) lives on in the model's hooks, with its files; the
+    next optimizer over the model steps it aside and its files go then, not at some later garbage collection
+    (before: both optimizers' files stayed while the second lived, twice the NVMe space)."""
+    model = PlainNet()
+    kw = dict(offload_optimizer="nvme", offload_chunk_numel=700, min_unit_numel=0,
+              **({} if params is None else {"offload_params": params}))
+    opt = _build(model, 3, str(tmp_path), **kw)
+    _step(model, opt, 0, 0)
+    first = set(os.listdir(tmp_path))
+    del opt
+    gc.collect()
+    opt = _build(model, 3, str(tmp_path), **kw)
+    _step(model, opt, 1, 0)
+    now = set(os.listdir(tmp_path))
+    assert first and not first & now and len(now) == len(first)
+    opt.close()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("tier", [1, 2], ids=["cpu", "nvme"])
 def test_states_after_close_are_read_where_kept_and_refused_where_removed(tier, tmp_path):
     """close() removes NVMe files: state_dict() and checkpoints then say so; host states stay readable."""

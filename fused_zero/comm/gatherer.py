@@ -212,6 +212,11 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self._disarm_direct_calls()
         self._closed = True
         release(self, self._params)
+        # the files the shards lived in go now (the optimizer closes them too; one dropped without close() lives on
+        # in the model's hooks until a new optimizer steps it aside here, and nothing else would close them)
+        for u in self.units:
+            for part in u.parts:
+                part.close()
 
     # -- accounting -------------------------------------------------------
     def gathered_bytes(self) -> int:
