@@ -142,6 +142,8 @@ def _refusals(rank, world_size):
         return None
     out["not a mesh"] = refused(mesh=dist.group.WORLD)
     one_d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    out["mesh as group"] = refused(process_group=one_d)  # FSDP's habit of passing the mesh where a group goes
+    out["str as group"] = refused(process_group="gloo")
     out["both"] = refused(mesh=one_d, process_group=dist.group.WORLD)
     out["2-D"] = refused(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")))
     try:  # a CUDA mesh over CPU parameters (where torch lets a CUDA mesh be described without a GPU)
@@ -165,6 +167,8 @@ def _refusals(rank, world_size):
 def test_bad_meshes_are_refused_on_every_rank_with_the_fix():
     for r in run_ranks(_refusals, 4, timeout=180):
         assert r["not a mesh"].startswith("TypeError") and "DeviceMesh" in r["not a mesh"]
+        assert r["mesh as group"].startswith("TypeError") and "goes to mesh=" in r["mesh as group"]
+        assert r["str as group"].startswith("TypeError") and "got str" in r["str as group"]
         assert r["both"].startswith("ValueError") and "not both" in r["both"]
         assert 'mesh["dp"]' in r["2-D"]
         assert "'cuda'" in r["device"]
@@ -302,6 +306,38 @@ def test_hsdp_lone_calls_are_refused_and_replicas_stay_identical(shape, call, tm
     results = run_ranks(_lone_calls_under_hsdp, 4, shape, call, str(tmp_path), timeout=180)
     assert results[0][0] is not None and f"{call}() is collective" in results[0][0], results[0][0]
     assert all(same for _, same in results)
+
+
+def _lone_call_under_subgroups(rank, world_size, folder, how):
+    """Global rank 2 alone saves a checkpoint while its group of 2 trains on: the refusal names the peer by its
+    global rank (3), not by its rank inside the group (1, a rank of the other group)."""
+    if how == "groups":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        kw = {"process_group": groups[rank // 2]}
+    else:  # the dp sub-mesh of a (tp, dp) mesh: dp groups {0, 1} and {2, 3}
+        kw = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))["dp"]}
+    model = MLP()
+    opt = ShardedOptimizer(model.parameters(), stage=2, **kw)
+    error = None
+    for t in range(2):
+        opt.zero_grad()
+        x, y = _batch(t, rank, 0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if t == 0 and rank == 2:
+            try:
+                ckpt.save(folder, model, opt)
+            except RuntimeError as e:
+                error = str(e)
+    opt.close()
+    return error
+
+
+@pytest.mark.parametrize("how", ["groups", "dp sub-mesh"])
+def test_a_lone_call_under_subgroups_names_the_global_rank(how, tmp_path):
+    results = run_ranks(_lone_call_under_subgroups, 4, str(tmp_path), how, timeout=120)
+    assert results[2] is not None and "rank(s) [3] did not call it" in results[2], results[2]
+    assert results[:2] == [None, None] and results[3] is None
 
 
 def _mesh_without_this_rank(rank, world_size):

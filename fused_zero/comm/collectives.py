@@ -111,6 +111,11 @@ def collectives_checked_on_host() -> bool:
     return dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
+def is_process_group(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.ProcessGroup`` (what ``process_group=`` takes)."""
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
+
+
 def is_device_mesh(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh`` (comm/topology.py reads it)."""
     try:
@@ -251,10 +256,10 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         if ranks is not None:
             ranks = sorted(ranks)
             key = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
-            return rendezvous.Rendezvous(store, ranks.index(dist.get_rank()), len(ranks), timeout, key)
-        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            return rendezvous.Rendezvous(store, ranks.index(dist.get_rank()), len(ranks), timeout, key, ranks)
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)  # (in the group's rank order)
         key = "world" if self.group is None else hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
-        return rendezvous.Rendezvous(store, self.rank, self.world_size, timeout, key)
+        return rendezvous.Rendezvous(store, self.rank, self.world_size, timeout, key, ranks)
 
     # ---- tensor collectives -------------------------------------------------
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,

@@ -94,7 +94,10 @@ class Rendezvous:
     communicator the served calls run on (made on first use, by every rank at the same call).
     """
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float | None, ranks_key: str):
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float | None, ranks_key: str,
+                 global_ranks: list[int] | None = None):
+        """``global_ranks``: the global rank of each of its ranks (what the messages name; None: the same)."""
+        self._global_ranks = global_ranks
         prefix = f"fused_zero/{ranks_key}"
         number = store.add(f"{prefix}/built/{rank}", 1)  # the same on every rank: optimizers build in order
         self._prefix = f"{prefix}/{number}"
@@ -122,6 +125,11 @@ class Rendezvous:
     #   failed/<r>         the call rank r gave up on, and why
     def _key(self, what: str) -> str:
         return f"{self._prefix}/{what}"
+
+    def _global(self, ranks) -> list[int]:
+        """``ranks`` (of this meeting point) as the global ranks a user sees."""
+        g = self._global_ranks
+        return list(ranks) if g is None else [g[q] for q in ranks]
 
     def _peers(self):
         return (q for q in range(self.world_size) if q != self.rank)
@@ -186,21 +194,23 @@ class Rendezvous:
                 states = {q: self._read(f"state/{q}") for q in behind}
                 gone = [q for q in behind if states[q] == GONE]
                 if gone:
-                    self._fail(name, f"rank(s) {gone} closed this optimizer or exited without calling it")
+                    self._fail(name, f"rank(s) {self._global(gone)} closed this optimizer or exited without "
+                                     "calling it")
                 blocked = [q for q in behind if states[q] == BLOCKED and self._blocked_at(q) >= mine]
                 if blocked and name not in self._servers:
-                    self._fail(name, f"rank(s) {blocked} did not call it and are waiting in their next "
+                    self._fail(name, f"rank(s) {self._global(blocked)} did not call it and are waiting in their next "
                                      "collective (the next step's)")
                 if waited > self._timeout_s:
-                    self._fail(name, f"rank(s) {behind} did not call it within the process group's timeout "
-                                     f"({self._timeout_s:.0f} s): either their code does not make this call, or "
-                                     "those processes died without exiting (killed, out of memory, a crash in "
+                    self._fail(name, f"rank(s) {self._global(behind)} did not call it within the process group's "
+                                     f"timeout ({self._timeout_s:.0f} s): either their code does not make this "
+                                     "call, or those processes died without exiting (killed, out of memory, a crash in "
                                      "native code: look at their logs), which no rank can tell apart from "
                                      "waiting")
                 if waited > WARN_S and not warned:
                     warned = True
-                    warnings.warn(f"rank {self.rank} has waited {waited:.0f} s in {name} for rank(s) {behind}: "
-                                  + _message(name, "they have not called it yet"), RuntimeWarning, stacklevel=4)
+                    warnings.warn(f"rank {self._global([self.rank])[0]} has waited {waited:.0f} s in {name} for "
+                                  f"rank(s) {self._global(behind)}: " + _message(name, "they have not called it yet"),
+                                  RuntimeWarning, stacklevel=4)
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
 
@@ -223,7 +233,7 @@ class Rendezvous:
         for q in self._peers():
             other = self._named(c, q).removeprefix(_WITHDRAWN)
             if other and other != name:
-                return f"rank {q} called {other} at the same point"
+                return f"rank {self._global([q])[0]} called {other} at the same point"
         return "another rank called something else at the same point"
 
     def _fail(self, name: str, why: str) -> None:
@@ -267,7 +277,7 @@ class Rendezvous:
             key = self._key(f"failed/{q}")
             if self._store.check([key]):
                 name, why = self._store.get(key).decode().split("\n", 1)
-                return f"rank {q} stopped in {name}: " + _message(name, why)
+                return f"rank {self._global([q])[0]} stopped in {name}: " + _message(name, why)
         return None
 
     def close(self) -> None:

@@ -16,15 +16,17 @@
   the shard group's size.
 
 Every check here is local (each rank holds its own mesh object); the optimizer then checks that the
-ranks of the group agree on ``describe()`` with its other options, so a rank given another mesh shape
-raises on every rank, before any other collective. The groups of the optimizer's own (stage 3's gathers,
+ranks of the group agree on ``describe()`` with its other options, so a rank given another mesh over the
+same groups (other dimension names) raises on every rank, before any other collective. Ranks whose groups
+differ (another shape, or a mesh on some ranks only) make that check over different groups, which never
+pair: they wait until the process group's timeout (the README's "Not done yet"). The groups of the optimizer's own (stage 3's gathers,
 ``state_dict()``'s control group, the host update's verdicts) are made by ``own_group``: nothing else
 builds process groups.
 """
 from __future__ import annotations
 
 from .agreement import raise_if_differ
-from .collectives import Comm, global_rank, is_device_mesh
+from .collectives import Comm, global_rank, is_device_mesh, is_process_group
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -36,6 +38,12 @@ class Topology:
         self.mesh = mesh
         self.replicate: Comm | None = None  # HSDP: the group of this rank's replicas (same shard, other groups)
         self._replicate_again: Comm | None = None  # HSDP with qgZ: a second group of them (replicate_again)
+        if process_group is not None and not is_process_group(process_group):
+            raise TypeError(
+                f"process_group must be a torch.distributed ProcessGroup (dist.new_group(...), mesh.get_group()) or "
+                f"None, got {type(process_group).__name__}" + (
+                    ": a DeviceMesh goes to mesh= (a 1-D one, or a 2-D one named ('replicate', 'shard') for HSDP)"
+                    if is_device_mesh(process_group) else ""))
         if mesh is not None:
             process_group = self._group_of(mesh, process_group)
             if mesh.ndim == 2:
