@@ -393,3 +393,25 @@ def test_torch_distributed_checkpoint_resumes_a_fresh_optimizer(tmp_path):
     for out in run_ranks(_dcp_resume, 2, str(tmp_path), timeout=180):
         for stage, (lr_kept, diff) in out.items():
             assert lr_kept and diff == 0.0, (stage, diff)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_consolidate_keeps_what_state_dict_keeps_beyond_the_moments(stage, tmp_path):
+    """``opt.state["epoch"] = 7`` and a key of the user's own in a parameter's state: ``state_dict()`` keeps them
+    as torch's does, ``checkpoint.load`` restores them, and the consolidated torch.optim.AdamW state dict keeps them
+    too, in the same places (before: consolidate dropped them without a word)."""
+    from fused_zero import checkpoint as ckpt
+    model, opt = _build(stage)
+    _train(model, opt, None, 0, 2, 1, 0)
+    first = next(p for g in opt.param_groups for p in g["params"])
+    opt.state["epoch"] = 7
+    opt.state[first]["mine"] = {"seen": 3}
+    ckpt.save(str(tmp_path), model, opt)
+    _, consolidated = ckpt.consolidate(str(tmp_path))
+    sd = opt.state_dict()
+    assert list(consolidated["state"]) == list(sd["state"]) and consolidated["state"]["epoch"] == 7
+    assert consolidated["state"][0]["mine"] == sd["state"][0]["mine"] == {"seen": 3}
+    assert all(torch.equal(consolidated["state"][0][k], sd["state"][0][k]) for k in ("step", "exp_avg"))
+    ref = torch.optim.AdamW(TinyNet().parameters() if stage == 3 else param_groups(TinyNet()), **HYPER)
+    ref.load_state_dict(consolidated)  # torch takes it as it is
+    assert ref.state["epoch"] == 7

@@ -16,7 +16,7 @@ from .metadata import check_kinds, describe_mismatch, read_metadata
 from .reshard import aliases
 from .save_load import agree, comm_of, commit
 from .files import read_checked
-from .shards import Reader, model_tensors
+from .shards import Reader, model_tensors, unblob
 from .view import BASE_KINDS, OPTION_OF_KIND, ModelView, group_hyper
 from ..state_views import check_step_count
 
@@ -38,14 +38,23 @@ def torch_param_groups(hypers, members, adam_w_mode: bool) -> list[dict]:
             for hyper, ids in zip(hypers, members)]
 
 
-def adamw_state_dict(meta: dict, moments: Mapping[str, Mapping[str, torch.Tensor]]) -> dict:
-    """torch.optim.AdamW's state_dict of a checkpoint; ``moments[name]``: its saved kinds but master."""
+def adamw_state_dict(meta: dict, moments: Mapping[str, Mapping[str, torch.Tensor]], extra: dict | None = None) -> dict:
+    """torch.optim.AdamW's state_dict of a checkpoint; ``moments[name]``: its saved kinds but master. ``extra``:
+    what ``optimizer.state`` held beyond steps and moments (``save_load.state_extras``), kept as torch's
+    ``state_dict()`` keeps it: a parameter's own keys in its entry, other keys after the parameters'."""
     index: dict[str, int] = {}
     for g in meta["param_groups"]:
         for n in g["params"]:
             index[n] = len(index)
     state = {index[n]: {"step": torch.tensor(float(meta["params"][n]["step"]), dtype=torch.float32), **moments[n]}
              for n in index if meta["params"][n]["step"] is not None}
+    if extra:
+        for n, own in extra.get("params", {}).items():
+            if n in index:
+                state.setdefault(index[n], {}).update(own)
+        state = {i: state[i] for i in sorted(state)}  # (param_groups order, as torch's)
+        for key, value in extra.get("state", []):
+            state[key] = value
     groups = torch_param_groups([decode(g["hyper"]) for g in meta["param_groups"]],
                                 [[index[n] for n in g["params"]] for g in meta["param_groups"]],
                                 meta["config"]["adam_w_mode"])
@@ -197,7 +206,7 @@ def consolidate(directory, tag: str | None = None) -> tuple[dict, dict]:
     alias = aliases(meta)
     model_sd = {k: full[alias[k]]["master"] if k in alias else saved[k] for k in meta["state_dict_keys"]}
     moments = {n: {k: v for k, v in t.items() if k != "master"} for n, t in full.items()}
-    return model_sd, adamw_state_dict(meta, moments)
+    return model_sd, adamw_state_dict(meta, moments, unblob(path, meta, meta.get("optim_extra")))
 
 
 def load_torch_state(model: nn.Module, optimizer, optim_state_dict: dict, model_state_dict: dict | None = None) -> None:
