@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.files import FRAMEWORK_DIR
+from ..comm.collectives import default_world_size
 from ..config import ZeroConfig
 from ..optimizer import ShardedOptimizer
 from . import require
@@ -87,6 +88,13 @@ class ZeroAccelerator(Accelerator):
         if kind in _REFUSED:
             raise ValueError(f"ZeroAccelerator runs fused_zero's ZeRO instead of Accelerate's {kind} plugin: remove "
                              f"the {kind.lower()} settings from the accelerate config (or use a plain Accelerator)")
+        ranks = default_world_size()
+        if ranks > 1 and self.num_processes == 1:  # the same on every rank: refused on all, before any collective
+            raise ValueError(
+                f"Accelerate sees one process (distributed_type {kind}) while torch.distributed runs {ranks} ranks: "
+                "each rank would load all the data and act as the main process (both saving), while fused_zero "
+                f"averages over {ranks}. On CPU pass cpu=True (ZeroAccelerator(..., cpu=True): Accelerate takes its "
+                "multi-process CPU path only with it), or launch with `accelerate launch` and its config")
         if getattr(self, "parallelism_config", None) is not None and getattr(self.parallelism_config,
                                                                              "tp_enabled", False):
             raise ValueError("ZeroAccelerator shards over the data-parallel ranks only: tensor parallelism "

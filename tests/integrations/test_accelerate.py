@@ -133,6 +133,26 @@ def test_plain_accelerator_with_a_sharded_optimizer_is_refused(world_size, prepa
     assert all(r is not None and "ZeroAccelerator" in r for r in results), results
 
 
+def _accelerator_seeing_one_process(rank, world_size):
+    launcher_env(rank, world_size)
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+
+    try:
+        ZeroAccelerator(zero=ZeroConfig(stage=2))  # on CPU without cpu=True: Accelerate's DistributedType.NO
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_an_accelerator_that_sees_one_process_of_several_is_refused():
+    """Under a 2-rank launch on CPU, Accelerate without cpu=True sees one process: each rank would read all the data
+    and act as the main process while fused_zero averages over 2 (the README's snippet, run on CPU as written).
+    Refused on every rank, naming cpu=True."""
+    results = run_ranks(_accelerator_seeing_one_process, 2, timeout=120)
+    assert all(r is not None and "cpu=True" in r and "one process" in r for r in results), results
+
+
 def _clip_a_subset(rank, world_size):
     launcher_env(rank, world_size)
     from fused_zero import ZeroConfig
