@@ -200,21 +200,21 @@ _PLACEHOLDER = Hyper(dict(lr=0.0, beta1=0.0, beta2=0.0, eps=1.0, weight_decay=0.
 def _plan_partition(part: Partition, hyper: Hyper, state: dict, flags: tuple[bool, ...], grad_scale, skip,
                     advanced: list, host: dict, read_skip: bool, edits: bool = True) -> PartitionJob | None:
     device = part.grad_shard.device  # where the update runs
-    step_counts_of(part)
+    counts = step_counts_of(part)
     on_host = device.type == "cpu" and read_skip
     if skip is not None:
         skip = _where_it_runs(skip, device, host, "offload: the host update's skip verdict")
-    active = part.step_counts.advance(state, part, flags, skip, edits)  # in one op, on the device
+    active = counts.advance(state, part, flags, skip, edits)  # in one op, on the device
     if not active:
         return None
-    advanced.append(part.step_counts)  # what a rollback takes back
+    advanced.append(counts)  # what a rollback takes back
     if skip is not None and on_host:
         if "skipped" not in host:
             host["skipped"] = skip.item() != 0  # host tensor: the update runs on the host
         if host["skipped"]:
             return None
         skip = None
-    runs = part.step_counts.runs(part, active)
+    runs = counts.runs(part, active)
     if grad_scale is not None:  # once per step where the update runs, not per chunk
         grad_scale = _where_it_runs(grad_scale, device, host, "offload: the host update's gradient scale")
     return PartitionJob(part, part.update_ranges([(a, b) for a, b, _ in runs]), runs, hyper.values,

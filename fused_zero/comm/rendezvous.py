@@ -97,7 +97,7 @@ class Rendezvous:
     def __init__(self, store, rank: int, world_size: int, timeout_s: float | None, ranks_key: str,
                  global_ranks: list[int] | None = None):
         """``global_ranks``: the global rank of each of its ranks (what the messages name; None: the same)."""
-        self._global_ranks = global_ranks
+        self._ranks = list(range(world_size)) if global_ranks is None else list(global_ranks)
         prefix = f"fused_zero/{ranks_key}"
         number = store.add(f"{prefix}/built/{rank}", 1)  # the same on every rank: optimizers build in order
         self._prefix = f"{prefix}/{number}"
@@ -128,8 +128,7 @@ class Rendezvous:
 
     def _global(self, ranks) -> list[int]:
         """``ranks`` (of this meeting point) as the global ranks a user sees."""
-        g = self._global_ranks
-        return list(ranks) if g is None else [g[q] for q in ranks]
+        return [self._ranks[q] for q in ranks]
 
     def _peers(self):
         return (q for q in range(self.world_size) if q != self.rank)
@@ -208,7 +207,7 @@ class Rendezvous:
                                      "waiting")
                 if waited > WARN_S and not warned:
                     warned = True
-                    warnings.warn(f"rank {self._global([self.rank])[0]} has waited {waited:.0f} s in {name} for "
+                    warnings.warn(f"rank {self._ranks[self.rank]} has waited {waited:.0f} s in {name} for "
                                   f"rank(s) {self._global(behind)}: " + _message(name, "they have not called it yet"),
                                   RuntimeWarning, stacklevel=4)
             time.sleep(pause)
@@ -233,7 +232,7 @@ class Rendezvous:
         for q in self._peers():
             other = self._named(c, q).removeprefix(_WITHDRAWN)
             if other and other != name:
-                return f"rank {self._global([q])[0]} called {other} at the same point"
+                return f"rank {self._ranks[q]} called {other} at the same point"
         return "another rank called something else at the same point"
 
     def _fail(self, name: str, why: str) -> None:
@@ -277,7 +276,7 @@ class Rendezvous:
             key = self._key(f"failed/{q}")
             if self._store.check([key]):
                 name, why = self._store.get(key).decode().split("\n", 1)
-                return f"rank {self._global([q])[0]} stopped in {name}: " + _message(name, why)
+                return f"rank {self._ranks[q]} stopped in {name}: " + _message(name, why)
         return None
 
     def close(self) -> None:
