@@ -306,8 +306,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.topology.check_device(params[0].device)
             # everything that can refuse the build, before a previous optimizer over these parameters is closed
             # (a refused constructor leaves it as it was)
-            self.topology.check_same(self.topology.describe(), "meshes", hint="pass mesh= of the same shape and "
-                                 "dimension names on every rank (or process_group= on every rank)")
+            self.topology.meet()  # the ranks were given the same groups (a store check: no collective yet)
             self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
                                       "hyperparameters on every rank")

@@ -20,8 +20,9 @@ backward the identity), ZeRO-1 and ZeRO-2 over ``mesh["dp"]``. After 10 steps (o
 groups, a 1000-element bucket that splits parameters, two micro-batches accumulated under no_sync) every
 rank's tensor-parallel shards equal the unsharded model trained by torch.optim.AdamW in one process on
 both data-parallel batches, to 1e-5. Refused on every rank, naming the fix: a mesh that is not a
-DeviceMesh, mesh= with process_group=, a 2-D mesh of other names, a mesh of another device type, and ranks of one group passing differently named
-meshes.
+DeviceMesh, mesh= with process_group=, a 2-D mesh of other names, a mesh of another device type, ranks of one group passing differently named
+meshes, and ranks given groups that would not pair (an HSDP mesh on some ranks and none or a flat one on others, a
+group on some and none on others, optimizers built in another order): through the store, before any collective.
 """
 import os
 
@@ -174,6 +175,52 @@ def test_bad_meshes_are_refused_on_every_rank_with_the_fix():
         assert "'cuda'" in r["device"]
         assert r["differ"] is not None and "mesh" in r["differ"]
         assert r["world"] == 4
+
+
+def _given_groups(rank, world_size, how):
+    """Each rank builds with the groups ``how`` gives it (every rank makes every group and mesh, as torch needs)."""
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    world_again = dist.new_group([0, 1, 2, 3])
+    first_three, first_two = dist.new_group([0, 1, 2]), dist.new_group([0, 1])
+    given = {
+        "an HSDP mesh on some ranks, none on others": [{"mesh": hsdp}] * 2 + [{}] * 2,
+        "an HSDP mesh on some ranks, a flat one on others": [{"mesh": hsdp}] * 2 + [{"mesh": flat}] * 2,
+        "a flat mesh on one rank": [{"mesh": hsdp}] * 3 + [{"mesh": flat}],
+        "a group over every rank on some, none on others": [{"process_group": world_again}] * 2 + [{}] * 2,
+        "a group over three ranks on one, none on the others": [{"process_group": first_three}] + [{}] * 3,
+    }
+    try:
+        if how == "optimizers built in another order":  # rank 1 builds the world's optimizer first
+            order = [[{"process_group": first_two}, {}], [{}, {"process_group": first_two}], [{}], [{}]][rank]
+            for kw in order:
+                ShardedOptimizer(MLP().parameters(), stage=2, **kw)
+        elif how == "a subgroup's optimizer first, then the world's":  # served: ranks 2-3 wait for 0-1
+            if rank < 2:
+                ShardedOptimizer(MLP().parameters(), stage=2, process_group=first_two)
+            ShardedOptimizer(MLP().parameters(), stage=2)
+        else:
+            ShardedOptimizer(MLP().parameters(), stage=2, **given[how][rank])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("how", [
+    "an HSDP mesh on some ranks, none on others", "an HSDP mesh on some ranks, a flat one on others",
+    "a flat mesh on one rank", "a group over every rank on some, none on others",
+    "a group over three ranks on one, none on the others", "optimizers built in another order",
+    "a subgroup's optimizer first, then the world's"])
+def test_ranks_given_different_groups_are_refused_on_every_rank_before_any_collective(how):
+    """Their collectives would run over groups that never pair (waiting until the group's timeout): each rank's
+    groups are compared through the store first, and every rank raises, naming two ranks' groups and the fix."""
+    results = run_ranks(_given_groups, 4, how, timeout=90)
+    if how.startswith("a subgroup's"):
+        assert results == [None] * 4
+        return
+    for message in results:
+        assert message is not None and "given different groups" in message, results
+        assert "pass the same process_group= or mesh= on every rank" in message, message
 
 
 def _hsdp(rank, world_size, stage, folder, offload=None):

@@ -111,6 +111,13 @@ def collectives_checked_on_host() -> bool:
     return dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
+def default_store():
+    """The default process group's c10d store (every rank shares it, whatever its groups), or None without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
 def is_process_group(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.ProcessGroup`` (what ``process_group=`` takes)."""
     return dist.is_available() and isinstance(obj, dist.ProcessGroup)
@@ -250,9 +257,8 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         so that a call made by one replica group alone is seen)."""
         if (self._local if ranks is None else len(ranks) == 1):
             return None
-        timeout = _group_timeout(self.group)
-        timeout = None if timeout is None else timeout.total_seconds()
-        store = dist.distributed_c10d._get_default_store()
+        timeout = group_timeout_s(self)
+        store = default_store()
         if ranks is not None:
             ranks = sorted(ranks)
             key = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
@@ -348,6 +354,14 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         _check_group_alive(self)
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def seat(self) -> tuple[str, tuple[int, ...]]:
+        """This group's name (torch names a group alike on each of its ranks) and its global ranks, in group
+        order: what ``group_meeting`` compares across ranks."""
+        if self._local and self.world is None:
+            return ("", (0,))
+        group = self.group or dist.group.WORLD
+        return (str(group.group_name), tuple(dist.get_process_group_ranks(group)))
+
     def global_rank_of(self, rank: int) -> int:
         """The global rank of this group's rank ``rank``."""
         return global_rank() if self._local else self._global(rank)  # (a group of one: this rank)
@@ -420,6 +434,12 @@ class Comm(TensorChecks, TrafficCount, Agreement):
     def barrier(self) -> None:
         if not self._local:
             dist.barrier(group=self.group)  # no tensor of ours
+
+
+def group_timeout_s(comm: "Comm") -> float | None:
+    """``comm``'s group's timeout in seconds, or None where torch does not say."""
+    timeout = _group_timeout(comm.group)
+    return None if timeout is None else timeout.total_seconds()
 
 
 def _group_timeout(group):

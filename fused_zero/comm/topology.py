@@ -15,18 +15,18 @@
   HSDP mesh (its shard group already is a node: every gather stays inside it) and when ``s`` does not divide
   the shard group's size.
 
-Every check here is local (each rank holds its own mesh object); the optimizer then checks that the
-ranks of the group agree on ``describe()`` with its other options, so a rank given another mesh over the
-same groups (other dimension names) raises on every rank, before any other collective. Ranks whose groups
-differ (another shape, or a mesh on some ranks only) make that check over different groups, which never
-pair: they wait until the process group's timeout (the README's "Not done yet"). The groups of the optimizer's own (stage 3's gathers,
+Every check here is local (each rank holds its own mesh object); then ``meet`` compares every rank's groups and
+mesh through the default group's store (comm/group_meeting.py), before any collective: ranks given another mesh
+(shape or dimension names), a mesh on some ranks only, or another group raise on every rank rather than wait in
+collectives over groups that never pair. The groups of the optimizer's own (stage 3's gathers,
 ``state_dict()``'s control group, the host update's verdicts) are made by ``own_group``: nothing else
 builds process groups.
 """
 from __future__ import annotations
 
 from .agreement import raise_if_differ
-from .collectives import Comm, global_rank, is_device_mesh, is_process_group
+from .collectives import Comm, default_store, global_rank, group_timeout_s, is_device_mesh, is_process_group
+from .group_meeting import Seat, meet
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -103,6 +103,19 @@ class Topology:
         if self.mesh is not None and self.mesh.device_type != device.type:
             raise ValueError(f"mesh is a {self.mesh.device_type!r} mesh but the parameters are on {device.type}: "
                              f"build the mesh with init_device_mesh({device.type!r}, ...), or move the model")
+
+    def meet(self) -> None:
+        """Every rank of both levels was given the same groups and mesh, checked through the default group's store
+        before any collective (comm/group_meeting.py): raises ValueError on each of them if not."""
+        store = default_store()
+        if store is None:
+            return
+        shard = self.shard.seat()
+        span = shard[1] if self.replicate is None else self.mesh.mesh.flatten().tolist()  # host tensor: the mesh's ranks
+        seat = Seat(shard, None if self.replicate is None else self.replicate.seat(), self.describe(),
+                    self.shard.group is None, tuple(sorted(span)))
+        timeout = group_timeout_s(self.shard)
+        meet(store, global_rank(), seat, timeout)
 
     def describe(self) -> tuple:
         """What every rank of the group must agree on (the mesh's shape and dimension names)."""
