@@ -131,6 +131,9 @@ def _add(group, options) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fused_zero.plan",
                                 description="Which ZeRO stage fits, in bytes per GPU: a table, JSON or a picture.")
+    # "--params -7e9" reaches the count's own check ("is negative") rather than argparse taking "-7e9" for an option
+    # (argparse knows negative numbers only without an exponent)
+    p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?[kKmMbBtT]?$")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=count, metavar="N", help="number of parameters (7e9, 7B): one flat buffer")
     what.add_argument("--model", metavar="MODULE:CALLABLE", help="a no-argument callable returning the model; "

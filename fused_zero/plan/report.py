@@ -87,7 +87,7 @@ def table(plan: Plan) -> str:
                        for d, v in m.by_dtype().items())
     nodes = f"{plan.nodes} node{'s' * (plan.nodes > 1)}"
     lines = [f"{short_count(m.numel())} parameters ({dtypes}) from {m.source}",
-             f"{job.world_size} ranks on {nodes}, bucket {short_count(job.bucket_numel)} elements, reduce in "
+             f"{job.world_size} rank{'s' * (job.world_size > 1)} on {nodes}, bucket {short_count(job.bucket_numel)} elements, reduce in "
              f"{job.reduce_dtype or 'the params dtype'}" + (", activation checkpointing"
                                                             if plan.activation_checkpointing else ""),
              ""]
