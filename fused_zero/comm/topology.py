@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .agreement import raise_if_differ
 from .collectives import Comm, default_store, global_rank, group_timeout_s, is_device_mesh, is_process_group
-from .group_meeting import Seat, meet
+from .group_meeting import meet, seat_of
 
 HSDP_DIMS = ("replicate", "shard")
 
@@ -111,11 +111,16 @@ class Topology:
         if store is None:
             return
         shard = self.shard.seat()
-        span = shard[1] if self.replicate is None else self.mesh.mesh.flatten().tolist()  # host tensor: the mesh's ranks
-        seat = Seat(shard, None if self.replicate is None else self.replicate.seat(), self.describe(),
-                    self.shard.group is None, tuple(sorted(span)))
-        timeout = group_timeout_s(self.shard)
-        meet(store, global_rank(), seat, timeout)
+        if self.replicate is None:
+            span, groups, layout = tuple(sorted(shard[1])), [("shard", [shard[1]])], shard[1]
+        else:
+            table = self.mesh.mesh.tolist()  # host tensor: the mesh's table of global ranks (replicate x shard)
+            span = tuple(sorted(r for row in table for r in row))
+            groups = [("shard", [tuple(row) for row in table]), ("replicate", [tuple(col) for col in zip(*table)])]
+            layout = table
+        seat = seat_of(shard, None if self.replicate is None else self.replicate.seat(), self.describe(),
+                       self.shard.group is None, layout)
+        meet(store, global_rank(), seat, span, groups, group_timeout_s(self.shard))
 
     def describe(self) -> tuple:
         """What every rank of the group must agree on (the mesh's shape and dimension names)."""
