@@ -68,6 +68,18 @@ def _eagerly(fn: Callable, *args):
 _EAGER = None
 
 
+def eager_under_compile(fn: Callable) -> Callable:
+    """``fn`` (an optimizer method) runs eagerly when called from code torch.compile traces (a compiled training
+    step calling ``clip_grad_norm_``, ``step``, ``zero_grad``): a graph break, as torch.optim's own host-side
+    work is, rather than Dynamo tracing into the bucket bookkeeping and collectives, which it cannot."""
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _eagerly(functools.partial(fn, *args, **kwargs))
+        return fn(*args, **kwargs)
+    return eager
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """``callback`` runs when the backward in progress ends (autograd's ``queue_callback``). The optimizer's hooks
     run eagerly under compiled autograd (``EagerRelay``, ``_eager_only``), where queue_callback is taken; should a

@@ -35,7 +35,8 @@ from .comm.topology import Topology
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
-from .hooks import EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, queue_end_of_backward
+from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_compile,
+                    queue_end_of_backward)
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
@@ -235,6 +236,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                                            else []))
 
     # -- construction -----------------------------------------------------
+    @eager_under_compile
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -425,6 +427,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         """Where the optimizer states live (``offload_optimizer``): ``Tier.NVME`` states are gone once closed."""
         return self._stage.tiers.states
 
+    @eager_under_compile
     def close(self) -> None:
         """Step aside: remove the hooks and, at stage 3, give the parameters their full values back.
 
@@ -644,6 +647,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with self.grad_sync.no_sync():
             yield
 
+    @eager_under_compile
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._recover_if_dropped()
         if self._hooks is not None:
@@ -654,6 +658,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._forget_clips()
         super().zero_grad(set_to_none=set_to_none)
 
+    @eager_under_compile
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -948,6 +953,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "raised); set hyperparameters (and call clip_grad_norm_ / the scaler) "
                 "identically on every rank")
 
+    @eager_under_compile
     def check_agreement(self) -> None:
         """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""
         self._raise_if_disagreed(every=True)

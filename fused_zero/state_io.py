@@ -12,6 +12,7 @@ import torch
 from .accounting import memory_bytes
 from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
 from .comm.collectives import Comm
+from .hooks import eager_under_compile
 from .sharding.partition import PartitionIndex
 from .state_views import attach_all
 from .tiers.tier import Tier
@@ -33,6 +34,7 @@ class StateAccess:
         name ("reduce_scatter_int8"), HSDP's across the replicas with "replicate_" in front."""
         return dict(self._last_traffic)
 
+    @eager_under_compile
     def state_dict(self) -> dict:
         """torch.optim.AdamW's state_dict of the whole optimizer. COLLECTIVE: every rank calls it.
 
@@ -70,6 +72,7 @@ class StateAccess:
             gather_state_dict(self, self._control_comm(), keep=False)
 
     @torch.no_grad()
+    @eager_under_compile
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict() (or a torch.optim.AdamW one) at any world size and stage; every rank calls it.
 

@@ -603,6 +603,43 @@ def test_backward_and_step_inside_compiled_functions_train_as_eager(stage):
             assert losses == ref_losses and all(torch.equal(p, q) for p, q in zip(params, ref_params)), how
 
 
+def _compiled_loop_with_every_call(rank, world_size, stage, compiled):
+    import torch._dynamo
+
+    from fused_zero import ShardedOptimizer
+    torch._dynamo.reset()
+    model = TinyNet()
+    opt = ShardedOptimizer(model, stage=3, **HYPER) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, **HYPER)
+
+    def train(t):
+        with opt.no_sync():
+            loss_fn(model(batch(t, rank, micro=1)[0]), batch(t, rank, micro=1)[1]).backward()
+        loss = loss_fn(model(batch(t, rank)[0]), batch(t, rank)[1])
+        loss.backward()
+        norm = opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        opt.state_dict()
+        return loss.detach(), norm
+
+    run = torch.compile(train, backend="eager") if compiled else train
+    out = [tuple(float(v) for v in run(t)) for t in range(3)]
+    with opt.full_parameters():
+        return out, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_optimizer_call_inside_a_compiled_training_step_runs_eagerly(stage):
+    """no_sync(), clip_grad_norm_(), step(), zero_grad() and state_dict() called from a compiled function train as
+    the same loop uncompiled, bit for bit. Before, Dynamo traced into clip_grad_norm_ (stage 1's bucket reduction:
+    InternalTorchDynamoError, NameError or UnsafeScriptObjectError)."""
+    eager = run_ranks(_compiled_loop_with_every_call, 2, stage, False, timeout=300)
+    compiled = run_ranks(_compiled_loop_with_every_call, 2, stage, True, timeout=300)
+    for (got, params), (want, ref) in zip(compiled, eager):
+        assert got == want and all(torch.equal(p, q) for p, q in zip(params, ref))
+
+
 def _compiled_steps_each(rank, world_size, stage, hows):
     return {how: _compiled_steps(rank, world_size, stage, how) for how in hows}
 
