@@ -312,6 +312,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
                                       "hyperparameters on every rank")
+            if self.module is not None and self.config.broadcast_buffers:  # rank 0's are broadcast below
+                self.topology.check_same(
+                    [(name, tuple(b.shape), str(b.dtype)) for name, b in self.module.named_buffers()],
+                    "module buffers", hint="build the same model on every rank (its buffers are broadcast from rank "
+                                           "0, as DDP does), or pass broadcast_buffers=False")
             self._stage.precheck(self.module, self._units)
             for previous in claim(self, params):
                 previous.close()

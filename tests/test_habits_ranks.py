@@ -197,6 +197,34 @@ def test_module_buffers_come_from_rank0():
     assert any(float(b.float().mean()) != 0 for b in r0.values())
 
 
+def _buffers_differing(rank, world_size, how, stage):
+    from fused_zero import ShardedOptimizer
+
+    model = BNNet()
+    if how == "an extra buffer on rank 1" and rank == 1:
+        model.register_buffer("extra", torch.full((3,), -1.0))
+    elif how == "another dtype on rank 1" and rank == 1:
+        model.blocks[1][1].running_mean = model.blocks[1][1].running_mean.double()
+    elif how == "another shape on rank 0" and rank == 0:
+        model.blocks[1][1].running_mean = model.blocks[1][1].running_mean.reshape(1, -1).clone()
+    try:
+        ShardedOptimizer(model, **HYPER, stage=stage)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("how", ["an extra buffer on rank 1", "another dtype on rank 1", "another shape on rank 0"])
+def test_module_buffers_differing_across_ranks_are_refused_on_every_rank(how, stage):
+    """Rank 0's buffers are broadcast when built: buffers of other names, shapes or dtypes on some rank are refused
+    on every rank first. Before, the broadcast mixed one buffer into another silently (rank 1 with an extra
+    buffer), aborted inside gloo (rank 0 with it) or hung (another dtype)."""
+    for message in run_ranks(_buffers_differing, 2, how, stage, timeout=TIMEOUT):
+        assert message is not None and "module buffers differ across ranks" in message, message
+        assert "broadcast_buffers=False" in message
+
+
 def _buffers_against_ddp(rank, world_size, stage, broadcast, accumulate):
     """BatchNorm running statistics and parameters after training on per-rank data, against DDP with
     the same broadcast_buffers (with accumulation: DDP's no_sync() and the optimizer's)."""
