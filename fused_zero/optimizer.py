@@ -16,6 +16,7 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -31,7 +32,7 @@ from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scal
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
-from .comm.topology import Topology
+from .comm.topology import Topology, refuse_build
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
@@ -92,6 +93,39 @@ class _Unset:
 _UNSET = _Unset()
 
 
+def _reason_left_for_peers(step):
+    """ShardedOptimizer.step: an exception out of it is left in the store (``Rendezvous.raised``), so that if it
+    ends this process, the peers' next collective fails with its reason rather than gloo's "Connection closed by
+    peer"; a step that goes through takes it back."""
+    @functools.wraps(step)
+    def stepping(self, *args, **kwargs):
+        rendezvous = self.__dict__.get("_rendezvous")
+        try:
+            out = step(self, *args, **kwargs)
+        except BaseException as e:  # a KeyboardInterrupt ends the process as well
+            if rendezvous is not None:
+                rendezvous.raised(f"{type(e).__name__} out of step(): {e}")
+            raise
+        if rendezvous is not None:
+            rendezvous.recovered()
+        return out
+    return stepping
+
+
+def _refused_on_every_rank(init):
+    """ShardedOptimizer's constructor: an argument refused on this rank alone, before the build met the other ranks
+    (``lr=-1`` on one rank), is raised on every rank (``topology.refuse_build``), not left to the others' wait."""
+    @functools.wraps(init)
+    def checked(self, params, *args, **kwargs):
+        try:
+            init(self, params, *args, **kwargs)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+            if not self.__dict__.get("_met"):
+                refuse_build(e, kwargs.get("process_group"), kwargs.get("mesh"))
+            raise
+    return checked
+
+
 class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     """AdamW (or Adam) with ZeRO-sharded states, grads and fused kernels.
 
@@ -135,6 +169,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if stage is not None and stage.behind is not None:
             stage.settle()
 
+    @_refused_on_every_rank
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None, mesh=None,
@@ -191,6 +226,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._unhooked: list[nn.Parameter] = []  # laid out while frozen for now: no gradient hook yet (_build)
         self._hooks: HookSet | None = None
         self._in_backward = False
+        self._backwards_begun = 0  # backwards that reached this optimizer's gradients (step(closure) reads it)
         self._holding = 0  # inside full_parameters() (nested: the depth)
         self._backward_dropped = False  # a backward raised: its end-of-backward callback never ran (hooks.py)
         self._closed = False
@@ -308,6 +344,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.topology.check_device(params[0].device)
             # everything that can refuse the build, before a previous optimizer over these parameters is closed
             # (a refused constructor leaves it as it was)
+            self.__dict__["_met"] = True  # a refusal from here on reaches every rank (the meeting, then collectives)
             self.topology.meet()  # the ranks were given the same groups (a store check: no collective yet)
             self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
                                  hint="build the optimizer with the same options and param group "
@@ -504,6 +541,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if not self._in_backward:
             self._settle_update()  # the reductions land in the gradient shards the update reads
             self._in_backward = True
+            self._backwards_begun += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
             try:
@@ -722,6 +760,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
         return total
 
+    @_reason_left_for_peers
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step of every parameter that got a gradient on some rank (every rank calls it).
@@ -760,14 +799,17 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         loss, failed = None, None
         if closure is not None:
             with torch.enable_grad():
+                begun = self._backwards_begun
                 try:
                     loss = closure()
                 except Exception as error:  # noqa: BLE001 - raised again at the step's end
-                    if self.topology.world_size == 1:
+                    if self.topology.world_size == 1 or self._backwards_begun == begun:
+                        # before its backward reached a gradient (in its forward): this rank made none of the
+                        # backward's collectives, so it raises at once, as torch and DDP (the others wait in theirs
+                        # and fail with this reason if this process ends: _left_step)
                         raise
                     # perhaps on this rank alone, after its backward: the step goes through its collectives
-                    # skipped and raises it (a closure that raised inside its forward, alone, leaves the others in
-                    # their backward's collectives, as DDP)
+                    # skipped and raises it
                     failed = error
                     self._recover_if_dropped()
         if grad_scaler is not None:

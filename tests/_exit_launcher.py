@@ -8,7 +8,8 @@ Each entry of the list is one launch: ``stage``, ``destroy`` (the script ends wi
 with torch.distributed's own all-gather, as Accelerate's loss logging does), ``lone`` (rank 0
 alone makes a collective call: "state_dict" mid-training, the DDP save habit; "checkpoint.save"
 after training, while rank 1 goes on to another step; "state_dict_at_end", while rank 1 ends)
-and ``switch``. Prints one
+``raises`` (rank 1 alone raises out of step 10, uncaught: "closure", a step(closure) whose closure raises
+before its backward; "bad lr", a learning rate step() refuses) and ``switch``. Prints one
 JSON list: per launch, the exit status of each rank (negative: killed by that signal) and
 the output of a launch that did not exit 0. Used by tests/test_clean_exit.py.
 
@@ -48,9 +49,15 @@ def train(rank: int, world_size: int, store: str, case: dict) -> None:
     if case.get("offload"):
         options.update(offload_optimizer=case["offload"], nvme_path=case["nvme_path"])
     opt = fused_zero.ShardedOptimizer(param_groups(model), module=model, **options)
-    lone = case.get("lone")
+    lone, raises = case.get("lone"), case.get("raises")
     for step in range(20):
         x, y = batch(step, rank)
+        if raises and step == 10 and rank == 1:  # rank 1 alone raises out of a step; the error ends its process
+            if raises == "closure":  # before its backward: a data loader failing inside step(closure)
+                def closure():
+                    raise KeyError("the data loader failed on rank 1")
+                opt.step(closure)
+            opt.param_groups[0]["lr"] = -0.5  # "bad lr": a value step() refuses after the step's collectives
         loss_fn(model(x, **flags(step, rank)), y).backward()
         opt.step()
         opt.zero_grad()
@@ -103,7 +110,7 @@ def launch(case: dict, workdir: str, index: int) -> tuple[list[int], str]:
         _, status = os.waitpid(pid, 0)
         codes.append(os.waitstatus_to_exitcode(status))
         seconds.append(time.monotonic() - start)
-    output = "" if codes == [0, 0] and not case.get("lone") else "\n".join(
+    output = "" if codes == [0, 0] and not case.get("lone") and not case.get("raises") else "\n".join(
         f"--- rank {r} ---\n" + open(log, errors="replace").read()[-3000:] for r, log in enumerate(logs))
     return codes, output, seconds
 

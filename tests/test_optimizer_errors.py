@@ -233,6 +233,35 @@ def test_an_option_that_differs_across_ranks_is_named():
         assert "max_live_units = 2, rank 0 has 1" in message and len(message) < 400, message
 
 
+def _refused_on_rank_1(rank, world_size, bad):
+    model = TinyNet()
+    kw = {"lr": dict(lr=-1.0), "stage": dict(stage=4), "capturable": dict(capturable=True),
+          "process_group": dict(process_group="gloo")}.get(bad, {})
+    params = list(model.parameters())
+    if bad == "non-leaf":
+        params = [params[0] * 2]
+    elif bad == "float64":
+        params = list(model.double().parameters())
+    got = None
+    try:
+        ShardedOptimizer(params if rank == 1 else list(TinyNet().parameters()),
+                         **{"stage": 2, **(kw if rank == 1 else {})})
+    except (ValueError, TypeError) as e:
+        got = (type(e).__name__, str(e))
+    ShardedOptimizer(list(TinyNet().parameters()), stage=2)  # the next build meets as usual
+    return got
+
+
+@pytest.mark.parametrize("bad", ["lr", "stage", "capturable", "process_group", "non-leaf", "float64"])
+def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(bad):
+    """A bad argument on one rank alone is raised there before the build meets the other ranks; they raise its
+    reason too (the same class, naming the rank) instead of waiting for that rank until the group's timeout, and
+    the next build on every rank goes as usual."""
+    theirs, mine = run_ranks(_refused_on_rank_1, 2, bad, timeout=120)
+    assert mine is not None and theirs is not None, (theirs, mine)
+    assert theirs[0] == mine[0] and theirs[1] == f"rank 1 failed to build the ShardedOptimizer: {mine[1]}", theirs
+
+
 def _rebuild_refused(rank, world_size, stage, bad):
     model = TinyNet()
     ref = TinyNet()

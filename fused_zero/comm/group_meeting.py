@@ -42,6 +42,7 @@ class Seat(NamedTuple):
     mesh: tuple
     layout: str
     says: str
+    refused: tuple[str, str] | None = None  # this rank refused the build before meeting: (exception class, message)
 
 
 def digest(value) -> str:
@@ -86,6 +87,8 @@ def _holds(runs, rank: int) -> bool:
     return any(rank in range(*r) for r in runs)
 
 
+#: the classes a peer's refusal is raised as here (by name; anything else as RuntimeError)
+_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, NotImplementedError, OSError)}
 _REFUSED = "the ShardedOptimizer's build was refused on"
 _FIX = ("pass the same process_group= or mesh= on every rank (one group made by dist.new_group(...) on every rank, "
         "or one DeviceMesh), and build the optimizers in the same order everywhere")
@@ -99,13 +102,16 @@ def meet(store, me: int, seat: Seat, span: tuple[int, ...], groups: list[tuple[s
     it calls this); ``groups``: ("shard" or "replicate", that level's groups as tuples of global ranks) over the
     span, from this rank's own layout (used once every seat's layout digest equals this one's). Raises ValueError
     on every rank of the span if their groups do not pair, RuntimeError where a peer never comes within
-    ``timeout_s`` (None: 30 minutes)."""
+    ``timeout_s`` (None: 30 minutes). A seat that ``refused`` the build (a bad argument on that rank alone) is
+    published and not waited with: every other rank raises its reason, as the same class."""
     if len(span) == 1:
         return
     key = "fused_zero/meet/" + digest(span)
     number = store.add(f"{key}/built/{me}", 1)  # the same on every rank of the span: builds over it in order
     here = f"{key}/{number}"
     store.set(f"{here}/{me}", pickle.dumps(seat))
+    if seat.refused is not None:  # this rank raises its own error; the peers read its reason here and raise too
+        return
     store.set(f"fused_zero/meet/now/{me}", pickle.dumps((here, _runs(span))))  # where this rank waits (_astray)
     try:
         seats = _wait_for(store, here, span, me, 1800.0 if timeout_s is None else timeout_s)
@@ -115,6 +121,10 @@ def meet(store, me: int, seat: Seat, span: tuple[int, ...], groups: list[tuple[s
         raise
     finally:
         store.set(f"fused_zero/meet/now/{me}", pickle.dumps(None))
+    refused = next(((r, seats[r].refused) for r in span if seats[r].refused is not None), None)
+    if refused is not None:
+        r, (kind, message) = refused
+        raise _ERRORS.get(kind, RuntimeError)(f"rank {r} failed to build the ShardedOptimizer: {message}")
     problem = _mismatch(seats, span, groups)
     if problem is not None:
         raise ValueError(f"the ranks were given different groups: {problem}; {_FIX}")

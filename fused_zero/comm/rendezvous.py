@@ -78,6 +78,9 @@ def _message(name: str, why: str) -> str:
     return f"{name} is collective: every rank of the optimizer's process group must call it, but {why}; {fix}"
 
 
+#: the name under which a rank that raised out of a step leaves its reason (``Rendezvous.raised``)
+_RAISED = "step()"
+
 #: the prefix of a name key whose rank withdrew its call (rendezvous keys are never deleted)
 _WITHDRAWN = "withdrawn:"
 
@@ -107,6 +110,7 @@ class Rendezvous:
         self._depth = 0           # > 0 inside one (nested calls are part of the outer one)
         self._published = BUSY
         self._serving = False
+        self._raised = False      # this rank left a step's exception in the store (raised / recovered)
         self._servers: dict[str, Callable[[], Callable[[], None] | None]] = {}
         #: how many steps the optimizer finished (set by it): where in the run a call or a blocked wait is
         self.progress: Callable[[], int | None] = lambda: 0
@@ -271,13 +275,33 @@ class Rendezvous:
         self._publish(BUSY)
 
     def peer_failure(self) -> str | None:
-        """What a peer that gave up on a collective call left in the store, if anything."""
+        """What a peer that gave up on a collective call, or raised out of a step, left in the store, if anything."""
         for q in self._peers():
             key = self._key(f"failed/{q}")
             if self._store.check([key]):
                 name, why = self._store.get(key).decode().split("\n", 1)
+                if name == _RAISED:
+                    return f"rank {self._ranks[q]} raised {why}"
                 return f"rank {self._ranks[q]} stopped in {name}: " + _message(name, why)
         return None
+
+    def raised(self, what: str) -> None:
+        """This rank raised out of a step (``what``: the exception, as it reads): if that ends the process, a peer
+        whose collective then fails says why (``peer_failure``)."""
+        try:
+            self._store.set(self._key(f"failed/{self.rank}"), f"{_RAISED}\n{what}")
+            self._raised = True
+        except Exception:  # noqa: BLE001 - the store may be gone with the process group: the error goes on as it is
+            pass
+
+    def recovered(self) -> None:
+        """A step went through after one raised: its reason is no longer this rank's last word."""
+        if self._raised:
+            self._raised = False
+            try:
+                self._store.delete_key(self._key(f"failed/{self.rank}"))
+            except Exception:  # noqa: BLE001 - as above
+                pass
 
     def close(self) -> None:
         """This optimizer will make no more calls: a peer's lone call fails at once."""

@@ -31,6 +31,19 @@ from .group_meeting import meet, seat_of
 HSDP_DIMS = ("replicate", "shard")
 
 
+def refuse_build(error: Exception, process_group=None, mesh=None) -> None:
+    """A build refused on this rank before it met the other ranks (a bad argument here alone): tell them through
+    the store, over the topology they wait at (the one given, else the default group's), so that they raise
+    ``error``'s reason rather than wait for this rank until the timeout."""
+    if default_store() is None:
+        return
+    try:
+        topology = Topology(process_group, mesh)
+    except (ValueError, TypeError, RuntimeError):  # the groups given were the bad argument: the default group's
+        topology = Topology()
+    topology.meet(refused=error)
+
+
 class Topology:
     """The optimizer's communicators: ``shard`` (every collective of the ZeRO stages) and its own groups."""
 
@@ -104,9 +117,10 @@ class Topology:
             raise ValueError(f"mesh is a {self.mesh.device_type!r} mesh but the parameters are on {device.type}: "
                              f"build the mesh with init_device_mesh({device.type!r}, ...), or move the model")
 
-    def meet(self) -> None:
+    def meet(self, refused: Exception | None = None) -> None:
         """Every rank of both levels was given the same groups and mesh, checked through the default group's store
-        before any collective (comm/group_meeting.py): raises ValueError on each of them if not."""
+        before any collective (comm/group_meeting.py): raises ValueError on each of them if not. ``refused``: this
+        rank refused the build (raised ``refused`` before it met the others): the others raise it too."""
         store = default_store()
         if store is None:
             return
@@ -120,6 +134,8 @@ class Topology:
             layout = table
         seat = seat_of(shard, None if self.replicate is None else self.replicate.seat(), self.describe(),
                        self.shard.group is None, layout)
+        if refused is not None:
+            seat = seat._replace(refused=(type(refused).__name__, str(refused)))
         meet(store, global_rank(), seat, span, groups, group_timeout_s(self.shard))
 
     def describe(self) -> tuple:
