@@ -160,6 +160,11 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     (SEVEN_B[:2] + ["--world-size", "0"], "not a whole number >= 1"),
     (SEVEN_B[:2] + ["--param-dtype", "int8"], "invalid choice"),
     (SEVEN_B[:2] + ["--gpu-memory", "80 parsecs"], "not a size"),
+    # float infinity: an OverflowError's traceback (exit code 1) before
+    (SEVEN_B[:2] + ["--gpu-memory", "1e300GiB"], "argument --gpu-memory: '1e300GiB' is too large"),
+    (SEVEN_B[:2] + ["--host-memory", "1e400"], "argument --host-memory: '1e400' is too large"),
+    (SEVEN_B[:2] + ["--activations", "1e400GiB"], "argument --activations: '1e400GiB' is too large"),
+    (["--params", "1e400"], "argument --params: '1e400' is too large"),
     (SEVEN_B[:2] + ["--headroom", "1.5"], "fraction"),
     (SEVEN_B[:2] + ["--world-size", "8", "--nodes", "3"], "multiple of nodes"),
     (SEVEN_B[:2] + ["--seq-len", "128"], "together"),

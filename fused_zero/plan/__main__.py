@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -35,6 +36,8 @@ def _number(text: str, units: dict, what: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative: give {what}")
+    if not math.isfinite(value):  # 1e400, 1e300GiB: float infinity, which int() cannot take
+        raise argparse.ArgumentTypeError(f"{text!r} is too large to be a number: give {what}")
     return value
 
 
