@@ -165,6 +165,11 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     (SEVEN_B[:2] + ["--host-memory", "1e400"], "argument --host-memory: '1e400' is too large"),
     (SEVEN_B[:2] + ["--activations", "1e400GiB"], "argument --activations: '1e400GiB' is too large"),
     (["--params", "1e400"], "argument --params: '1e400' is too large"),
+    # layers: 1e9 ran for minutes eating memory (a stage 3 unit each), and more layers than parameters passed
+    (SEVEN_B[:2] + ["--layers", "100001"], "argument --layers: 100001 layers is more than 100000"),
+    (["--params", "10", "--layers", "20"], "argument --layers: 20 layers is more than the 10 parameters"),
+    (["--params", "10", "--layers", "20", "--seq-len", "8", "--micro-batch", "1", "--hidden", "8"],
+     "argument --layers: 20 layers is more than the 10 parameters"),
     (SEVEN_B[:2] + ["--headroom", "1.5"], "fraction"),
     (SEVEN_B[:2] + ["--world-size", "8", "--nodes", "3"], "multiple of nodes"),
     (SEVEN_B[:2] + ["--seq-len", "128"], "together"),

@@ -91,6 +91,10 @@ def _size(name: str, value) -> int | None:
 #: the most buckets a plan lays out (at 2**24 elements a bucket, 1.7e12 parameters)
 MAX_BUCKETS = 100_000
 
+#: the most layers a plan takes (the deepest models have a few hundred); with ``params`` each is a stage 3 unit
+#: the plan lays out, as the optimizer keeps Python state and gathers per unit (1e9 took minutes and gigabytes)
+MAX_LAYERS = 100_000
+
 
 def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, param_dtype=None,
              reduce_dtype=None, bucket_numel: int = _DEFAULTS.bucket_numel, gpu_memory=None,
@@ -137,6 +141,7 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     else:
         count = count_module(model, type(model).__name__, pdt, units, job.min_unit_numel)
     total = sum(s.numel for s in count.params)
+    layers = check_layers(layers, total if model is None else None)
     if total // job.bucket_numel > MAX_BUCKETS:  # the plan lays out every bucket, as the optimizer would
         raise ValueError(f"{total:.3g} parameters in buckets of {job.bucket_numel} elements make "
                          f"{total // job.bucket_numel:.3g} buckets, more than {MAX_BUCKETS:.0e} (the optimizer keeps "
@@ -158,6 +163,19 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     rec = recommend(stages, world_size, gpu_memory, headroom, host_memory, world_size // nodes, max_offload)
     return Plan(count, job, nodes, gpu_memory, float(headroom), act, bool(activation_checkpointing), stages, rec,
                 _notes(count, act, layers, job), host_memory, max_offload, levels(count, job, nodes, layers))
+
+
+def check_layers(layers, params: int | None = None) -> int | None:
+    """``layers``: None, or a whole number from 1 to MAX_LAYERS and, given ``params`` (a flat count, whose
+    layers are the stage 3 units), no more than the parameters: ValueError/TypeError saying why."""
+    layers = _count("layers", layers, optional=True)
+    if layers is not None and layers > MAX_LAYERS:
+        raise ValueError(f"{layers} layers is more than {MAX_LAYERS} (the deepest models have a few hundred; the plan "
+                         "lays out every layer, as the optimizer does each stage 3 unit): check the layer count")
+    if layers is not None and params is not None and layers > params:
+        raise ValueError(f"{layers} layers is more than the {params} parameters (each layer, a stage 3 unit, holds "
+                         "at least one parameter): give fewer layers, or check the parameter count")
+    return layers
 
 
 def _secondary(value, world_size: int) -> int | None:

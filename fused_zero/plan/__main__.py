@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from . import estimate
+from . import check_layers, estimate
 from .count import DTYPES, load_model
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -69,6 +69,15 @@ def nonnegative(text: str) -> int:
     return positive(text, minimum=0)
 
 
+def layers(text: str) -> int:
+    """A whole number from 1 to MAX_LAYERS (the plan's bound)."""
+    value = positive(text)
+    try:
+        return check_layers(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)
@@ -117,13 +126,14 @@ _ACTIVATIONS = (
     ("--seq-len", "positive", None, "N", "sequence length"),
     ("--micro-batch", "positive", None, "N", "sequences per micro-batch"),
     ("--hidden", "positive", None, "N", "hidden size"),
-    ("--layers", "positive", None, "N", "transformer layers (with --params, also the number of stage 3 units)"),
+    ("--layers", "layers", None, "N", "transformer layers (with --params, also the number of stage 3 units)"),
     ("--heads", "positive", None, "N", "attention heads: counts the attention matrix (omit for flash attention)"),
 )
 
 
 def _add(group, options) -> None:
-    types = {"positive": positive, "nonnegative": nonnegative, "nbytes": nbytes, "fraction": fraction}
+    types = {"positive": positive, "nonnegative": nonnegative, "nbytes": nbytes, "fraction": fraction,
+             "layers": layers}
     for flag, kind, default, metavar, text in options:
         if isinstance(kind, tuple):
             group.add_argument(flag, choices=kind, default=default, help=text)
@@ -156,6 +166,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.params is not None:  # more layers (stage 3 units) than parameters: an argparse error as the others
+        try:
+            check_layers(args.layers, args.params)
+        except ValueError as e:
+            p.error(f"argument --layers: {e}")
     try:
         if args.plot:  # before any output: no table followed by an error
             from .picture import check_path
