@@ -15,16 +15,19 @@ from .host_read import to_host
 
 
 def _scalar(value, what: str):
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"Tensor {what} must be 1-element")
-        return value
+    """torch's check of a Tensor lr, for every hyperparameter (a multi-element eps or weight_decay met torch's
+    "Boolean value of Tensor with more than one value is ambiguous" in the range checks)."""
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Tensor {what} must be 1-element: give {what} as a number or a one-element tensor, got a "
+                         f"tensor of shape {tuple(value.shape)}")
     return value
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
     """torch.optim.Adam's value checks; returns betas as a tuple of floats."""
     _scalar(lr, "lr")
+    _scalar(eps, "eps")
+    _scalar(weight_decay, "weight_decay")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:

@@ -172,6 +172,30 @@ def test_invalid_hyperparameters_use_torch_wording(kwargs):
         ShardedOptimizer(TinyNet().parameters(), **kwargs)
 
 
+@pytest.mark.parametrize("key,value,what", [
+    ("lr", torch.tensor([1e-3, 1e-3]), "lr"),
+    ("eps", torch.tensor([1e-8, 1e-8]), "eps"),
+    ("weight_decay", torch.tensor([0.1, 0.2]), "weight_decay"),
+    ("weight_decay", torch.tensor([]), "weight_decay"),
+    ("betas", (torch.tensor([0.9, 0.8]), torch.tensor(0.999)), r"betas\[0\]"),
+    ("betas", (torch.tensor(0.9), torch.tensor([0.99, 0.999])), r"betas\[1\]"),
+])
+@pytest.mark.parametrize("where", ["defaults", "group", "add_param_group"])
+def test_a_multi_element_tensor_hyperparameter_is_refused_naming_it(key, value, what, where):
+    """torch's "Tensor lr must be 1-element" for every hyperparameter: a multi-element eps or weight_decay raised
+    "Boolean value of Tensor with more than one value is ambiguous" (RuntimeError) before."""
+    params = list(TinyNet().parameters())
+    match = f"Tensor {what} must be 1-element: give {what} as a number or a one-element tensor"
+    with pytest.raises(ValueError, match=match):
+        if where == "defaults":
+            ShardedOptimizer(params, **{key: value})
+        elif where == "group":
+            ShardedOptimizer([{"params": params, key: value}])
+        else:
+            opt = ShardedOptimizer(params[:2])
+            opt.add_param_group({"params": params[2:], key: value})
+
+
 def test_params_on_different_devices():
     cpu = nn.Parameter(torch.zeros(16))
     meta = nn.Parameter(torch.empty(16, device="meta"))
