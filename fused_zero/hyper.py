@@ -34,8 +34,11 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
         raise ValueError(f"Invalid epsilon value: {eps}")
     try:
         b0, b1 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+    except TypeError:  # not a sequence (0.9, None): torch's TypeError ("'float' object is not subscriptable")
+        raise TypeError(f"betas must be a pair (beta1, beta2), e.g. (0.9, 0.999), got {type(betas).__name__} "
+                        f"{betas!r}") from None
+    except ValueError:  # a sequence of another length
+        raise ValueError(f"betas must be a pair (beta1, beta2), e.g. (0.9, 0.999), got {betas!r}") from None
     if isinstance(b0, torch.Tensor) != isinstance(b1, torch.Tensor):
         raise ValueError("betas must be either both floats or both Tensors")
     _scalar(b0, "betas[0]")

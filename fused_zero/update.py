@@ -153,7 +153,10 @@ def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int
     check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"),
                 capturable)
     betas = _entry(group, "betas", index)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+    if not isinstance(betas, (tuple, list)):  # torch's update: TypeError ("cannot unpack non-iterable float")
+        raise TypeError(f"param group {index}'s betas must be a pair (beta1, beta2), e.g. (0.9, 0.999), got "
+                        f"{type(betas).__name__} {betas!r}")
+    if len(betas) != 2:
         raise ValueError(f"param group {index}'s betas must be a pair (beta1, beta2), got {betas!r}")
     hyper = dict(lr=_real(_entry(group, "lr", index), "lr", index), beta1=_real(betas[0], "beta1", index),
                  beta2=_real(betas[1], "beta2", index), eps=_real(_entry(group, "eps", index), "eps", index),

@@ -196,6 +196,39 @@ def test_a_multi_element_tensor_hyperparameter_is_refused_naming_it(key, value, 
             opt.add_param_group({"params": params[2:], key: value})
 
 
+@pytest.mark.parametrize("betas", [0.9, None])
+def test_betas_not_a_pair_is_a_type_error_as_in_torch(betas):
+    """torch.optim.AdamW raises TypeError for betas that are no sequence; a ValueError before. A sequence of another
+    length stays a ValueError."""
+    with pytest.raises(TypeError):
+        torch.optim.AdamW(TinyNet().parameters(), betas=betas)
+    with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\), e.g. \(0.9, 0.999\), got"):
+        ShardedOptimizer(list(TinyNet().parameters()), betas=betas)
+    with pytest.raises(TypeError, match="betas must be a pair"):
+        ShardedOptimizer([{"params": list(TinyNet().parameters()), "betas": betas}])
+    params = list(TinyNet().parameters())
+    opt = ShardedOptimizer(params[:2])
+    with pytest.raises(TypeError, match="betas must be a pair"):
+        opt.add_param_group({"params": params[2:], "betas": betas})
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        ShardedOptimizer(list(TinyNet().parameters()), betas=(0.9,))
+
+
+def test_betas_edited_to_a_non_pair_is_a_type_error_at_step():
+    """torch's update raises TypeError ("cannot unpack non-iterable float object"); a ValueError before."""
+    model = nn.Linear(4, 2)
+    opt = ShardedOptimizer(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.param_groups[0]["betas"] = 0.9
+    with pytest.raises(TypeError, match="param group 0's betas must be a pair"):
+        opt.step()
+    opt.param_groups[0]["betas"] = (0.9,)
+    with pytest.raises(ValueError, match="param group 0's betas must be a pair"):
+        opt.step()
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    opt.step()
+
+
 def test_params_on_different_devices():
     cpu = nn.Parameter(torch.zeros(16))
     meta = nn.Parameter(torch.empty(16, device="meta"))
