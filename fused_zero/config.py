@@ -187,6 +187,20 @@ class ZeroConfig:
         object.__setattr__(self, name, int(value))
         return True
 
+    def _choice(self, name: str, choices: tuple, what: str = "") -> None:
+        """A string option: None or one of ``choices`` (numpy's str kept as a str). Any other type is a TypeError
+        naming the accepted values: a numpy array or tensor compared with ``in`` raised numpy's "truth value of an
+        array ... is ambiguous" before."""
+        value = getattr(self, name)
+        accepted = " or ".join((", ".join(["None"] + [f'"{c}"' for c in choices[:-1]]), f'"{choices[-1]}"'))
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be {accepted}{what}, got {type(value).__name__} {value!r}: give one of "
+                            "these strings, or None")
+        if value is not None and value not in choices:
+            raise ValueError(f"{name} must be {accepted}{what}, got {value!r}")
+        if value is not None:
+            object.__setattr__(self, name, str(value))
+
     def __post_init__(self) -> None:
         for flag in ("adam_w_mode", "overlap", "reshard_after_forward", "broadcast_buffers", "nvme_direct",
                      "update_behind"):
@@ -197,7 +211,8 @@ class ZeroConfig:
             raise ValueError(
                 f"bucket_numel must be a positive int, got {self.bucket_numel!r}"
             )
-        if self.reduce_dtype not in _REDUCE_DTYPES:
+        if not (self.reduce_dtype is None or isinstance(self.reduce_dtype, torch.dtype)) \
+                or self.reduce_dtype not in _REDUCE_DTYPES:
             raise TypeError(
                 "reduce_dtype must be None, torch.float32, torch.bfloat16 or "
                 f"torch.float16, got {self.reduce_dtype!r}"
@@ -208,10 +223,8 @@ class ZeroConfig:
             raise ValueError(f"min_unit_numel must be an int >= 0 (0: one stage-3 unit per module), "
                              f"got {self.min_unit_numel!r}")
         self._check_secondary_shard()
-        if self.offload_optimizer not in (None, "cpu", "nvme"):
-            raise ValueError(f'offload_optimizer must be None, "cpu" or "nvme", got {self.offload_optimizer!r}')
-        if self.offload_params not in (None, "cpu", "nvme"):
-            raise ValueError(f'offload_params must be None, "cpu" or "nvme", got {self.offload_params!r}')
+        self._choice("offload_optimizer", ("cpu", "nvme"))
+        self._choice("offload_params", ("cpu", "nvme"))
         if self.offload_params is not None and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1-2 keep every "
                              f"parameter whole on every rank; got stage={self.stage}): pass stage=3 and the model, "
@@ -268,15 +281,13 @@ class ZeroConfig:
 
     def _check_codecs(self) -> None:
         """param_comm / grad_comm / quant_block (comm/codec.py)."""
-        if self.param_comm not in (None, "int8"):
-            raise ValueError(f'param_comm must be None or "int8" (qwZ), got {self.param_comm!r}')
+        self._choice("param_comm", ("int8",), " (qwZ)")
         if self.param_comm is not None and self.stage != 3:
             raise ValueError(f"param_comm={self.param_comm!r} quantizes stage 3's parameter all-gathers (ZeRO++'s "
                              f"qwZ); stages 1-2 gather once per step into every rank's only copy of the parameters "
                              f"(got stage={self.stage}): pass stage=3 and the model, or drop param_comm "
                              '(grad_comm="int8" serves every stage)')
-        if self.grad_comm not in (None, "int8", "int4"):
-            raise ValueError(f'grad_comm must be None, "int8" or "int4" (qgZ), got {self.grad_comm!r}')
+        self._choice("grad_comm", ("int8", "int4"), " (qgZ)")
         block = self.quant_block
         if not self._whole("quant_block") or not 32 <= self.quant_block <= 8192 or block & (block - 1):
             raise ValueError(f"quant_block must be a power of two from 32 to 8192 (values per fp32 scale), "

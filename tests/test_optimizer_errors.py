@@ -6,6 +6,7 @@ work); the rest run in the pytest process without a process group.
 import copy
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -256,12 +257,32 @@ def test_options_of_the_wrong_type_are_refused(option, value, error):
         ShardedOptimizer(list(TinyNet().parameters()), **{option: value})
 
 
+@pytest.mark.parametrize("option,accepted", [("offload_optimizer", '"cpu" or "nvme"'),
+                                             ("offload_params", '"cpu" or "nvme"'),
+                                             ("param_comm", '"int8"'), ("grad_comm", '"int8" or "int4"')])
+@pytest.mark.parametrize("value", [np.array(["cpu", "nvme"]), np.array("cpu"), ["cpu"], {"cpu": 1},
+                                   torch.tensor([1, 2]), 1], ids=lambda v: type(v).__name__)
+def test_a_string_option_of_another_type_is_a_type_error_naming_the_values(option, accepted, value):
+    """An array for a string option met numpy's "truth value of an array ... is ambiguous" (ValueError) in the
+    ``in`` check before; a 0-d array was kept as the option; a list or a number was a ValueError."""
+    with pytest.raises(TypeError, match=f"{option} must be None, {accepted}" if "or" in accepted else
+                       f"{option} must be None or {accepted}"):
+        ShardedOptimizer(list(TinyNet().parameters()), stage=3, **{option: value})
+
+
+def test_a_reduce_dtype_array_is_a_type_error():
+    with pytest.raises(TypeError, match="reduce_dtype must be None, torch.float32"):
+        ShardedOptimizer(list(TinyNet().parameters()), reduce_dtype=np.array([1, 2]))
+
+
 def test_numpy_options_are_taken_as_python_values():
     import numpy
     opt = ShardedOptimizer(list(TinyNet().parameters()), bucket_numel=numpy.int64(4096), overlap=numpy.bool_(False),
                            stage=numpy.int32(2))
     assert (opt.config.bucket_numel, opt.config.overlap, opt.config.stage) == (4096, False, 2)
     assert type(opt.config.bucket_numel) is int and type(opt.config.overlap) is bool
+    opt = ShardedOptimizer(list(TinyNet().parameters()), grad_comm=np.str_("int8"))
+    assert type(opt.config.grad_comm) is str and opt.config.grad_comm == "int8"
 
 
 @pytest.mark.parametrize("stage", [1, 2])
