@@ -109,6 +109,24 @@ def test_state_dict_carries_the_kind():
                for k, t in zero.extra.items())
 
 
+def test_amsgrad_set_in_a_loaded_group_without_its_state_is_named_as_the_flag():
+    """A dict whose param group says amsgrad=True but whose states hold no max_exp_avg_sq: the refusal said the
+    dict "has optimizer state ['max_exp_avg_sq']", which it lacks; it names the group's flag now."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = ShardedOptimizer(model.parameters(), stage=2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert all("max_exp_avg_sq" not in s for s in sd["state"].values())
+    sd["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError) as err:
+        opt.load_state_dict(sd)
+    assert str(err.value) == ("param group 0 of the state dict sets amsgrad=True, which needs optimizer state "
+                              "['max_exp_avg_sq'] that this optimizer does not keep: build param group 0 with "
+                              "amsgrad=True")
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_beyond_steps_and_moments_round_trips_as_state_dict_keeps_it(stage, tmp_path):
     """optimizer.state under keys that are no parameter (torch keeps them in state_dict()) and keys of user code's own

@@ -282,10 +282,13 @@ def check_match(view: ModelView, meta: dict, path: str) -> None:
                         view.group_of[n])
 
 
-def check_kinds(saved, mine, what: str, group: int) -> None:
-    """A saved state kind the optimizer's shard lacks is an error naming the option that adds it."""
+def check_kinds(saved, mine, what: str, group: int, flagged: bool = False) -> None:
+    """A saved state kind the optimizer's shard lacks is an error naming the option that adds it. ``flagged``:
+    ``saved`` are the kinds ``what`` (a saved param group) asks for by its options (amsgrad=True), which its
+    states need not hold, rather than kinds its states hold."""
     lacking = [k for k in saved if k not in mine]
     if lacking:
         options = ", ".join(OPTION_OF_KIND.get(k, f"the option that keeps {k}") for k in lacking)
-        raise ValueError(f"{what} has optimizer state {lacking} that this optimizer does not keep: build param "
+        has = f"sets {options}, which needs" if flagged else "has"
+        raise ValueError(f"{what} {has} optimizer state {lacking} that this optimizer does not keep: build param "
                          f"group {group} with {options}")

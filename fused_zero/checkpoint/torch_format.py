@@ -104,7 +104,7 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
     for gi, g in enumerate(saved):
         if g.get("amsgrad") and not all("max_exp_avg_sq" in kinds.get(id(p), ("max_exp_avg_sq",))
                                       for p in groups[gi]["params"]):
-            check_kinds(["max_exp_avg_sq"], (), f"param group {gi} of the state dict", gi)
+            check_kinds(["max_exp_avg_sq"], (), f"param group {gi} of the state dict", gi, flagged=True)
     for gi, (g, mine) in enumerate(zip(saved, groups)):
         for i, p in zip(g["params"], mine["params"]):
             s = saved_state(sd, i)
