@@ -31,7 +31,7 @@ import torch
 
 from . import ops
 from .host_read import host_copy
-from .hyper import as_float, check_flags
+from .hyper import as_float, check_flags, check_hyperparameters
 from .sharding.partition import Partition
 from .state_views import StepCounts
 from .tiers.store import AMSGRAD_KIND
@@ -121,11 +121,11 @@ def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[
 
 def read_hypers(partitions: list[Partition], groups: list[dict], adam_w_mode: bool,
                 capturable: bool = False) -> list[Hyper]:
-    """Each partition's hyperparameters for this step, read from its group and checked (``ops.check_hyper``:
-    ValueError naming the value; amsgrad turned on after building: RuntimeError). Once per group and
-    device a step, before the step's collectives (the optimizer calls it first, so a rank alone with a bad
-    value can still go through the collectives with the step skipped, instead of leaving the others
-    waiting)."""
+    """Each partition's hyperparameters for this step, read from its group and checked (the constructor's checks,
+    ``hyper.check_hyperparameters``: ValueError in torch's words naming the value and the group; amsgrad turned
+    on after building: RuntimeError). Once per group and device a step, before the step's collectives (the
+    optimizer calls it first, so a rank alone with a bad value can still go through the collectives with the
+    step skipped, instead of leaving the others waiting)."""
     seen: dict = {}
     out = []
     for part in partitions:
@@ -163,6 +163,10 @@ def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int
                  weight_decay=_real(_entry(group, "weight_decay", index), "weight_decay", index),
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
+    try:  # the constructor's checks and torch's wording ("Invalid learning rate: -0.5") for a group edited or loaded
+        check_hyperparameters(hyper["lr"], (hyper["beta1"], hyper["beta2"]), hyper["eps"], hyper["weight_decay"])
+    except ValueError as e:
+        raise ValueError(f"param group {index}: {e}") from None
     hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                                   weight_decay=hyper["weight_decay"], device=device)
     return Hyper(hyper, bool(group.get("amsgrad", False)))

@@ -4,6 +4,7 @@ writes between stage-3 steps, hand-made gradients of the wrong shape, torch's cl
 gradients, named param groups and state-dict hooks, per-parameter optimizer state."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -429,8 +430,9 @@ def test_a_parameter_listed_twice_is_refused_where_torch_warns():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("key,value,match", [("lr", -1e-3, "lr must be >= 0"), ("eps", -1e-8, "eps must be >= 0"),
-                                             ("weight_decay", float("nan"), "weight_decay must be >= 0")])
+@pytest.mark.parametrize("key,value,match", [("lr", -1e-3, "Invalid learning rate: -0.001"),
+                                             ("eps", -1e-8, "Invalid epsilon value: -1e-08"),
+                                             ("weight_decay", float("nan"), "Invalid weight_decay value: nan")])
 def test_a_group_edited_to_a_bad_value_is_refused_at_step_before_any_change(stage, key, value, match):
     """A param group edited after building (a scheduler, a hand) is checked when the step is taken, once per
     partition, before any element changes; the chunks then run unchecked (ops.adamw_checked_)."""
@@ -446,10 +448,38 @@ def test_a_group_edited_to_a_bad_value_is_refused_at_step_before_any_change(stag
     opt.zero_grad()
     loss_fn(model(x, **flags(1, 0)), y).backward()  # the branch unused in step 0 trains now
     opt.param_groups[-1][key] = value
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=f"param group {len(opt.param_groups) - 1}: {match}"):
         opt.step()
     with opt.full_parameters():
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert {p: float(s["step"]) for p, s in opt.state.items() if p in steps} == steps  # none advanced
     assert all(float(s["step"]) == 0 for p, s in opt.state.items() if p not in steps)
     opt.close()
+
+
+@pytest.mark.parametrize("key,value", [("lr", -0.5), ("lr", float("nan")), ("lr", torch.tensor(-0.5)),
+                                       ("eps", -1e-8), ("weight_decay", -0.1), ("betas", (1.0, 0.999)),
+                                       ("betas", (0.9, -0.5))])
+def test_a_bad_value_in_a_loaded_dict_is_refused_in_the_constructors_words(key, value):
+    """A state dict's bad hyperparameter (load_state_dict takes it, as torch's does) is refused at the next step
+    with the message torch.optim.AdamW's constructor (and this one's) gives for the value, naming the group: it
+    read "lr must be >= 0.0, got -0.5" (the kernel's own check) before."""
+    with pytest.raises(ValueError) as torch_err:
+        torch.optim.AdamW(nn.Linear(4, 2).parameters(), **{key: value})
+    with pytest.raises(ValueError, match=re.escape(str(torch_err.value))):
+        ShardedOptimizer(nn.Linear(4, 2).parameters(), **{key: value})
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = ShardedOptimizer(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][key] = value
+    opt.load_state_dict(sd)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError) as err:
+        opt.step()
+    words = "Invalid learning rate: -0.5" if isinstance(value, torch.Tensor) else str(torch_err.value)
+    assert str(err.value) == f"param group 0: {words}"  # (a tensor lr is read as a float at step)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
