@@ -163,12 +163,18 @@ def _read_hyper(group: dict, adam_w_mode: bool, device: torch.device, index: int
                  weight_decay=_real(_entry(group, "weight_decay", index), "weight_decay", index),
                  adam_w_mode=bool(group.get("decoupled_weight_decay", adam_w_mode)),
                  maximize=bool(group.get("maximize", False)))
-    try:  # the constructor's checks and torch's wording ("Invalid learning rate: -0.5") for a group edited or loaded
-        check_hyperparameters(hyper["lr"], (hyper["beta1"], hyper["beta2"]), hyper["eps"], hyper["weight_decay"])
-    except ValueError as e:
-        raise ValueError(f"param group {index}: {e}") from None
-    hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
-                                  weight_decay=hyper["weight_decay"], device=device)
+    try:
+        hyper["lr"] = ops.check_hyper(lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                                      weight_decay=hyper["weight_decay"], device=device)
+    except ValueError as refused:
+        # said again in the constructor's words, torch's ("Invalid learning rate: -0.5"), for a group edited or
+        # loaded; only here, on the way out (with a tensor lr on a GPU, its range check reads the device)
+        try:
+            check_hyperparameters(hyper["lr"], (hyper["beta1"], hyper["beta2"]), hyper["eps"],
+                                  hyper["weight_decay"])
+        except ValueError as e:
+            raise ValueError(f"param group {index}: {e}") from None
+        raise refused
     return Hyper(hyper, bool(group.get("amsgrad", False)))
 
 

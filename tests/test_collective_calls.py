@@ -235,7 +235,7 @@ def test_a_rank_raising_out_of_a_step_ends_every_rank_with_its_reason():
     run = subprocess.run([sys.executable, LAUNCHER, json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     for r, why in zip(json.loads(run.stdout), ["KeyError out of step(): 'the data loader failed on rank 1'"] * 2 +
-                      ["ValueError out of step(): lr must be >= 0.0, got -0.5"]):
+                      ["ValueError out of step(): param group 0: Invalid learning rate: -0.5"]):
         assert r["codes"] == [3, 3], r["output"]
         rank0, rank1 = r["output"].split("--- rank 1 ---")
         assert f"rank 1 raised {why}" in rank0, rank0
