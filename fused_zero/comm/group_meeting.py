@@ -20,6 +20,9 @@ A rank whose span differs never seats at this key. While a rank waits for one, i
 for this rank as this rank waits for it (another group, or optimizers built in another order): both raise. A peer
 building elsewhere without this rank (an optimizer over its own subgroup first) is waited for, with a warning
 after ``WARN_S`` seconds naming where it is, until the group's timeout.
+
+A rank that refused the build before meeting (a bad argument on it alone: ``topology.refuse_build``) sits with its
+reason and does not wait; the others raise that reason, so no rank waits for one that already raised.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import warnings
 from typing import NamedTuple
 
 from .rendezvous import WARN_S
+
 
 class Seat(NamedTuple):
     """What one rank was given: ``shard`` and ``replicate`` as (group name, digest of its global ranks), the
