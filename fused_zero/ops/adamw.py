@@ -35,8 +35,12 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
     becomes max(max_exp_avg_sq, exp_avg_sq) after exp_avg_sq's update and replaces
     it in the denominator. The arithmetic is ``torch.optim.AdamW`` / ``Adam``'s,
     amsgrad included; the rounding is that of the path taken: CUDA, one Triton
-    launch; CPU, torch's fused CPU AdamW (bitwise ``AdamW(fused=True)``, which
-    differs from the for-loop and foreach implementations in the last bits), or
+    launch; CPU, torch's fused CPU AdamW over the flat buffer (``AdamW(fused=True)``'s kernel,
+    which differs from the for-loop and foreach implementations in the last bits; that
+    kernel's vectorised body and its scalar tail round ``exp_avg_sq`` differently, and
+    torch runs it per tensor, so an element that falls in a tensor's tail there and in
+    the body here, or the reverse, may differ by an ulp: parameters seen bitwise equal,
+    moments within 1 ulp), or
     the pure-torch twin (``fused_zero.ops.adamw_twin.adamw_``) when
     FUSED_ZERO_BACKEND is set.
     """
