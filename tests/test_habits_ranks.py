@@ -662,10 +662,14 @@ def test_every_optimizer_call_inside_a_compiled_training_step_runs_eagerly(stage
     """no_sync(), clip_grad_norm_(), step(), zero_grad() and state_dict() called from a compiled function train as
     the same loop uncompiled, bit for bit. Before, Dynamo traced into clip_grad_norm_ (stage 1's bucket reduction:
     InternalTorchDynamoError, NameError or UnsafeScriptObjectError)."""
-    eager = run_ranks(_compiled_loop_with_every_call, 2, stage, False, timeout=300)
-    compiled = run_ranks(_compiled_loop_with_every_call, 2, stage, True, timeout=300)
-    for (got, params), (want, ref) in zip(compiled, eager):
+    for eager, compiled in run_ranks(_compiled_loop_and_eager, 2, stage, timeout=300):
+        (got, params), (want, ref) = compiled, eager
         assert got == want and all(torch.equal(p, q) for p, q in zip(params, ref))
+
+
+def _compiled_loop_and_eager(rank, world_size, stage):
+    return (_compiled_loop_with_every_call(rank, world_size, stage, False),
+            _compiled_loop_with_every_call(rank, world_size, stage, True))
 
 
 def _compiled_steps_each(rank, world_size, stage, hows):
