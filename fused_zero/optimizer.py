@@ -806,7 +806,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     if self.topology.world_size == 1 or self._backwards_begun == begun:
                         # before its backward reached a gradient (in its forward): this rank made none of the
                         # backward's collectives, so it raises at once, as torch and DDP (the others wait in theirs
-                        # and fail with this reason if this process ends: _left_step)
+                        # and fail with this reason if this process ends: _reason_left_for_peers)
                         raise
                     # perhaps on this rank alone, after its backward: the step goes through its collectives
                     # skipped and raises it

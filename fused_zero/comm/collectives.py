@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
-import hashlib
 import pickle
 import time
 import weakref
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .agreement import Agreement
+from .group_meeting import digest
 from .pins import _PINS, _Pin, _alias, _reap
 from .tensor_checks import _DEVICE_FOR_BACKEND, TensorChecks
 from .traffic import TrafficCount
@@ -261,10 +261,10 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         store = default_store()
         if ranks is not None:
             ranks = sorted(ranks)
-            key = hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+            key = digest(ranks)
             return rendezvous.Rendezvous(store, ranks.index(dist.get_rank()), len(ranks), timeout, key, ranks)
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)  # (in the group's rank order)
-        key = "world" if self.group is None else hashlib.sha1(repr(ranks).encode()).hexdigest()[:16]
+        key = "world" if self.group is None else digest(ranks)
         return rendezvous.Rendezvous(store, self.rank, self.world_size, timeout, key, ranks)
 
     # ---- tensor collectives -------------------------------------------------
@@ -357,8 +357,6 @@ class Comm(TensorChecks, TrafficCount, Agreement):
     def seat(self) -> tuple[str, tuple[int, ...]]:
         """This group's name (torch names a group alike on each of its ranks) and its global ranks, in group
         order: what ``group_meeting`` compares across ranks."""
-        if self._local and self.world is None:
-            return ("", (0,))
         group = self.group or dist.group.WORLD
         return (str(group.group_name), tuple(dist.get_process_group_ranks(group)))
 

@@ -33,6 +33,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+from .agreement import _error_class
 from .rendezvous import WARN_S
 
 
@@ -46,7 +47,8 @@ class Seat(NamedTuple):
     mesh: tuple
     layout: str
     says: str
-    refused: tuple[str, str] | None = None  # this rank refused the build before meeting: (exception class, message)
+    refused: tuple[type, str] | None = None  # this rank refused the build before meeting: (the class the others
+    # raise, agreement._error_class's, and the message)
 
 
 def digest(value) -> str:
@@ -91,8 +93,6 @@ def _holds(runs, rank: int) -> bool:
     return any(rank in range(*r) for r in runs)
 
 
-#: the classes a peer's refusal is raised as here (by name; anything else as RuntimeError)
-_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, NotImplementedError, OSError)}
 _REFUSED = "the ShardedOptimizer's build was refused on"
 _FIX = ("pass the same process_group= or mesh= on every rank (one group made by dist.new_group(...) on every rank, "
         "or one DeviceMesh), and build the optimizers in the same order everywhere")
@@ -127,8 +127,8 @@ def meet(store, me: int, seat: Seat, span: tuple[int, ...], groups: list[tuple[s
         store.set(f"fused_zero/meet/now/{me}", pickle.dumps(None))
     refused = next(((r, seats[r].refused) for r in span if seats[r].refused is not None), None)
     if refused is not None:
-        r, (kind, message) = refused
-        raise _ERRORS.get(kind, RuntimeError)(f"rank {r} failed to build the ShardedOptimizer: {message}")
+        r, (cls, message) = refused
+        raise cls(f"rank {r} failed to build the ShardedOptimizer: {message}")
     problem = _mismatch(seats, span, groups)
     if problem is not None:
         raise ValueError(f"the ranks were given different groups: {problem}; {_FIX}")

@@ -24,7 +24,7 @@ builds process groups.
 """
 from __future__ import annotations
 
-from .agreement import raise_if_differ
+from .agreement import _error_class, raise_if_differ
 from .collectives import Comm, default_store, global_rank, group_timeout_s, is_device_mesh, is_process_group
 from .group_meeting import meet, seat_of
 
@@ -135,7 +135,7 @@ class Topology:
         seat = seat_of(shard, None if self.replicate is None else self.replicate.seat(), self.describe(),
                        self.shard.group is None, layout)
         if refused is not None:
-            seat = seat._replace(refused=(type(refused).__name__, str(refused)))
+            seat = seat._replace(refused=(_error_class(refused, ()), str(refused)))
         meet(store, global_rank(), seat, span, groups, group_timeout_s(self.shard))
 
     def describe(self) -> tuple:
