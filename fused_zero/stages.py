@@ -27,7 +27,7 @@ from .comm.collectives import Comm
 from .comm.topology import Topology
 from .config import ALIGN, STAGE_TRAITS, ZeroConfig
 from .comm.gatherer import ParamGatherer
-from .comm.grad_sync import ReduceAtStep, ReduceInBackward
+from .comm.grad_sync import ReduceAmongGathers, ReduceAtStep, ReduceInBackward
 from .comm.param_sync import ParamSync
 from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
@@ -295,6 +295,7 @@ class Stage3(Stage2):
 
     number = 3
     traits = STAGE_TRAITS[3]
+    reducer = ReduceAmongGathers
     can_add_groups = False
 
     def __init__(self, topology: Topology, config: ZeroConfig) -> None:

@@ -1393,3 +1393,38 @@ def test_a_backward_with_create_graph_matches_ddp():
     refuses create_graph; the reference averages every rank's gradient as it would). Stages 1-3 in one spawn."""
     for errors in run_ranks(_create_graph_stages, 2, timeout=TIMEOUT):
         assert all(err < 1e-5 for err in errors), errors
+
+
+def _a_rank_without_backward(rank, world_size, stage):
+    """Rank 1 skips its backward at step 2 (a loss found non-finite there) and at step 4 its loss reaches no
+    parameter; rank 0 trains as usual. The reference: one process, each step's gradient the sum of the ranks
+    that had one, divided by the world size (a missing gradient counts as zeros, as for an unused parameter)."""
+    from fused_zero import ShardedOptimizer
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, bucket_numel=300)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    for t in range(6):
+        xs = [batch(t, r) for r in range(world_size)]
+        lost = {2: "skipped", 4: "no parameter"}.get(t) if rank == 1 else None
+        if lost is None:
+            loss_fn(model(xs[rank][0]), xs[rank][1]).backward()
+        elif lost == "no parameter":
+            xs[rank][0].clone().requires_grad_().square().sum().backward()
+        total = sum(loss_fn(ref(x), y) for r, (x, y) in enumerate(xs) if not (r == 1 and t in (2, 4)))
+        (total / world_size).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_rank_without_backward_counts_as_zero_gradients(stage):
+    """A rank that runs no backward before a step (or one that reaches no parameter) while its peers run theirs:
+    stage 2 aborted the process inside gloo ("Received data size doesn't match"), the step's all-reduce meeting
+    the peers' reduce-scatters. Now it makes the same reductions from zeros, as stage 1 packs a missing .grad."""
+    for err in run_ranks(_a_rank_without_backward, 2, stage, timeout=TIMEOUT):
+        assert err < 1e-5, err

@@ -405,6 +405,7 @@ class ReduceInBackward(GradSync):
     """Stages 2 and 3: each bucket is reduced during backward as soon as its gradients are in; ``.grad`` freed."""
 
     frees_grads = True
+    reduces_empty_round = True  # a step with no backward since the last one reduces zeros (prepare_step)
 
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
@@ -571,6 +572,13 @@ class ReduceInBackward(GradSync):
         if stale and self.state is RoundState.EMPTY and _all_zero([p.grad for p in stale]):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
+        if self.state is RoundState.EMPTY and self.reduces_empty_round and self.pipe.divisor > 1:
+            # no backward reached this rank's gradients since the last step (it skipped its backward on a
+            # non-finite loss, or its loss used none of the parameters) while its peers' backwards may have
+            # reduced theirs: it makes the same reductions from zeros, as a backward that reached no parameter
+            # (stage 1 packs a missing .grad as zeros alike), so no rank meets another collective than its own
+            self._open_round()
+            self.close_round()
         self.wait()
         if self.refused is not None:  # an unfit .grad in backward (_unfit_grad): reduced without it
             return self.refused
@@ -582,6 +590,14 @@ class ReduceInBackward(GradSync):
                 "during backward and free .grad; compute gradients with backward(), or use stage=1, which reduces "
                 ".grad at step()")
         return None
+
+
+class ReduceAmongGathers(ReduceInBackward):
+    """Stage 3: as stage 2, but a backward also gathers each unit again between its reductions: a rank with no
+    backward cannot make up that sequence of collectives, so its step reduces nothing (a rank skipping the
+    backward its peers run is not served there: README, "Not done yet")."""
+
+    reduces_empty_round = False
 
 
 class HandSetGrads(RuntimeError):
