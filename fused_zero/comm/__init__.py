@@ -9,7 +9,8 @@
 - ``rendezvous.py``: the collective calls made outside a step meet every rank first.
 - ``grad_buckets.py``: a bucket's paired ``start()`` (pack, the gradient codec point, and launch the
   reduce-scatter) and ``finish()`` (land it), and the pool and host landing every bucket shares.
-- ``grad_sync.py``: the two reducers, ``ReduceInBackward`` (stages 2-3) and ``ReduceAtStep`` (stage 1).
+- ``grad_sync.py``: the reducers, ``ReduceInBackward`` (stage 2; ``ReduceAmongGathers`` its stage-3 form) and
+  ``ReduceAtStep`` (stage 1).
 - ``param_sync.py``: all-gather each bucket's shards back into the full flat buffer.
 - ``gatherer.py``: stage 3's ``ParamGatherer``, the module hooks that gather each unit just in
   time, prefetch along the recorded order and release it after use; ``gather_cycle.py`` how a unit
