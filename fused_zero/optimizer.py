@@ -44,6 +44,7 @@ from .hyper import agreement_key, check_flags, check_foreach_tensors, check_grou
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
                      lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from .model_guard import ModelGuard
+from . import module_zero_grad
 from .ownership import claim, others_on_group, release
 from .sharding.partition import Partition, unalias
 from .profiling import UPDATE, label
@@ -390,6 +391,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)
                                      self.topology.replicate_again() if self.config.grad_comm else None)
+        if self.grad_sync.frees_grads:  # model.zero_grad() reaches the shards that stand in for .grad
+            module_zero_grad.watch(self)
         self._hooks = HookSet(self)
         # what every gradient hook calls, found once (bound methods: no attribute chain per parameter)
         self._reduce_grad = self.grad_sync.on_grad
@@ -490,6 +493,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             for part in self.partitions:
                 part.close()
             self._closed = True
+            module_zero_grad.unwatch(self)
             release(self, list(getattr(self, "_params", ())))
             if self._guard is not None:
                 self._guard.close()

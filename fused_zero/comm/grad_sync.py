@@ -24,8 +24,9 @@ Which parameters hold a gradient (``present``) follows torch's ``.grad``.
 Reducing at step, ``.grad`` itself is reduced afresh every step. Reducing in
 backward, ``.grad`` was freed and the shards stand in for it: a round adds to
 what earlier rounds of the same step left (several backwards accumulate), and
-``step()`` consumes them, as if ``.grad`` were then set to None (the optimizer
-cannot see ``model.zero_grad()``, so it never carries gradients across steps).
+``step()`` consumes them, as if ``.grad`` were then set to None (a loop setting
+``p.grad = None`` itself leaves nothing to see, so it never carries gradients across
+steps); ``model.zero_grad()`` reaches them (``module_zero_grad.py``, ``forget_some``).
 ``zero_grad(set_to_none=False)`` makes the parameters that held a gradient
 hold zeros, as torch does: they stay present, and step with zero gradients.
 
@@ -205,6 +206,10 @@ class GradSync:
 
     def _forget(self) -> None:
         """zero_grad: what the shards hold is no longer a gradient to add to."""
+
+    def forget_some(self, params, set_to_none: bool) -> None:
+        """``model.zero_grad()`` over some of the parameters (``module_zero_grad.py``): stage 1 keeps ``.grad``,
+        which torch's cleared already."""
 
     def apply_clip(self, coef: torch.Tensor, during_backward: bool) -> None:
         """A clip factor (0-d, on the device) applied to the gradients so far, as torch's clip_grad_norm_
@@ -547,6 +552,19 @@ class ReduceInBackward(GradSync):
                 return  # no free buffer: the next hook (or the end of backward) starts it
             self._next += 1
             self.pipe.finish_completed()
+
+    def forget_some(self, params, set_to_none: bool) -> None:
+        """``model.zero_grad()`` over some of the parameters: their share of the reduced gradients is zeros (this
+        rank's pieces of them in the shards), and they hold a gradient only where torch's zeroed ``.grad`` would
+        (``set_to_none=False``, a gradient since the last step)."""
+        self.wait()
+        for p in params:
+            e = self.entries[p]
+            self._late.pop(id(p), None)
+            for pc in e.part.pieces_of(e.index):
+                e.part.grad_shard[pc.shard_offset: pc.shard_offset + pc.numel].zero_()
+            self.present.flags[e.pi][e.index] = not set_to_none and (
+                self.present.flags[e.pi][e.index] or self._last_present.flags[e.pi][e.index])
 
     def _forget(self) -> None:
         if self.state is RoundState.ADDING:
