@@ -94,23 +94,25 @@ class _Unset:
 _UNSET = _Unset()
 
 
-def _reason_left_for_peers(step):
-    """ShardedOptimizer.step: an exception out of it is left in the store (``Rendezvous.raised``), so that if it
-    ends this process, the peers' next collective fails with its reason rather than gloo's "Connection closed by
-    peer"; a step that goes through takes it back."""
-    @functools.wraps(step)
-    def stepping(self, *args, **kwargs):
-        rendezvous = self.__dict__.get("_rendezvous")
-        try:
-            out = step(self, *args, **kwargs)
-        except BaseException as e:  # a KeyboardInterrupt ends the process as well
+def _reason_left_for_peers(call: str):
+    """ShardedOptimizer's calls that every rank makes (``step()``, ``add_param_group()``, ...): an exception out of
+    one is left in the store (``Rendezvous.raised``), so that if it ends this process, the peers' next collective
+    fails with its reason rather than gloo's "Connection closed by peer"; a call that goes through takes it back."""
+    def decorate(method):
+        @functools.wraps(method)
+        def calling(self, *args, **kwargs):
+            rendezvous = self.__dict__.get("_rendezvous")
+            try:
+                out = method(self, *args, **kwargs)
+            except BaseException as e:  # a KeyboardInterrupt ends the process as well
+                if rendezvous is not None:
+                    rendezvous.raised(f"{type(e).__name__} out of {call}: {e}")
+                raise
             if rendezvous is not None:
-                rendezvous.raised(f"{type(e).__name__} out of step(): {e}")
-            raise
-        if rendezvous is not None:
-            rendezvous.recovered()
-        return out
-    return stepping
+                rendezvous.recovered()
+            return out
+        return calling
+    return decorate
 
 
 def _refused_on_every_rank(init):
@@ -273,6 +275,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                                            else []))
 
     # -- construction -----------------------------------------------------
+    @_reason_left_for_peers("add_param_group()")
     @eager_under_compile
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -694,6 +697,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with self.grad_sync.no_sync():
             yield
 
+    @_reason_left_for_peers("zero_grad()")
     @eager_under_compile
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._recover_if_dropped()
@@ -705,6 +709,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._forget_clips()
         super().zero_grad(set_to_none=set_to_none)
 
+    @_reason_left_for_peers("clip_grad_norm_()")
     @eager_under_compile
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
@@ -764,7 +769,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
         return total
 
-    @_reason_left_for_peers
+    @_reason_left_for_peers("step()")
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step of every parameter that got a gradient on some rank (every rank calls it).
@@ -983,8 +988,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._stats_agreed = self._agreed()
         self.grad_sync.clear_if_empty()  # nothing reduced since zero_grad(): the norm is 0, not the last step's
         flags = self.grad_sync.present.flat()
-        check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing),
-                         self.topology.world_size)
+        check = checksum((self._stats_agreed, with_norm, site, self._last_update, refusing,
+                          self.grad_sync.empty_at_step), self.topology.world_size)
         return stats_vector(self.partitions, flags, check), tuple(flags)
 
     def _raise_if_disagreed(self, every: bool = False) -> None:
@@ -1001,8 +1006,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
                 "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
                 "parameter, a param group's parameters edited, a bad clip_grad_norm_ argument, a closure that "
-                "raised); set hyperparameters (and call clip_grad_norm_ / the scaler) "
-                "identically on every rank")
+                "raised), or at stages 2-3 a rank had no gradient reduced since its last step while the others had "
+                "(it skipped the backward they ran, called step() twice, or zero_grad() between its backward and "
+                "step()); set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank, "
+                "and to skip a batch, agree on it across ranks first (all_reduce the flag) so that every rank skips")
 
     @eager_under_compile
     def check_agreement(self) -> None:

@@ -9,7 +9,7 @@ with torch.distributed's own all-gather, as Accelerate's loss logging does), ``l
 alone makes a collective call: "state_dict" mid-training, the DDP save habit; "checkpoint.save"
 after training, while rank 1 goes on to another step; "state_dict_at_end", while rank 1 ends)
 ``raises`` (rank 1 alone raises out of step 10, uncaught: "closure", a step(closure) whose closure raises
-before its backward; "bad lr", a learning rate step() refuses) and ``switch``. Prints one
+before its backward; "bad lr", a learning rate step() refuses; "add_param_group", refused at stage 3) and ``switch``. Prints one
 JSON list: per launch, the exit status of each rank (negative: killed by that signal) and
 the output of a launch that did not exit 0. Used by tests/test_clean_exit.py.
 
@@ -57,6 +57,8 @@ def train(rank: int, world_size: int, store: str, case: dict) -> None:
                 def closure():
                     raise KeyError("the data loader failed on rank 1")
                 opt.step(closure)
+            if raises == "add_param_group":  # stage 3 refuses it (on this rank alone: the others go on training)
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
             opt.param_groups[0]["lr"] = -0.5  # "bad lr": a value step() refuses after the step's collectives
         loss_fn(model(x, **flags(step, rank)), y).backward()
         opt.step()

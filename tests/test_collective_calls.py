@@ -225,21 +225,22 @@ def test_lone_calls_end_every_rank():
 
 
 def test_a_rank_raising_out_of_a_step_ends_every_rank_with_its_reason():
-    """Real processes: rank 1 alone raises out of step() and its error ends it. A closure that raised before its
+    """Real processes: rank 1 alone raises out of step() (or add_param_group()) and its error ends it. A closure that raised before its
     backward raises at once (no collective of the step: before, the step went on into its all-reduce against the
     peer's reduce-scatter and gloo aborted the process, SIGABRT, losing the error); a learning rate refused after
     the step's collectives. Rank 0's next collective then fails with rank 1's reason (before: gloo's "Connection
     closed by peer" alone)."""
     cases = [dict(stage=2, destroy=False, raises="closure"), dict(stage=3, destroy=False, raises="closure"),
-             dict(stage=2, destroy=False, raises="bad lr")]
+             dict(stage=2, destroy=False, raises="bad lr"), dict(stage=3, destroy=False, raises="add_param_group")]
     run = subprocess.run([sys.executable, LAUNCHER, json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     for r, why in zip(json.loads(run.stdout), ["KeyError out of step(): 'the data loader failed on rank 1'"] * 2 +
-                      ["ValueError out of step(): param group 0: Invalid learning rate: -0.5"]):
+                      ["ValueError out of step(): param group 0: Invalid learning rate: -0.5",
+                       "RuntimeError out of add_param_group(): stage 3 lays out every parameter"]):
         assert r["codes"] == [3, 3], r["output"]
         rank0, rank1 = r["output"].split("--- rank 1 ---")
         assert f"rank 1 raised {why}" in rank0, rank0
-        assert why.split(" out of step(): ")[1] in rank1
+        assert why.split("(): ")[1] in rank1
 
 
 def test_a_withdrawn_call_leaves_its_name_for_a_peer_that_saw_it():

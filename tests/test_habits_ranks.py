@@ -1395,10 +1395,11 @@ def test_a_backward_with_create_graph_matches_ddp():
         assert all(err < 1e-5 for err in errors), errors
 
 
+
 def _a_rank_without_backward(rank, world_size, stage):
-    """Rank 1 skips its backward at step 2 (a loss found non-finite there) and at step 4 its loss reaches no
-    parameter; rank 0 trains as usual. The reference: one process, each step's gradient the sum of the ranks
-    that had one, divided by the world size (a missing gradient counts as zeros, as for an unused parameter)."""
+    """Stage 1: rank 1 skips its backward at step 2 (a loss found non-finite there) and at step 4 its loss
+    reaches no parameter; rank 0 trains as usual. The reference: one process, each step's gradient the sum of
+    the ranks that had one, divided by the world size (a missing .grad counts as zeros, as an unused one)."""
     from fused_zero import ShardedOptimizer
     torch.manual_seed(0)
     model = TinyNet()
@@ -1421,10 +1422,51 @@ def _a_rank_without_backward(rank, world_size, stage):
     return max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_rank_without_backward_counts_as_zero_gradients(stage):
-    """A rank that runs no backward before a step (or one that reaches no parameter) while its peers run theirs:
-    stage 2 aborted the process inside gloo ("Received data size doesn't match"), the step's all-reduce meeting
-    the peers' reduce-scatters. Now it makes the same reductions from zeros, as stage 1 packs a missing .grad."""
-    for err in run_ranks(_a_rank_without_backward, 2, stage, timeout=TIMEOUT):
+def test_stage1_counts_a_missing_backward_as_zero_gradients():
+    """Stage 1 reduces .grad at step(): a rank without a backward packs zeros, as for an unused parameter."""
+    for err in run_ranks(_a_rank_without_backward, 2, 1, timeout=TIMEOUT):
         assert err < 1e-5, err
+
+
+def _rank1_astray(rank, world_size, stage, how):
+    """Rank 1 alone does something else at step 2; every rank then trains on until a call raises."""
+    from fused_zero import ShardedOptimizer
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = ShardedOptimizer(model, **HYPER, stage=stage, bucket_numel=300)
+    snapshots = []
+    for t in range(6):
+        astray = rank == 1 and t == 2
+        try:
+            x, y = batch(t, rank)
+            if not (astray and how == "skips its backward"):
+                loss_fn(model(x), y).backward()
+            if astray and how == "zero_grad before step":
+                opt.zero_grad()
+            opt.step()
+            if astray and how == "steps twice":
+                opt.step()
+            opt.zero_grad()
+        except RuntimeError as error:
+            with opt.full_parameters():
+                now = [p.detach().clone() for p in model.parameters()]
+            return t, str(error), snapshots, now
+        with opt.full_parameters():
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+    return None, None, snapshots, None
+
+
+@pytest.mark.parametrize("stage,how", [(2, "skips its backward"), (2, "steps twice"), (2, "zero_grad before step"),
+                                       (3, "zero_grad before step")])
+def test_a_rank_without_the_backward_its_peers_ran_is_refused_on_every_rank(stage, how):
+    """Stages 2-3 reduce in backward, so a rank with no gradient reduced when its peers had one cannot take part
+    in their step: it aborted the process inside gloo (stage 2: the step's all-reduce met the peers'
+    reduce-scatters; a rank that stepped twice went on one step out of phase, silently). Now such a rank makes
+    the peers' reductions from zeros where none were made, the step's all-reduce finds the ranks disagreeing,
+    that step is skipped on every rank, and the next call raises on every rank, naming the fix."""
+    results = run_ranks(_rank1_astray, 2, stage, how, timeout=TIMEOUT)
+    for t, message, snapshots, now in results:
+        assert t is not None and "agree on it across ranks first" in message, (t, message)
+        assert all(torch.equal(a, b) for a, b in zip(now, snapshots[-1]))  # the disagreeing step changed nothing
+    (_, _, _, now0), (_, _, _, now1) = results
+    assert all(torch.equal(a, b) for a, b in zip(now0, now1))  # every rank alike

@@ -117,6 +117,10 @@ class GradSync:
         self.overlap = overlap
         self.sync = True
         self.pipe = BucketPipe(partitions, comm)
+        self._reduced_since_step = False  # stages 2-3: a round opened since the last step (its reductions made)
+        #: stages 2-3: no gradient reduced (or all forgotten by zero_grad) when this step began: in the step's
+        #: checksum, so that a rank without the backward its peers ran makes them all skip the step and raise
+        self.empty_at_step = False
         keys = [(pi, k) for pi, part in enumerate(partitions) for k in range(len(part.layout.buckets))]
         last = {key: max(positions[key[0]][j] for j in partitions[key[0]].bucket_params[key[1]])
                 for key in keys}
@@ -188,6 +192,8 @@ class GradSync:
         self.wait()
         self.refused = None
         self.state = RoundState.OPEN if self.state in (RoundState.OPEN, RoundState.ADDING) else RoundState.EMPTY
+        self._reduced_since_step = self.state is RoundState.OPEN  # (a round open: the next step's)
+        self.empty_at_step = False
         self._accumulated = False
         self._last_present = self.present.copy()
         self.present.clear()
@@ -410,7 +416,7 @@ class ReduceInBackward(GradSync):
     """Stages 2 and 3: each bucket is reduced during backward as soon as its gradients are in; ``.grad`` freed."""
 
     frees_grads = True
-    reduces_empty_round = True  # a step with no backward since the last one reduces zeros (prepare_step)
+    reduces_empty_round = True  # a step with no reduction since the last one reduces zeros (prepare_step)
 
     def __init__(self, partitions, positions, comm, overlap) -> None:
         super().__init__(partitions, positions, comm, overlap)
@@ -513,6 +519,7 @@ class ReduceInBackward(GradSync):
 
     def _open_round(self) -> None:
         expect(self.state, RoundState.EMPTY, RoundState.REDUCED, what="the gradient shards, as a backward starts,")
+        self._reduced_since_step = True
         self.state = RoundState.ADDING if self.state is RoundState.REDUCED else RoundState.OPEN
         self._next = 0
         self._seen.clear()
@@ -578,6 +585,7 @@ class ReduceInBackward(GradSync):
                 part.grad_shard.zero_()
 
     def prepare_step(self) -> Exception | None:
+        self.empty_at_step = self.state is RoundState.EMPTY
         stale = self.unreduced_grads()
         if stale and self.on_unseen is not None:
             self.on_unseen(stale)
@@ -590,23 +598,26 @@ class ReduceInBackward(GradSync):
         if stale and self.state is RoundState.EMPTY and _all_zero([p.grad for p in stale]):
             self._take_zero_grads(stale)  # a step with zero gradients (torch.distributed.checkpoint's state init)
             stale = []
-        if self.state is RoundState.EMPTY and self.reduces_empty_round and self.pipe.divisor > 1:
-            # no backward reached this rank's gradients since the last step (it skipped its backward on a
-            # non-finite loss, or its loss used none of the parameters) while its peers' backwards may have
-            # reduced theirs: it makes the same reductions from zeros, as a backward that reached no parameter
-            # (stage 1 packs a missing .grad as zeros alike), so no rank meets another collective than its own
+        if not self._reduced_since_step and self.reduces_empty_round and self.pipe.divisor > 1:
+            # no backward reached this rank's gradients since the last step (it skipped its backward, or called
+            # step() twice) while its peers' backwards may have reduced theirs: it makes the same reductions from
+            # zeros (and any .grad set by hand), so that no rank meets another collective than its own, and the
+            # step's all-reduce finds the ranks disagreeing (empty_at_step is in its checksum): the step is skipped
+            # and raised on every rank. (A round of zeros on every rank where no rank had a backward.)
             self._open_round()
             self.close_round()
         self.wait()
         if self.refused is not None:  # an unfit .grad in backward (_unfit_grad): reduced without it
             return self.refused
-        if stale:  # (among ranks this rank goes on through the step, skipped: its reductions are finished)
-            return HandSetGrads(
+        if stale:  # (among ranks this rank goes on through the step, skipped: its reductions are finished; kept
+            # for the step() after a clip_grad_norm_, since the round of zeros above took those .grad)
+            self.refused = HandSetGrads(
                 f"{len(stale)} parameters hold a .grad that no backward produced through the optimizer "
                 "(assigned by hand? or their tensors swapped twice by torch.utils.swap_tensors since zero_grad(), "
                 "which hides the swap: they are hooked again for the next step): stages 2 and 3 reduce gradients "
                 "during backward and free .grad; compute gradients with backward(), or use stage=1, which reduces "
                 ".grad at step()")
+            return self.refused
         return None
 
 
