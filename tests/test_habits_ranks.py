@@ -1450,23 +1450,30 @@ def _rank1_astray(rank, world_size, stage, how):
         except RuntimeError as error:
             with opt.full_parameters():
                 now = [p.detach().clone() for p in model.parameters()]
+            opt.close()
             return t, str(error), snapshots, now
         with opt.full_parameters():
             snapshots.append([p.detach().clone() for p in model.parameters()])
     return None, None, snapshots, None
 
 
-@pytest.mark.parametrize("stage,how", [(2, "skips its backward"), (2, "steps twice"), (2, "zero_grad before step"),
-                                       (3, "zero_grad before step")])
-def test_a_rank_without_the_backward_its_peers_ran_is_refused_on_every_rank(stage, how):
+_ASTRAY = [(2, "skips its backward"), (2, "steps twice"), (2, "zero_grad before step"), (3, "zero_grad before step")]
+
+
+def _rank1_astray_cases(rank, world_size):
+    """Every case of _ASTRAY in one launch of the ranks, each with its own model and optimizer."""
+    return [_rank1_astray(rank, world_size, stage, how) for stage, how in _ASTRAY]
+
+
+def test_a_rank_without_the_backward_its_peers_ran_is_refused_on_every_rank():
     """Stages 2-3 reduce in backward, so a rank with no gradient reduced when its peers had one cannot take part
     in their step: it aborted the process inside gloo (stage 2: the step's all-reduce met the peers'
     reduce-scatters; a rank that stepped twice went on one step out of phase, silently). Now such a rank makes
     the peers' reductions from zeros where none were made, the step's all-reduce finds the ranks disagreeing,
     that step is skipped on every rank, and the next call raises on every rank, naming the fix."""
-    results = run_ranks(_rank1_astray, 2, stage, how, timeout=TIMEOUT)
-    for t, message, snapshots, now in results:
-        assert t is not None and "agree on it across ranks first" in message, (t, message)
-        assert all(torch.equal(a, b) for a, b in zip(now, snapshots[-1]))  # the disagreeing step changed nothing
-    (_, _, _, now0), (_, _, _, now1) = results
-    assert all(torch.equal(a, b) for a, b in zip(now0, now1))  # every rank alike
+    for case, results in zip(_ASTRAY, zip(*run_ranks(_rank1_astray_cases, 2, timeout=TIMEOUT))):
+        for t, message, snapshots, now in results:
+            assert t is not None and "agree on it across ranks first" in message, (case, t, message)
+            assert all(torch.equal(a, b) for a, b in zip(now, snapshots[-1])), case  # the skipped step changed nothing
+        (_, _, _, now0), (_, _, _, now1) = results
+        assert all(torch.equal(a, b) for a, b in zip(now0, now1)), case  # every rank alike
