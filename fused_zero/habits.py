@@ -44,6 +44,33 @@ def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
     return None
 
 
+def left_unreduced(module: torch.nn.Module) -> str | None:
+    """A message if trainable parameters of ``module`` (the model given as ``module=``, stages 1-2) are averaged
+    across ranks by no fused_zero optimizer and no DistributedDataParallel: trained by a torch optimizer (a head, a
+    learnable loss temperature), each rank's copy follows its own gradient and the ranks drift apart, where DDP
+    over the whole model would have averaged them. Called once, at the first gradient."""
+    from .ownership import held  # (habits.py is imported by ownership's users; no cycle at import time)
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    others = [p for p in module.parameters() if p.requires_grad and not held(p)]
+    if not others:
+        return None
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    wrapped = set()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), ddp_type):
+            wrapped.update(id(p) for p in getattr(obj, "_module_parameters", ()))
+    left = [names[id(p)] for p in others if id(p) not in wrapped]
+    if not left:
+        return None
+    shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    return (f"{len(left)} trainable parameters of the model given as module= ({shown}) are in no param group of "
+            "a fused_zero optimizer and no DistributedDataParallel reduces them: their gradients are not averaged "
+            "across ranks, so another optimizer that trains them lets each rank's copy drift apart. Put them in a "
+            "param group (with their own options if needed), or in a second ShardedOptimizer, or wrap that part "
+            "of the model in DistributedDataParallel; freeze them (requires_grad_(False)) if they are not trained")
+
+
 def torchrun_without_process_group() -> str | None:
     """A message if a launcher started several ranks but no process group is initialised."""
     world = os.environ.get("WORLD_SIZE", "1")

@@ -42,7 +42,7 @@ from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
 from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
-                     lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
+                     left_unreduced, lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from .model_guard import ModelGuard
 from . import module_zero_grad
 from .ownership import claim, others_on_group, release
@@ -654,6 +654,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         message = ddp_wrapping(list(self._params)) if self.topology.world_size > 1 else None
         if message is not None:
             raise RuntimeError(message)
+        if self.topology.world_size > 1 and self.module is not None and not self.config.needs_module:
+            left = left_unreduced(self.module)  # (stage 3 refuses them when built)
+            if left is not None:
+                warnings.warn(left, UserWarning, stacklevel=2)
 
     # -- the training-loop API --------------------------------------------
     @contextmanager
