@@ -484,6 +484,7 @@ class ReduceInBackward(GradSync):
         for k in sorted(buckets):
             buckets[k].start(self.present, accumulate=True, free_grads=False, block=True, late=late)
         self.state = RoundState.REDUCED
+        self._reduced_since_step = True
 
     def _take_zero_grads(self, params) -> None:
         """``.grad = zeros`` set by hand on parameters with no backward since the last step (what torch's
