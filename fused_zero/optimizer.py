@@ -1015,6 +1015,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "step()); set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank, "
                 "and to skip a batch, agree on it across ranks first (all_reduce the flag) so that every rank skips")
 
+    @_reason_left_for_peers("check_agreement()")
     @eager_under_compile
     def check_agreement(self) -> None:
         """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""
