@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from .ownership import held
+
 
 _DDP = ("the model is wrapped in DistributedDataParallel: do not wrap the model in "
         "DistributedDataParallel, ShardedOptimizer averages gradients itself (DDP would reduce "
@@ -28,39 +30,34 @@ STAGE1_GRADS_EDITED = (
     "is this rank's, not the global one. Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=")
 
 
-def ddp_wrapping(params: list[torch.nn.Parameter]) -> str | None:
-    """A message if a live DistributedDataParallel reduces any of ``params``.
+def ddp_reduced() -> set[int]:
+    """The ids of the parameters a live DistributedDataParallel reduces.
 
-    One scan of the garbage collector's objects for DDP instances (done once, and
-    only where several ranks run): DDP keeps the parameters it reduces in
+    One scan of the garbage collector's objects for DDP instances (done once, at the first
+    gradient, and only where several ranks run): DDP keeps the parameters it reduces in
     ``_module_parameters``.
     """
     ddp_type = torch.nn.parallel.DistributedDataParallel
-    mine = {id(p) for p in params}
+    reduced = set()
     for obj in gc.get_objects():
         # type(), not isinstance(): the heap holds weak proxies, whose isinstance() raises once dead
-        if issubclass(type(obj), ddp_type) and any(id(p) in mine for p in getattr(obj, "_module_parameters", ())):
-            return _DDP
-    return None
-
-
-def left_unreduced(module: torch.nn.Module) -> str | None:
-    """A message if trainable parameters of ``module`` (the model given as ``module=``, stages 1-2) are averaged
-    across ranks by no fused_zero optimizer and no DistributedDataParallel: trained by a torch optimizer (a head, a
-    learnable loss temperature), each rank's copy follows its own gradient and the ranks drift apart, where DDP
-    over the whole model would have averaged them. Called once, at the first gradient."""
-    from .ownership import held  # (habits.py is imported by ownership's users; no cycle at import time)
-
-    names = {id(p): n for n, p in module.named_parameters()}
-    others = [p for p in module.parameters() if p.requires_grad and not held(p)]
-    if not others:
-        return None
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    wrapped = set()
-    for obj in gc.get_objects():
         if issubclass(type(obj), ddp_type):
-            wrapped.update(id(p) for p in getattr(obj, "_module_parameters", ()))
-    left = [names[id(p)] for p in others if id(p) not in wrapped]
+            reduced.update(id(p) for p in getattr(obj, "_module_parameters", ()))
+    return reduced
+
+
+def ddp_wrapping(params: list[torch.nn.Parameter], reduced: set[int]) -> str | None:
+    """A message if a live DistributedDataParallel reduces any of ``params`` (``reduced``: ``ddp_reduced()``)."""
+    return _DDP if any(id(p) in reduced for p in params) else None
+
+
+def left_unreduced(module: torch.nn.Module, reduced: set[int]) -> str | None:
+    """A message if trainable parameters of ``module`` (the model given as ``module=``, stages 1-2) are averaged
+    across ranks by no fused_zero optimizer and no DistributedDataParallel (``reduced``: ``ddp_reduced()``):
+    trained by a torch optimizer (a head, a learnable loss temperature), each rank's copy follows its own gradient
+    and the ranks drift apart, where DDP over the whole model would have averaged them. Called once, at the first
+    gradient."""
+    left = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in reduced and not held(p)]
     if not left:
         return None
     shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")

@@ -41,8 +41,9 @@ from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_onl
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (STAGE1_GRADS_EDITED, ddp_wrapping, framework_without_integration, group_initialised_after_build,
-                     left_unreduced, lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
+from .habits import (STAGE1_GRADS_EDITED, ddp_reduced, ddp_wrapping, framework_without_integration,
+                     group_initialised_after_build, left_unreduced, lightning_without_strategy, stage3_model_wrapped,
+                     torch_clip_in_loop)
 from .model_guard import ModelGuard
 from . import module_zero_grad
 from .ownership import claim, others_on_group, release
@@ -651,11 +652,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _check_habits(self) -> None:
         """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
         self._habits_checked = True
-        message = ddp_wrapping(list(self._params)) if self.topology.world_size > 1 else None
+        if self.topology.world_size == 1:
+            return
+        reduced = ddp_reduced()
+        message = ddp_wrapping(list(self._params), reduced)
         if message is not None:
             raise RuntimeError(message)
-        if self.topology.world_size > 1 and self.module is not None and not self.config.needs_module:
-            left = left_unreduced(self.module)  # (stage 3 refuses them when built)
+        if self.module is not None and not self.config.needs_module:  # (stage 3 refuses them when built)
+            left = left_unreduced(self.module, reduced)
             if left is not None:
                 warnings.warn(left, UserWarning, stacklevel=2)
 
