@@ -20,7 +20,7 @@ from .user_frames import user_stacklevel
 #: stays in the same vector lane of torch's fused CPU AdamW and the cut update is bitwise the uncut one.
 ALIGN = 64
 
-#: Gradient bucket buffers in flight per reduction dtype (comm/grad_sync.py's pool).
+#: Gradient bucket buffers in flight per reduction dtype (comm/grad_buckets.py's BucketPipe pool).
 MAX_INFLIGHT = 2
 
 #: Scalars of step()'s all-reduce before the per-parameter has-grad flags (stats.py): sq_norm, nonfinite,
@@ -73,7 +73,8 @@ class ZeroConfig:
     max_grad_norm: clip the global gradient norm to this value in step();
         None does not clip.
     overlap: launch each bucket's reduce-scatter during backward as soon as
-        it is complete (stages 2 and 3); False defers all reduction to step().
+        it is complete (stages 2 and 3); False starts every bucket at the end
+        of each backward instead.
     max_live_units: stage 3: prefetch a unit's parameters only while fewer
         than this many units (besides the root) are gathered.
     min_unit_numel: stage 3 with the default units: consecutive units holding fewer

@@ -137,7 +137,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     ``ShardedOptimizer(model.parameters(), ...)`` and do not wrap the model
     in DDP: gradients are averaged over ``process_group`` (the default group
     when one is initialised, else a single rank) by the optimizer itself, or
-    over ``mesh``, a 1-D ``DeviceMesh`` or the data-parallel sub-mesh of a
+    over ``mesh``: a 1-D ``DeviceMesh``, a 2-D one with dims named
+    ("replicate", "shard") for HSDP, or the data-parallel sub-mesh of a
     larger one (``mesh["dp"]``; see comm/topology.py).
     Takes torch.optim.AdamW's whole signature (``amsgrad``, ``maximize``,
     ``decoupled_weight_decay`` per group as in torch.optim.Adam; ``foreach``
@@ -672,7 +673,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         block gives full tensors, copies that stay valid after it (other tensors taken from the
         parameters inside, ``p.detach()``, are views of memory the block gives back: clone what
         you keep). ``writeback=True`` copies changes made inside back into the master weights.
-        Stages 1 and 2 always hold full parameters; there it only applies ``writeback``.
+        Stages 1 and 2 hold full parameters, so there it only applies ``writeback`` (with
+        ``update_behind=True`` it first waits for the update and the all-gathers the last step() left
+        behind it).
         """
         self._check_open()
         lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here

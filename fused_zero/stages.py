@@ -12,7 +12,7 @@ The optimizer calls ``build`` (lay out partitions), ``grad_hook`` (once: what it
 ``end_backward`` (from its end-of-backward callback), ``after_update`` (gather or release),
 ``full_parameters`` and ``close``; it reads ``reducer`` (the gradient
 reducer's class, comm/grad_sync.py), ``shards_params`` (memory accounting) and ``can_add_groups``.
-Nothing outside this file and config.py branches on the stage number.
+Nothing outside this file and config.py branches on the stage number (others ask ``STAGE_TRAITS``).
 """
 from __future__ import annotations
 

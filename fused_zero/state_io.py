@@ -138,11 +138,14 @@ class StateAccess:
                                'fused_zero.checkpoint before close(), and load into an open optimizer')
 
     @torch.no_grad()
-    def load_shards(self, staged) -> None:
+    def load_shards(self, staged, pending=None) -> None:
         """Write whole shards, then make the parameters what the masters say (every rank joins).
 
         ``staged`` holds one mapping per partition (shard_index() order) from a state
         kind to a tensor of the shard's size, or None to keep that kind as it is.
+        ``pending`` maps a partition's index to the fp32 masters (per parameter) kept aside for
+        the narrow weights a model load brings after this one (torch.distributed.checkpoint loads
+        the optimizer's state first): a weight that the kept master rounds to keeps it.
         """
         if len(staged) != len(self.partitions):
             raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
@@ -158,4 +161,6 @@ class StateAccess:
             part.param_shard_from_master()
         attach_all(self.state, self.partitions)
         self._stage.params_from_shards(self.partitions)
+        for k, part in enumerate(self.partitions):
+            part.pending_master = (pending or {}).get(k)
         self.comm.reset_traffic()

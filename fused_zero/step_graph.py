@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .amp import PendingClip, ScalerInputs
+from .config import STAGE_TRAITS
 from .stats import per_partition
 from .update import REFUSED
 
@@ -78,7 +79,7 @@ def refusal(capturable: bool, config, device: torch.device | None, host_checked:
         return (f"capturable=True replays step() as a CUDA graph and needs the parameters on a CUDA device (they "
                 f"are on {device.type}), as torch's capturable optimizers do; use capturable=False (the step "
                 "reads nothing on the host either way)")
-    if config.stage == 3:
+    if STAGE_TRAITS[config.stage].shards_params:
         return ("capturable=True serves stages 1 and 2: stage 3's step releases every unit's gathered parameters "
                 "on the host; use stage=2, or capturable=False")
     for option in ("offload_optimizer", "offload_params"):

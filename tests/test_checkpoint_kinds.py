@@ -42,7 +42,7 @@ class _WithMax(ShardedOptimizer):
             return self.extra[partition][start:end].clone()
         return super().read_shard(partition, kind, start, end, settle)
 
-    def load_shards(self, staged):
+    def load_shards(self, staged, pending=None):
         rest = []
         for k, new in enumerate(staged):
             new = dict(new)
@@ -51,7 +51,7 @@ class _WithMax(ShardedOptimizer):
             if t is not None:
                 self.extra[k].copy_(t)
             rest.append(new)
-        super().load_shards(rest)
+        super().load_shards(rest, pending)
 
 
 def _make(amsgrad=(0, 2), seed=None):

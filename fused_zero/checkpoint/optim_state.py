@@ -215,7 +215,5 @@ def load_state_dict(opt, sd) -> None:
         group.update(hyper)
         if names is not None:  # the loaded names replace the group's, as torch's load_state_dict does
             group["param_names"] = names
-    opt.load_shards(staged)
-    for k, part in enumerate(opt.partitions):
-        part.pending_master = pending.get(k)
+    opt.load_shards(staged, pending)
 

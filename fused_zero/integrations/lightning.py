@@ -48,7 +48,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
-from ..config import ZeroConfig  # noqa: E402
+from ..config import STAGE_TRAITS, ZeroConfig  # noqa: E402
 from ._torch_optim import CONVERTIBLE, repoint_scheduler, sharded_from_torch  # noqa: E402
 from ..optimizer import ShardedOptimizer  # noqa: E402
 from ..tiers.tier import Tier  # noqa: E402
@@ -194,7 +194,7 @@ class ZeroStrategy(DDPStrategy):
         if trainer.gradient_clip_val and _is_value_clipping(trainer.gradient_clip_algorithm):
             raise ValueError(_VALUE_CLIP)
         averaging = [type(cb).__name__ for cb in trainer.callbacks if _averages_weights(cb)]
-        if averaging and self.stage == 3:
+        if averaging and STAGE_TRAITS[self.stage].shards_params:
             raise RuntimeError(
                 f"ZeroStrategy(stage=3) cannot serve Lightning's {', '.join(averaging)} callback: it copies the model "
                 "and averages its parameters into the copy after every step, and stage 3 holds only a shard of each "
