@@ -27,9 +27,19 @@ def _eager_only(hook: Callable, on_compiled: Callable[[], None] | None = None) -
         # frame callback is set and would compile the hook's frames: it runs disabled then too
         if torch.compiler.is_compiling() or callback() is not None:
             return disabled(*args)
+        if _functorch_level() is not None:  # inside torch.func.grad / vmap / jacrev: the hook's own tensors (the
+            with torch._C._DisableFuncTorch():  # flat buffers, their slices) stay plain, not the transform's
+                return hook(*args)
         return hook(*args)
     _skip_frame(call.__code__)
     return call
+
+
+def _no_level() -> None:
+    """Where torch has no functorch: no transform active."""
+
+
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", _no_level)
 
 
 def _no_callback() -> None:

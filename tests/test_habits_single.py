@@ -817,6 +817,34 @@ def test_stage3_functional_call_overriding_the_first_or_last_parameter_runs_as_t
         model(x)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_func_transforms_through_the_model_train_as_torch(stage):
+    """torch.func.grad / jacrev / vmap with respect to the input, through the model itself (an adversarial input,
+    FGSM): at stage 3 the forward's gathers ran inside the transform, which wraps every tensor made there, and
+    the all-gather raised "Cannot access data pointer of Tensor that doesn't have storage"."""
+    from torch.func import grad, jacrev, vmap
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model, ref = make(), make()
+    opt = ShardedOptimizer(model, stage=stage, min_unit_numel=0, **HYPER)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            gx = grad(lambda t: m(t).square().mean())(x)
+            jac = jacrev(lambda t: m(t).sum(0))(x)
+            per_row = vmap(lambda r: m(r[None]).square().sum())(x)
+            o.zero_grad()
+            loss = m(x + 0.1 * gx.sign()).square().mean() + 1e-3 * jac.square().sum() + 1e-3 * per_row.sum()
+            loss.backward()
+            o.step()
+    with opt.full_parameters():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert rel(p, q) < 1e-6
+
+
 def test_stage3_a_refused_sparse_gradient_leaves_the_optimizer_usable():
     """The refusal left the sparse .grad behind: full_parameters() then failed inside torch (reshape of a sparse
     tensor)."""
