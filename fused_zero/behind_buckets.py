@@ -105,6 +105,8 @@ class BucketsBehind:
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
                 self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
         self._after_hook = _hook(_AfterForward(me))
+        # collected without close() (its optimizer dropped): the state-dict hooks it left on the model go with it
+        weakref.finalize(self, _remove_all, self._handles, self._learning)
         # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
         # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
         # whose owners' forwards never ran; their buckets go first and step() waits for them
@@ -209,6 +211,10 @@ class BucketsBehind:
         module = self._module()
         if module is not None:
             self._forward_handles.append(module.register_forward_hook(self._after_hook, always_call=True))
+            # while parameters are placeholders the model holds these buckets (the other hooks hold them weakly): an
+            # optimizer dropped after step() (`del opt`, a training function returning the model) leaves a model
+            # whose next forward or state_dict() still waits and makes them whole, then lets go of them
+            self._forward_handles.append(module.register_forward_pre_hook(_Holding(self)))
 
     def _unhook_forward(self) -> None:
         for h in self._forward_handles:
@@ -244,6 +250,8 @@ class BucketsBehind:
             self._point_all()
             raise
         self._point(waiting)
+        if not self._released:  # the last placeholder is whole: every bucket is in, the forward hooks go (and with
+            self.settle()       # them the model's hold on these buckets: _Holding)
 
     def settle(self) -> None:
         """Wait for the whole update (raising if it failed, undone), and point every parameter back."""
@@ -299,6 +307,13 @@ class BucketsBehind:
             self._learning = None
 
 
+def _remove_all(*lists: list) -> None:
+    for handles in lists:
+        for h in handles:
+            h.remove()  # (idempotent)
+        handles.clear()
+
+
 def _hook(hook):
     """``hook`` kept out of torch.compile's graph (it waits and re-points p.data); a call from a compiled forward
     marks its owner ``compiled`` first, so later updates stay inside step() (placeholders would make each
@@ -341,6 +356,18 @@ class _AfterForward:
             owner.explain(error)
         if owner.behind.pending:
             owner.after_forward()
+
+
+class _Holding:
+    """A forward pre-hook that does nothing: registered while an update is pending, it keeps its owner alive."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner) -> None:
+        self.owner = owner
+
+    def __call__(self, module, args):
+        return None
 
 
 class _Ran:

@@ -281,3 +281,48 @@ def test_a_checkpoint_load_makes_every_parameter_the_saved_one(stage, offload, t
     (every rank's parameters were the loaded shard's own slices and stale elsewhere before)."""
     for equal in run_ranks(_load, 2, stage, str(tmp_path), offload, timeout=180):
         assert all(equal), equal
+
+
+def _dropped(rank, world_size, stage, offload, read_first):
+    """Two steps with the gathers (and with ``offload``, the update) behind step(), then the optimizer dropped
+    without close(): what the model then holds against the same run without update_behind."""
+    import gc
+
+    from _behind import batch as b_batch, model as b_model, train_step
+    from fused_zero.behind import UpdateBehind
+
+    UpdateBehind.on_cpu = True  # (with offload: the update runs behind step() on CPU too)
+    kw = dict(offload_optimizer="cpu") if offload else {}
+    model, ref = b_model(), b_model()
+    opt = ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, update_behind=True, **kw)
+    ref_opt = ShardedOptimizer(ref.parameters(), lr=1e-2, stage=stage, bucket_numel=500, **kw)
+    for t in range(2):
+        train_step(model, opt, t, rank)
+        train_step(ref, ref_opt, t, rank)
+    assert opt._stage.behind.pending
+    del opt
+    gc.collect()  # (a training function returning the model drops it the same way)
+    x = b_batch(9, rank)
+    if read_first == "state_dict":  # rank 0 alone saves the model: no collective is left to run
+        same_sd = rank != 0 or all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                         ref.state_dict().values()))
+        out = model(x)
+    else:
+        out = model(x)
+        same_sd = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    gc.collect()  # (the buckets and their gathers refer to each other: the cycle collector frees them)
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks) +
+                len(m._load_state_dict_pre_hooks) for m in model.modules())
+    return same_sd, torch.equal(out, ref(x)), hooks
+
+
+@pytest.mark.parametrize("read_first", ["forward", "state_dict"])
+@pytest.mark.parametrize("offload", [False, True], ids=["gathers", "offload_cpu"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_dropped_after_step_leaves_the_model_whole(stage, offload, read_first):
+    """``del opt`` (or a function that trains and returns the model) right after step(), while the gathers ran behind
+    it: the model's hooks held the pending buckets weakly, so they went with the optimizer and the parameters stayed
+    empty placeholders for good (model.state_dict() gave 0-element tensors, the forward failed in torch). Now the
+    model holds them until its next forward or state_dict() makes the parameters whole; then every hook is gone."""
+    for same_sd, same_out, hooks in run_ranks(_dropped, 2, stage, offload, read_first, timeout=180):
+        assert same_sd and same_out and hooks == 0
