@@ -258,6 +258,29 @@ def test_scratch_files_are_private_and_removed(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_forked_child_that_exits_leaves_the_parents_files(tmp_path):
+    """A child of os.fork() (a worker forked by hand) that ends with sys.exit runs the parent's exit handlers, which
+    removed the parent's scratch files from under it (its next open by name, or another process's sweep, would
+    then miss them). The child now only closes its copies of the descriptors; the parent removes its files."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, torch; from torch import nn; from fused_zero import ShardedOptimizer\n"
+            "m = nn.Linear(8, 4)\n"
+            f"o = ShardedOptimizer(m.parameters(), stage=2, offload_optimizer='nvme', nvme_path={str(tmp_path)!r})\n"
+            "m(torch.randn(2, 8)).sum().backward(); o.step()\n"
+            f"before = sorted(os.listdir({str(tmp_path)!r}))\n"
+            "pid = os.fork()\n"
+            "if pid == 0: sys.exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            f"print(len(before), sorted(os.listdir({str(tmp_path)!r})) == before)\n"
+            "o.close()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "True"], done.stdout
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("params", [None, "nvme"])
 def test_stage3_files_of_a_dropped_optimizer_go_when_the_next_one_takes_over(params, tmp_path):
     """Stage 3: an optimizer dropped without close() (``del opt``) lives on in the model's hooks, with its files; the

@@ -67,9 +67,14 @@ def sweep(folder: str) -> list[str]:
     return removed
 
 
-def _remove(path: str, fds: list) -> None:
+def _remove(path: str, fds: list, owner: int | None = None) -> None:
+    """Close ``fds`` and remove ``path``; in a child that ``os.fork()`` made of ``owner`` (a process id), which ends
+    running the parent's finalizers at its exit, only close its copies of the descriptors: the file stays the
+    parent's (it still uses it, and removes it itself)."""
     while fds:
         os.close(fds.pop())
+    if owner is not None and os.getpid() != owner:
+        return
     try:
         os.remove(path)
     except FileNotFoundError:
@@ -93,7 +98,7 @@ class ScratchFile:
         except OSError:
             _remove(hidden, self._fds)
             raise
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._fds, os.getpid())
 
     def open_direct(self) -> None:
         """A second descriptor that bypasses the page cache (``direct_fd``)."""
