@@ -103,6 +103,8 @@ class EndOfBackward:
     KeyboardInterrupt, a failing hook), and a loop that catches it goes on (torch.optim does not care). The
     callback then calls ``dropped`` as it is freed, wherever autograd frees it: ``dropped`` only takes note,
     and the owner finishes the backward's bookkeeping at its next call (``ShardedOptimizer._recover_if_dropped``).
+    So does a callback that raised before it ended (a KeyboardInterrupt landing inside it): ``fn`` must be safe
+    to run again from where it stopped.
     """
 
     __slots__ = ("_fn", "_dropped", "_ran")
@@ -113,8 +115,8 @@ class EndOfBackward:
     def __call__(self) -> None:
         if torch.compiler.is_compiling():  # a backward inside a compiled function: the callback runs eagerly
             return _eagerly(EndOfBackward.__call__, self)
-        self._ran = True
         self._fn()
+        self._ran = True  # (only once it ended: a KeyboardInterrupt inside it leaves the end to the owner's next call)
 
     def __del__(self) -> None:
         if not getattr(self, "_ran", True):  # (Dynamo tracing the owner's code builds one without __init__)

@@ -635,8 +635,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if not self._backward_dropped:
             return
         self._backward_dropped = False
-        if self._in_backward:
-            self._end_backward()
+        self._end_backward()  # (each part ends only what is still open: also where the callback itself was cut short)
 
     def _meet_eval(self) -> None:
         """Stage 3, an evaluation forward (without gradients, or in eval mode): every rank runs it, so they meet

@@ -845,6 +845,58 @@ def test_torch_func_transforms_through_the_model_train_as_torch(stage):
             assert rel(p, q) < 1e-6
 
 
+@pytest.mark.parametrize("where", ["end_of_backward", "round_close", "gather_wait"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_keyboard_interrupt_inside_the_optimizers_hooks_is_caught_and_training_goes_on(stage, where, monkeypatch):
+    """Ctrl-C lands wherever the process is, also inside fused_zero's own code: at the start of the end-of-backward
+    callback (stages 2-3 then refused every later step: "a .grad that no backward produced"), inside it, or in
+    stage 3's wait for a unit's gather (every later forward raised TypeError, and close() refused). Caught by the loop, which goes on
+    with the next batch, the run continues as torch's that skipped the same batch."""
+    from fused_zero.sharding.partition import Partition
+
+    if where == "gather_wait" and stage != 3:
+        pytest.skip("stages 1-2 gather nothing in the forward")
+    armed = [False]
+
+    def interrupt_once(real):
+        def call(*args, **kwargs):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return call
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model, ref = make(), make()
+    if where == "end_of_backward":  # its first line: (the callback binds the method when the optimizer is built)
+        monkeypatch.setattr(ShardedOptimizer, "_end_backward", interrupt_once(ShardedOptimizer._end_backward))
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, min_unit_numel=0, **HYPER)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    if where != "end_of_backward":
+        target = (type(opt.grad_sync), "close_round") if where == "round_close" else (Partition, "point_params")
+        monkeypatch.setattr(*target, interrupt_once(getattr(*target)))
+    for t in range(6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(t))
+        for m, o, mine in ((model, opt, True), (ref, ref_opt, False)):
+            o.zero_grad()
+            if t == 2 and not mine:
+                continue  # torch's run skips the batch the interrupt cut short
+            armed[0] = mine and t == 2
+            try:
+                m(x).square().mean().backward()
+            except KeyboardInterrupt:
+                assert t == 2
+                continue
+            assert not armed[0]
+            o.step()
+    with opt.full_parameters():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert rel(p, q) < 1e-6
+    opt.close()
+
+
 def test_stage3_a_refused_sparse_gradient_leaves_the_optimizer_usable():
     """The refusal left the sparse .grad behind: full_parameters() then failed inside torch (reshape of a sparse
     tensor)."""

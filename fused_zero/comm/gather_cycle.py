@@ -130,7 +130,7 @@ class GatherCycle:
         if u.state is not UnitState.GATHERING:
             return
         with label(ALL_GATHER):
-            for h in u.handles:
+            for h in u.handles or ():  # (None: a wait cut short after its handles, by a KeyboardInterrupt: again)
                 h.wait()
         u.handles = None
         if self.secondary is not None and self.state is TrainingState.BACKWARD:
