@@ -115,8 +115,13 @@ class EndOfBackward:
     def __call__(self) -> None:
         if torch.compiler.is_compiling():  # a backward inside a compiled function: the callback runs eagerly
             return _eagerly(EndOfBackward.__call__, self)
-        self._fn()
-        self._ran = True  # (only once it ended: a KeyboardInterrupt inside it leaves the end to the owner's next call)
+        try:
+            self._fn()
+        except BaseException:  # cut short (a KeyboardInterrupt inside it): the owner's next call ends it; noted now,
+            self._ran = True   # since a loop's except clause may call the owner while this frame keeps us alive
+            self._dropped()
+            raise
+        self._ran = True
 
     def __del__(self) -> None:
         if not getattr(self, "_ran", True):  # (Dynamo tracing the owner's code builds one without __init__)

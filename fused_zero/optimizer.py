@@ -549,16 +549,14 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _begin_backward(self) -> None:
         if not self._in_backward:
             self._settle_update()  # the reductions land in the gradient shards the update reads
+            # the callback first: a backward marked begun always has its end queued (a KeyboardInterrupt landing
+            # between the two left it 'in backward' for good); queue_end_of_backward raises outside a backward
+            queue_end_of_backward(EndOfBackward(self._hooks.relay(self._end_backward),
+                                                self._hooks.relay(self._note_dropped_backward)))
             self._in_backward = True
             self._backwards_begun += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
-            try:
-                queue_end_of_backward(EndOfBackward(self._hooks.relay(self._end_backward),
-                                                    self._hooks.relay(self._note_dropped_backward)))
-            except RuntimeError:
-                self._in_backward = False
-                raise
 
     def _apply_clip(self, during_backward: bool) -> tuple[PendingClip, torch.Tensor]:
         """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward

@@ -57,6 +57,7 @@ class _Unit:
         self.nbytes = sum(part.flat.numel() * part.flat.element_size() for part in parts)
         self.state = UnitState.RELEASED
         self.handles: list[Handle] | None = None  # the all-gathers in flight while GATHERING
+        self.releasing = False  # a release began and has not ended (cut short by a KeyboardInterrupt: _mend ends it)
         self.grads_seen: set[int] = set()  # ids of the trainable parameters whose gradient is in
         self.backward_started = False
         self.entered = -1  # the forward (ParamGatherer._forwards) this unit's first module last ran in
@@ -76,6 +77,8 @@ class GatherCycle:
     gatherer's units, sync, secondary copies, placeholders, update behind and where the model is in its cycle)."""
 
     def _issue(self, u: _Unit) -> None:
+        if u.releasing:
+            self._mend(u)
         if u.state is not UnitState.RELEASED:
             return
         if self.behind is not None:
@@ -143,6 +146,8 @@ class GatherCycle:
 
     def _release(self, u: _Unit, force: bool = False) -> None:
         self._wait(u)  # never free a buffer a collective still writes into
+        if u.releasing:
+            self._mend(u)
         if self._holding or (u.state is UnitState.RELEASED and not force):
             return  # (released: its parameters are placeholders, or what user code assigned since, taken in later)
         expect(u.state, UnitState.GATHERED, UnitState.RELEASED, what=f"stage-3 unit {u.index}")
@@ -152,10 +157,21 @@ class GatherCycle:
         if self.secondary is not None and self.state is TrainingState.FORWARD and self._grad_forward \
                 and u.state is UnitState.GATHERED:
             self.secondary.keep(u.index, u.parts)  # hpZ: this rank's slice within its node, for the backward
+        u.releasing = True
+        self._free(u)
+        u.releasing = False
+
+    def _free(self, u: _Unit) -> None:
         for part in u.parts:
             placeholder = self._placeholder(part.params[0]) if part.params else None
             part.release(lambda p: placeholder)  # a partition's parameters share dtype and device
         self._mark_released(u)
+
+    def _mend(self, u: _Unit) -> None:
+        """End a release that a KeyboardInterrupt cut short (a loop caught it and goes on): its parameters may point
+        at the buffer or at placeholders, the buffer be freed or not; released whole now, as the release would have."""
+        self._free(u)
+        u.releasing = False
 
     def _drop_writes(self, u: _Unit) -> None:
         """The release that follows does not take in what was written to ``u``'s gathered parameters (leaving
