@@ -46,6 +46,7 @@ from torch import nn
 from .behind import UpdateBehind
 from .eager_hooks import _eager_only
 from .gathers_behind import GathersBehind
+from .hooks import HookSet
 from .host_read import to_host
 from .comm.collectives import Comm
 from .comm.param_sync import ParamSync
@@ -106,7 +107,7 @@ class BucketsBehind:
                 self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
         self._after_hook = _hook(_AfterForward(me))
         # collected without close() (its optimizer dropped): the state-dict hooks it left on the model go with it
-        weakref.finalize(self, _remove_all, self._handles, self._learning)
+        weakref.finalize(self, HookSet._remove_all, self._handles, self._learning)
         # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
         # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
         # whose owners' forwards never ran; their buckets go first and step() waits for them
@@ -127,8 +128,7 @@ class BucketsBehind:
         Every rank takes the same set (one all-reduce, once): the keys' launch order must be every rank's."""
         if self._learning is None:
             return
-        for h in self._learning:
-            h.remove()
+        HookSet._remove_all(self._learning)
         self._learning = None
         params = list(self._keys_of)
         never = [p not in self._seen for p in params]
@@ -301,17 +301,8 @@ class BucketsBehind:
             self.behind.close()
         finally:
             self._point_all()
-            for h in self._handles + (self._learning or []):
-                h.remove()
-            self._handles.clear()
+            HookSet._remove_all(self._handles, self._learning or [])
             self._learning = None
-
-
-def _remove_all(*lists: list) -> None:
-    for handles in lists:
-        for h in handles:
-            h.remove()  # (idempotent)
-        handles.clear()
 
 
 def _hook(hook):

@@ -184,10 +184,12 @@ class HookSet:
         self._cdatas, self._params = [], []
 
     @staticmethod
-    def _remove_all(handles: list) -> None:
-        for h in handles:
-            h.remove()
-        handles.clear()
+    def _remove_all(*lists: list) -> None:
+        """Remove every hook handle in ``lists`` (a finalizer's: it holds the lists, never their owner)."""
+        for handles in lists:
+            for h in handles:
+                h.remove()
+            handles.clear()
 
 
 # -- hooks on the user's model, and what a copy of the model gets instead ------------------------------
