@@ -45,7 +45,8 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     return ScalerInputs(grad_scaler._scale.double().reciprocal().float().to(device), None, state)
 
 
-_CALLER_DEPTH = 6  # frames above calling_scaler: optimizer.step, its no_grad and torch.optim wrappers, the scaler
+_CALLER_DEPTH = 12  # frames above calling_scaler: _step, step, its no_grad and torch.optim wrappers (a subclass's
+# override adds its own), the scaler
 
 
 def calling_scaler(optimizer):

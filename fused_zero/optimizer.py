@@ -149,6 +149,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    @staticmethod
+    def profile_hook_step(func):
+        """torch.optim's wrapper of each class's ``step`` (pre/post hooks, the profiler label), run once per step:
+        a subclass's ``step()`` calling ``super().step()`` runs the hooks only in its own, outer wrapper (torch's
+        runs them again in the parent class's, once any instance of that class was made)."""
+        hooked = torch.optim.Optimizer.profile_hook_step(func)
+
+        @functools.wraps(func)
+        def once(self, *args, **kwargs):
+            if self.__dict__.get("_in_hooked_step"):
+                return func(self, *args, **kwargs)
+            self._in_hooked_step = True
+            try:
+                return hooked(self, *args, **kwargs)
+            finally:
+                self._in_hooked_step = False
+        return once
+
     @property
     def state(self):
         """torch.optim's per-parameter state (``step``, ``exp_avg``, ``exp_avg_sq``): read after the update
@@ -794,11 +812,20 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         ``fused_zero.checkpoint.save`` before they write anything. Hyperparameters changed between
         ``clip_grad_norm_()`` and ``step()`` are checked one step later.
         """
+        # the step's own body, never the hooked step() again: a subclass's override and the step hooks ran once
         if torch.compiler.is_compiling():  # torch.compile(opt.step), or a compiled training step: run eagerly
-            return _eagerly(type(self).step, self, closure)
+            return _eagerly(self._step_without_grad, closure)
         if torch.is_inference_mode_enabled():  # what a step allocates (its first: the step counts) must stay
-            with torch.inference_mode(False):  # usable by the steps outside inference_mode
-                return type(self).step(self, closure)
+            with torch.inference_mode(False):  # usable by the steps outside inference_mode (which enables grad)
+                return self._step_without_grad(closure)
+        return self._step(closure)
+
+    def _step_without_grad(self, closure):
+        with torch.no_grad():
+            return self._step(closure)
+
+    def _step(self, closure):
+        """``step()``'s body, under no_grad, outside compile and inference_mode."""
         self._check_open()
         if self._on_cuda:
             check_not_capturing()

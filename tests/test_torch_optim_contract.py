@@ -394,6 +394,56 @@ def test_inference_mode_around_the_build_and_the_step_is_torchs_no_op():
     assert _max_err(model, ref) < TOL
 
 
+def _warmup_class(base):
+    class Warmup(base):  # a per-step counter driving the lr, as warm-up subclasses do
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            for g in self.param_groups:
+                g["lr"] = 1e-2 * min(1.0, self.calls / 10)
+            return super().step(closure)
+    return Warmup
+
+
+def _warmup_run(model, opt, how):
+    hooks = []
+    opt.register_step_pre_hook(lambda o, a, k: hooks.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: hooks.append("post"))
+
+    def train_step(t):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        if how == "inference_mode":
+            with torch.inference_mode():
+                opt.step()
+        else:
+            opt.step()
+
+    run = torch.compile(train_step, backend="aot_eager") if how == "compiled" else train_step
+    for t in range(4):
+        run(t)
+    return opt.calls, hooks
+
+
+@pytest.mark.parametrize("how", ["inference_mode", "compiled"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_override_and_the_step_hooks_run_once_per_step(stage, how):
+    """step() under torch.inference_mode() or inside a compiled training step: a subclass's step() override and the
+    step hooks run once per step. Before, step() re-entered the hooked, overridden step(): each ran twice, and a
+    warm-up override took double steps (torch's own AdamW runs the hooks twice here: its subclass's and its own
+    step() are both hooked once an AdamW was made)."""
+    torch._dynamo.reset()
+    model, ref = TinyNet(), TinyNet()
+    opt = _warmup_class(ShardedOptimizer)(model if stage == 3 else model.parameters(), stage=stage,
+                                          bucket_numel=1000)
+    ref_opt = _warmup_class(torch.optim.AdamW)(ref.parameters(), foreach=False)
+    ShardedOptimizer(TinyNet().parameters())  # ShardedOptimizer.step itself hooked too (torch then runs them twice)
+    assert _warmup_run(ref, ref_opt, how)[0] == 4
+    assert _warmup_run(model, opt, how) == (4, ["pre", "post"] * 4)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 4e-3
+    with opt.full_parameters():
+        assert _max_err(model, ref) < TOL
+
+
 def test_a_bf16_default_dtype_keeps_checkpoint_steps_and_moments(tmp_path):
     from fused_zero import checkpoint
     torch.manual_seed(0)
