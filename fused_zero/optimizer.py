@@ -36,6 +36,7 @@ from .comm.topology import Topology, refuse_build
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
+from .grad_readers import grad_reader_around_step
 from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_compile,
                     queue_end_of_backward)
 from .deferred import DeferredFlags
@@ -827,6 +828,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _step(self, closure):
         """``step()``'s body, under no_grad, outside compile and inference_mode."""
         self._check_open()
+        if self.grad_sync.frees_grads:  # (every rank alike, before any collective)
+            message = grad_reader_around_step()
+            if message is not None:
+                raise RuntimeError(message)
         if self._on_cuda:
             check_not_capturing()
         self._settle_update()
