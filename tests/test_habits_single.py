@@ -845,23 +845,29 @@ def test_torch_func_transforms_through_the_model_train_as_torch(stage):
             assert rel(p, q) < 1e-6
 
 
-@pytest.mark.parametrize("where", ["end_of_backward", "round_close", "gather_wait"])
+@pytest.mark.parametrize("where", ["end_of_backward", "round_close", "gather_wait", "forward_release",
+                                   "model_forward"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_keyboard_interrupt_inside_the_optimizers_hooks_is_caught_and_training_goes_on(stage, where, monkeypatch):
     """Ctrl-C lands wherever the process is, also inside fused_zero's own code: at the start of the end-of-backward
-    callback (stages 2-3 then refused every later step: "a .grad that no backward produced"), inside it, or in
-    stage 3's wait for a unit's gather (every later forward raised TypeError, and close() refused). Caught by the loop, which goes on
-    with the next batch, the run continues as torch's that skipped the same batch."""
+    callback (stages 2-3 then refused every later step: "a .grad that no backward produced"), inside it, in
+    stage 3's wait for a unit's gather (every later forward raised TypeError, and close() refused), in stage 3's
+    release of a unit after its forward (the next forward ran that unit on its placeholders: torch runs no
+    always_call forward hook for a KeyboardInterrupt, so the model was left inside a forward), or in the model's
+    own forward. Caught by the loop, which goes on with the next batch, the run continues as torch's that skipped
+    the same batch."""
     from fused_zero.sharding.partition import Partition
 
-    if where == "gather_wait" and stage != 3:
+    if where in ("gather_wait", "forward_release") and stage != 3:
         pytest.skip("stages 1-2 gather nothing in the forward")
     armed = [False]
 
-    def interrupt_once(real):
+    def interrupt_once(real, after=False):
         def call(*args, **kwargs):
             if armed[0]:
                 armed[0] = False
+                if after:  # (the release done, before the unit is marked released)
+                    real(*args, **kwargs)
                 raise KeyboardInterrupt
             return real(*args, **kwargs)
         return call
@@ -875,8 +881,9 @@ def test_a_keyboard_interrupt_inside_the_optimizers_hooks_is_caught_and_training
     opt = ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, min_unit_numel=0, **HYPER)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
     if where != "end_of_backward":
-        target = (type(opt.grad_sync), "close_round") if where == "round_close" else (Partition, "point_params")
-        monkeypatch.setattr(*target, interrupt_once(getattr(*target)))
+        target = {"round_close": (type(opt.grad_sync), "close_round"), "gather_wait": (Partition, "point_params"),
+                  "forward_release": (Partition, "release"), "model_forward": (nn.Tanh, "forward")}[where]
+        monkeypatch.setattr(*target, interrupt_once(getattr(*target), after=where == "forward_release"))
     for t in range(6):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(t))
         for m, o, mine in ((model, opt, True), (ref, ref_opt, False)):

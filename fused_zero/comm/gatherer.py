@@ -310,6 +310,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         u = self._unit_of.get(id(module))
         if u is None:  # a shallow copy of one of the model's modules (copy.copy): a plain module
             return
+        if u.index == 0 and self.state is TrainingState.FORWARD and not _inside_forward_of(module):
+            # the last forward was cut short by a KeyboardInterrupt (a loop caught it and goes on): torch runs no
+            # always_call hook for a BaseException, so the root's post-forward never released what it gathered
+            self._abort()
         if u.index == 0 and self.state is not TrainingState.IDLE and self.recover_backward is not None:
             self.recover_backward()  # a no-op unless the last backward raised
         if self._checking:
@@ -575,6 +579,22 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
 
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None), type, nn.Module)
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _inside_forward_of(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is already running below the call now entering it (a module calling itself);
+    read from the stack only where the gatherer was left in a forward."""
+    frame, calls = sys._getframe(1), 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            calls += 1
+            if calls > 1:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _output_tensors(output) -> list | tuple:
