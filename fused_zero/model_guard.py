@@ -11,6 +11,7 @@ parameter, buffer or module somewhere in the model (``model_watch``'s flag).
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import model_watch
 
@@ -85,6 +86,13 @@ class ModelGuard:
                 continue
             if there is not None and there in trained and not shards_params:
                 continue
+            if there is None and self._parametrized(name):
+                raise RuntimeError(
+                    f"a parametrization registered on the model's {name} after the optimizer was built holds new "
+                    "Parameters in place of the one the optimizer trains (weight_norm's original0 and original1; "
+                    "one that keeps the Parameter, as spectral_norm or orthogonal do, is served): register it before "
+                    "building the optimizer, or build a new one over model.parameters() (save and load its "
+                    "state_dict() to keep the states)")
             if there is None:
                 raise RuntimeError(
                     f"the model no longer holds its parameter {name} (its module deleted or assigned anew, a "
@@ -103,6 +111,15 @@ class ModelGuard:
         if flagged:
             self.watcher.changed = False  # looked at: the names are taken afresh
         self.watch(param_groups)
+
+    def _parametrized(self, name: str) -> bool:
+        """Whether the module holding dotted ``name`` has a parametrization of it (torch.nn.utils.parametrize)."""
+        *path, leaf = name.split(".")
+        try:
+            m = self.module.get_submodule(".".join(path))
+        except AttributeError:  # (its module deleted)
+            return False
+        return parametrize.is_parametrized(m, leaf)
 
     def param_at(self, name: str):
         """The parameter the model holds at dotted ``name`` now, or None."""

@@ -344,7 +344,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         spans.sort(key=lambda span: span[0])
         for (a0, a1, p), (b0, _, q) in zip(spans, spans[1:]):
             if b0 < a1 and p is not q:
-                raise ValueError(f"parameters {self._names.get(p, tuple(p.shape))} and {self._names.get(q, tuple(q.shape))} "
+                first, second = (self._names.get(t, f"of shape {tuple(t.shape)}") for t in (p, q))
+                raise ValueError(f"parameters {first} and {second} "
                                  "share memory (views of one tensor): ShardedOptimizer lays each parameter out on its "
                                  "own, so they would stop sharing it. Tie them as one nn.Parameter used in both "
                                  "places, or make them separate (clone the data)")

@@ -236,6 +236,35 @@ def test_model_cast_after_build_raises_naming_the_call(call):
         opt.step()
 
 
+def test_a_cast_of_a_parameter_without_a_name_names_its_shape():
+    """Given model.parameters() (no names): "parameter of shape (8,)", not a bare "(8,)" that reads as a name."""
+    model = PlainNet()
+    opt = ShardedOptimizer(model.parameters(), stage=2)
+    model.half()
+    with pytest.raises(RuntimeError, match=r"^parameter of shape \(\d+(, \d+)*,?\) changed dtype"):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parametrization_making_new_parameters_after_the_build_is_refused_as_such(stage):
+    """weight_norm registered after the build puts new Parameters (original0, original1) in the weight's place: the
+    refusal says so and which parametrizations are served, where it listed causes that had not happened (a module
+    deleted or assigned anew, a parametrization removed)."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = ShardedOptimizer(model, stage=stage, lr=1e-2)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    opt.step()
+    weight_norm(model[0])
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"a parametrization registered on the model's 0\.weight after the optimizer "
+                                           r"was built holds new Parameters.*weight_norm.*spectral_norm"):
+        opt.step()
+
+
 # --- 8. stage 3 state dicts and full_parameters ------------------------------------------------
 
 def test_stage3_model_state_dict_outside_full_parameters_raises():

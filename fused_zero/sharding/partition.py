@@ -271,8 +271,9 @@ class Partition:
                 self.check_kind(p, self.shapes[i], names)
                 if versions is not None and p._version != versions[i] and self.shapes[i].numel() > 0:
                     versions[i] = p._version  # refused once; the write itself is lost either way
+                    shown = names.get(p, f"of shape {tuple(self.shapes[i])}")
                     raise RuntimeError(
-                        f"parameter {names.get(p, tuple(self.shapes[i]))} was written in place between steps "
+                        f"parameter {shown} was written in place between steps "
                         "(nn.init.*_, p.fill_(), p.copy_(), p.mul_(), a parametrization or pruning registered on "
                         "it, ...) while ZeRO stage 3 held only its shard: the write went to an empty placeholder "
                         "and changed nothing. Make such changes inside "
@@ -336,7 +337,7 @@ class Partition:
     @staticmethod
     def _refuse(p, shape, names, what, then, now, call) -> None:
         raise RuntimeError(
-            f"parameter {names.get(p, tuple(shape))} changed {what} from {then} to {now} after the "
+            f"parameter {names.get(p, 'of shape ' + str(tuple(shape)))} changed {what} from {then} to {now} after the "
             f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
             f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
 
