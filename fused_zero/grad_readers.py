@@ -6,7 +6,8 @@ update, a gradient edit changes nothing. ``step()`` refuses it instead (``grad_r
 
 What counts: the methods on the call stack above ``step()`` whose ``self`` is a ``torch.optim.Optimizer`` (the
 wrapper, or this optimizer through a subclass), outside torch and fused_zero, and what they call by
-``self.name`` or by a module-level name, read from their bytecode once per code object (not run): an attribute load of ``grad`` (``p.grad``; not ``torch.autograd.grad``).
+``self.name`` or by a module-level name, read from their bytecode once per code object (not run): an
+attribute load of ``grad`` (``p.grad``; not ``torch.autograd.grad``).
 """
 from __future__ import annotations
 
@@ -16,13 +17,10 @@ import types
 
 import torch
 
-_OWN = ("fused_zero", "torch")
+from .user_frames import library_module
+
 _DEPTH = 16  # frames looked at above step()
 _READS: dict = {}  # code object -> whether it (or what it calls) loads .grad
-
-
-def _ours(module: str) -> bool:
-    return any(module == top or module.startswith(top + ".") for top in _OWN)
 
 
 def _callees(code, cls: type | None, g: dict):
@@ -38,7 +36,7 @@ def _callees(code, cls: type | None, g: dict):
         if isinstance(fn, (staticmethod, classmethod)):
             fn = fn.__func__
         fn = getattr(fn, "__wrapped__", fn)  # @torch.no_grad() and functools.wraps decorators
-        if isinstance(fn, types.FunctionType) and not _ours(getattr(fn, "__module__", "") or ""):
+        if isinstance(fn, types.FunctionType) and not library_module(getattr(fn, "__module__", "") or ""):
             yield fn.__code__, fn.__globals__
         before = ins
 
@@ -71,7 +69,7 @@ def grad_reader_around_step() -> str | None:
         if frame is None:
             return None
         code = frame.f_code
-        if not code.co_argcount or code.co_varnames[0] != "self" or _ours(frame.f_globals.get("__name__", "")):
+        if not code.co_argcount or code.co_varnames[0] != "self" or library_module(frame.f_globals.get("__name__", "")):
             continue
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch.optim.Optimizer) and _reads_grad(code, type(owner), frame.f_globals):

@@ -112,24 +112,25 @@ class ModelGuard:
             self.watcher.changed = False  # looked at: the names are taken afresh
         self.watch(param_groups)
 
-    def _parametrized(self, name: str) -> bool:
-        """Whether the module holding dotted ``name`` has a parametrization of it (torch.nn.utils.parametrize)."""
-        *path, leaf = name.split(".")
-        try:
-            m = self.module.get_submodule(".".join(path))
-        except AttributeError:  # (its module deleted)
-            return False
-        return parametrize.is_parametrized(m, leaf)
-
-    def param_at(self, name: str):
-        """The parameter the model holds at dotted ``name`` now, or None."""
+    def _holder(self, name: str) -> tuple[nn.Module | None, str]:
+        """The module that holds dotted ``name`` now (None: gone) and the name's last part."""
         *path, leaf = name.split(".")
         m = self.module
         for key in path:
             m = m._modules.get(key)
             if m is None:
-                return None
-        return m._parameters.get(leaf)
+                return None, leaf
+        return m, leaf
+
+    def _parametrized(self, name: str) -> bool:
+        """Whether the module holding dotted ``name`` has a parametrization of it (torch.nn.utils.parametrize)."""
+        m, leaf = self._holder(name)
+        return m is not None and parametrize.is_parametrized(m, leaf)
+
+    def param_at(self, name: str):
+        """The parameter the model holds at dotted ``name`` now, or None."""
+        m, leaf = self._holder(name)
+        return None if m is None else m._parameters.get(leaf)
 
     def close(self) -> None:
         """The watch ends: registrations on the model no longer reach this guard."""

@@ -6,11 +6,15 @@ import sys
 _OWN = ("fused_zero", "torch")
 
 
+def library_module(name: str) -> bool:
+    """Whether the module named ``name`` is fused_zero's or torch's (a package or one of its modules)."""
+    return any(name == top or name.startswith(top + ".") for top in _OWN)
+
+
 def _ours(frame) -> bool:
     """A frame of fused_zero's or torch's code (by module: a dataclass's generated ``__init__`` has no file of its
     own but runs in its class's module)."""
-    name = frame.f_globals.get("__name__", "")
-    return any(name == top or name.startswith(top + ".") for top in _OWN)
+    return library_module(frame.f_globals.get("__name__", ""))
 
 
 def user_stacklevel() -> int:

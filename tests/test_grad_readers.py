@@ -20,13 +20,25 @@ TOL = 1e-6
 LR = 1e-2
 
 
-class Lookahead(torch.optim.Optimizer):
+class _Wrapping(torch.optim.Optimizer):
+    """An optimizer over ``base``'s param groups, as third-party wrappers are made (torch.optim's constructor not
+    called): the base's state unless given its own."""
+
+    def __init__(self, base, state=None):
+        self.base, self.param_groups, self.defaults = base, base.param_groups, base.defaults
+        self.state = base.state if state is None else state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none)
+
+
+class Lookahead(_Wrapping):
     """timm's Lookahead, in its logic: every k steps the weights move halfway back to slow copies kept in state."""
 
     def __init__(self, base, alpha=0.5, k=2):
-        self.base, self.alpha, self.k, self.count = base, alpha, k, 0
-        self.param_groups, self.defaults, self.state = base.param_groups, base.defaults, defaultdict(dict)
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        super().__init__(base, defaultdict(dict))
+        self.alpha, self.k, self.count = alpha, k, 0
 
     @torch.no_grad()
     def update_slow(self):
@@ -44,9 +56,6 @@ class Lookahead(torch.optim.Optimizer):
         if self.count % self.k == 0:
             self.update_slow()
         return loss
-
-    def zero_grad(self, set_to_none=True):
-        self.base.zero_grad(set_to_none)
 
 
 def _centralize(opt):
@@ -73,12 +82,11 @@ def _warmup(base):
     return Warmup
 
 
-class Delegating(torch.optim.Optimizer):
+class Delegating(_Wrapping):
     """A wrapper that reads no .grad (as accelerate's AcceleratedOptimizer), though its step names autograd.grad."""
 
     def __init__(self, base, grad_probe=False):
-        self.base, self.param_groups, self.defaults, self.state = base, base.param_groups, base.defaults, base.state
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        super().__init__(base)
         self.grad_probe = grad_probe
 
     def step(self, closure=None):
@@ -87,17 +95,13 @@ class Delegating(torch.optim.Optimizer):
                 torch.autograd.grad(closure(), self.param_groups[0]["params"])
         return self.base.step(closure)
 
-    def zero_grad(self, set_to_none=True):
-        self.base.zero_grad(set_to_none)
 
-
-class SAM(torch.optim.Optimizer):
+class SAM(_Wrapping):
     """davda54's SAM, in its logic: ascend along the gradient, backward again, restore the weights, step."""
 
     def __init__(self, base, rho=0.05):
-        self.base, self.rho, self.old = base, rho, {}
-        self.param_groups, self.defaults, self.state = base.param_groups, base.defaults, base.state
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        super().__init__(base)
+        self.rho, self.old = rho, {}
 
     @torch.no_grad()
     def first_step(self):

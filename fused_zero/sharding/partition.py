@@ -336,8 +336,9 @@ class Partition:
 
     @staticmethod
     def _refuse(p, shape, names, what, then, now, call) -> None:
+        shown = names.get(p, f"of shape {tuple(shape)}")
         raise RuntimeError(
-            f"parameter {names.get(p, 'of shape ' + str(tuple(shape)))} changed {what} from {then} to {now} after the "
+            f"parameter {shown} changed {what} from {then} to {now} after the "
             f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
             f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
 
