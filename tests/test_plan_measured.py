@@ -25,6 +25,7 @@ from _dist import run_ranks
 from _models import LoraNet, lora_batch
 from fused_zero import ShardedOptimizer
 from fused_zero.comm.grad_buckets import BucketPipe
+from fused_zero.tiers.store_host import HostStore
 from fused_zero.plan import estimate, tier
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -190,6 +191,7 @@ def _measure_offload(rank, ws, folder):
     # the planner plans the GPU's way: the gradients reduce in a pool buffer on the device and go down to the host
     # shard (on a CPU-only run one rank packs them straight into it: BucketPipe.direct, no pool buffer)
     BucketPipe.copy_down = True
+    HostStore.copy_up = True  # and keeps a host master beside the GPU's parameters (on CPU they would be the master)
     out = {}
     for cfg in OFFLOAD_CONFIGS:
         name, stage, opt, par = cfg

@@ -42,7 +42,9 @@ device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
     offload_optimizer  the 12*S of states go to "host" (cpu) or "nvme", and the reduced gradient
                        shard R*S to "host" (where the update reads it); the narrow param shard
                        at stages 1-2 becomes this rank's own slices of the flat buffer (0 bytes),
-                       at stage 3 every partition keeps one (fp32 ones too: the master is gone)
+                       at stage 3 every partition keeps one (fp32 ones too: the master is gone);
+                       planned for a GPU: a CPU-only run's fp32 params at stages 1-2 are their own
+                       master under "cpu" (HostParamsAsMaster: 4*S less "host")
     offload_params     stage 3: the narrow param shard P*S goes to "host" (cpu) or "nvme" (fp32
                        partitions whose master stays on the device have none to move)
     staging            not in memory_bytes(), planned as upper bounds with a GPU in mind, once per

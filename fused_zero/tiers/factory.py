@@ -8,7 +8,8 @@ The narrow param shard (``param_store.py``): stage 3 (``shards_params``) keeps i
 (``OwnSlices``: the update writes the parameters in place, the all-gather is in place), and narrow
 (bf16/fp16) parameters with the states on the device a device tensor; fp32 parameters with their
 master on the device need none: at stages 1-2 the master is their own slices (``ParamsAsMaster``), at
-stage 3 they are gathered from the master.
+stage 3 they are gathered from the master. So are fp32 parameters on a CPU-only run at stages 1-2 with
+``offload_optimizer="cpu"`` (``HostParamsAsMaster``): host memory is where they live.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from .param_store import DeviceParamShard, HostParamShard, NvmeParamShard, ParamShard
 from .staging import Staging
 from .store import DeviceStore, ParamsAsMaster, ShardStore, WeightsOnly
-from .store_host import HostStore
+from .store_host import HostParamsAsMaster, HostStore
 from .store_nvme import NvmeStore, check_nvme_path
 from .tier import Tier
 
@@ -89,6 +90,10 @@ class Tiers:
         if self.states is Tier.DEVICE and self.params is None and dtype == torch.float32:
             # stages 1-2, fp32: the master is the parameters' own slices of the flat buffer; no narrow shard
             return PartitionMemory(ParamsAsMaster(numel, device, amsgrad, own_slices()), None, Tier.DEVICE)
+        if self.states is Tier.HOST and self.params is None and dtype == torch.float32 and device.type == "cpu" \
+                and not HostStore.copy_up:
+            # "cpu" on a CPU-only run: the parameters are in host memory already and are the master there too
+            return PartitionMemory(HostParamsAsMaster(numel, device, amsgrad, own_slices()), None, Tier.HOST)
         store = self._store(numel, device, amsgrad)
         offloaded = self.states is not Tier.DEVICE  # the master is not on the device: nothing to gather from
         kernel_device = device if not offloaded else torch.device("cpu")  # where the update runs
