@@ -67,7 +67,6 @@ class BucketsBehind:
         self.names = names
         self.behind = GathersBehind(self) if gathers_only else UpdateBehind(device, agree, landing=self)
         self._agree = agree
-        self._order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
         self._keys_of: dict[nn.Parameter, list] = {}  # a parameter -> the buckets (keys) it spans
         self._members: dict[tuple[int, int], list] = {}  # a key -> its parameters
         for pi, part in enumerate(partitions):
@@ -89,13 +88,24 @@ class BucketsBehind:
         self.compiled = False
         me = weakref.ref(self)  # the model's hooks must not keep a dropped optimizer's buckets alive
         self._module = weakref.ref(module)
-        # (module, its forward pre-hook): made once (each wrapping costs ~5 us), registered per pending update.
-        # Until the first step a second pre-hook learns which modules' forwards run (on any rank): a trained
-        # parameter whose owners never ran is read by another module's forward (DeBERTa's rel_embeddings.weight,
-        # MobileBERT's dense.weight), where no hook would wait for it.
+        # (module, its forward pre-hook): made once per model shape (each wrapping costs ~5 us), registered per
+        # pending update. Until the first step a second pre-hook learns which modules' forwards run (on any rank):
+        # a trained parameter whose owners never ran is read by another module's forward (DeBERTa's
+        # rel_embeddings.weight, MobileBERT's dense.weight), where no hook would wait for it.
         self._pre_hooks = []
         self._seen: set = set()
         self._learning = []
+        self._never_ran: set = set()  # learned at the first step (``_learned``)
+        self._after_hook = _hook(_AfterForward(me))
+        self._hook_modules(module)
+        # collected without close() (its optimizer dropped): the state-dict hooks it left on the model go with it
+        weakref.finalize(self, HookSet._remove_all, self._handles, self._learning)
+
+    def _hook_modules(self, module: nn.Module) -> None:
+        """Each module's hooks over the trained parameters it holds now, and the launch order."""
+        me = weakref.ref(self)
+        self._order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
+        self._pre_hooks = []
         hooked = set()
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
@@ -104,15 +114,28 @@ class BucketsBehind:
                 self._pre_hooks.append((weakref.ref(m), _hook(_PreForward(me, own))))
                 self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
                                   m.register_load_state_dict_pre_hook(_Settle(me))]
-                self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
-        self._after_hook = _hook(_AfterForward(me))
-        # collected without close() (its optimizer dropped): the state-dict hooks it left on the model go with it
-        weakref.finalize(self, HookSet._remove_all, self._handles, self._learning)
+                if self._learning is not None:
+                    self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
         # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
         # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
         # whose owners' forwards never ran; their buckets go first and step() waits for them
-        self._unhooked = set(self._keys_of) - hooked
+        self._unhooked = (set(self._keys_of) - hooked) | self._never_ran
         self._rerank()
+
+    def model_changed(self) -> None:
+        """The model holds its trained parameters elsewhere now (a weight tied to a module that runs earlier, a
+        parametrization removed: ``ModelGuard`` served the change): each module's hooks wait for the parameters
+        it holds now. Called by ``step()`` before it starts an update (the last one is whole), on every rank
+        alike (the same change on each, as torch's training would need)."""
+        module = self._module()
+        if module is None or self._released:
+            return
+        self._unhook_forward()
+        HookSet._remove_all(self._handles, self._learning or [])
+        self._handles.clear()
+        if self._learning is not None:
+            self._learning.clear()
+        self._hook_modules(module)
 
     def _rerank(self) -> None:
         """Each key's place in the launch order (``_rank``): the buckets of parameters kept whole first (``_whole``:
@@ -141,6 +164,7 @@ class BucketsBehind:
         kept = {p for p, n in zip(params, never) if n} - self._unhooked
         self._seen.clear()
         if kept:
+            self._never_ran = kept
             self._unhooked |= kept
             self._rerank()
 

@@ -53,12 +53,13 @@ class ModelGuard:
                     m = child
                 self._watched.append((m._parameters, leaf, p, name))
 
-    def check(self, param_groups, trained: set, shards_params: bool) -> None:
+    def check(self, param_groups, trained: set, shards_params: bool) -> bool:
         """Refuse a model whose parameters were replaced by new nn.Parameter objects since ``watch``; then watch
         afresh. Only where a watched path moved, or after a registration, is the model searched: a parameter
         moved but still the model's (a parametrization registered: ``parametrizations.weight.original``) or a
         path now holding one of ``trained`` (a new head added by ``add_param_group``, at stages 1-2, not
-        ``shards_params``) is watched where it is now. A trained parameter gone from the model is refused too."""
+        ``shards_params``) is watched where it is now. A trained parameter gone from the model is refused too.
+        True: the model holds its parameters differently now (served), and was watched afresh."""
         flagged = self.watcher.changed
         if flagged:
             # torch registered a parameter or module on the model since the last look (a parametrization removed
@@ -69,7 +70,7 @@ class ModelGuard:
                 if held_by.get(key) is not obj:
                     break
             else:
-                return
+                return False
             candidates = [(p, name) for _, _, p, name in self._watched if name is not None]
         now = {id(q) for q in self.module.parameters()}
         swapped = False
@@ -107,10 +108,11 @@ class ModelGuard:
                 "Change the model before building the optimizer, or build a new one over model.parameters() (save "
                 "and load its state_dict() to keep the states); to change values, assign p.data = t instead")
         if swapped:
-            return  # (watched afresh once the swapped-in tensors are gone)
+            return False  # (watched afresh once the swapped-in tensors are gone)
         if flagged:
             self.watcher.changed = False  # looked at: the names are taken afresh
         self.watch(param_groups)
+        return True
 
     def _holder(self, name: str) -> tuple[nn.Module | None, str]:
         """The module that holds dotted ``name`` now (None: gone) and the name's last part."""

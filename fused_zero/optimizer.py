@@ -953,8 +953,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _check_still_the_models(self) -> None:
         """Refuse a model whose parameters were replaced by new nn.Parameter objects since the build (``ModelGuard``;
         with ``module=`` only)."""
-        if self._guard is not None:
-            self._guard.check(self.param_groups, self._params, self._stage.shards_params)
+        if self._guard is not None and self._guard.check(self.param_groups, self._params, self._stage.shards_params):
+            if self._stage.buckets_behind is not None:  # update_behind: its hooks wait where the parameters are now
+                self._stage.buckets_behind.model_changed()
 
     def _check_layout(self) -> None:
         """Refuse param groups whose parameters changed since they were laid out (torch steps whatever the lists
