@@ -117,6 +117,9 @@ class GatherCycle:
                 warnings.warn(f"{error} (refused: a step raises it once every rank has been through its "
                               "collectives; this forward goes on meanwhile)", RuntimeWarning,
                               stacklevel=user_stacklevel())
+                error.add_note("fused_zero: found by a stage-3 forward since the last step (its gathers served the "
+                               "optimizer's values); this step changes nothing on any rank whatever the model holds "
+                               "now, and the next one trains again")
             self.refused = self.refused or error
             return True
         return False
