@@ -188,12 +188,34 @@ def test_scale_and_accumulate(dev, bdtype, accumulate, scale):
         assert bool(((bucket[seg].double() - ref).abs() <= eps * mag + tiny).all())
 
 
+@pytest.mark.parametrize("bdtype", [F32, BF16], ids=["f32", "bf16"])
+def test_scale_over_ranges_end_to_end_and_apart(dev, bdtype):
+    """The scale after a plain copy runs over runs of adjacent ranges (pack_twin's ``_runs``): ranges end to end are
+    scaled together, the gaps between runs keep their values, and a plan reused on two buffers in turn (the pool
+    buffers) scales each buffer's own ranges."""
+    tensors = _make([((5,), bdtype), ((BLOCK + 3,), bdtype), ((7, 3), bdtype), ((2,), bdtype), ((9,), bdtype)],
+                    dev, seed=8)
+    offsets, pos = [], 0
+    for i, t in enumerate(tensors):  # the first three end to end, then a gap, the last two end to end
+        pos += 4 if i == 3 else 0
+        offsets.append(pos)
+        pos += t.numel()
+    size = pos + 3
+    plan = ops.pack_plan(tensors, offsets, torch.empty(size, dtype=bdtype, device=dev))
+    for _ in range(2):
+        for bucket in (torch.full((size,), _SENTINEL, dtype=bdtype, device=dev),
+                       torch.full((size,), _SENTINEL, dtype=bdtype, device=dev)):
+            want = _expected(bucket.clone(), tensors, offsets, scale=1 / 3)
+            ops.pack_(tensors, bucket, plan=plan, scale=1 / 3)
+            _assert_bitwise(bucket, want)
+
+
 def test_none_entries(dev):
     tensors = _make([((4,), F32), ((BLOCK + 2,), BF16), ((3,), F16)], dev, seed=6)
     entries = [tensors[0], None, tensors[1], None, tensors[2]]
     numels = [4, 5, BLOCK + 2, BLOCK + 9, 3]
     offsets, size = _layout(entries, numels=numels)
-    for scale in (None, -2.0):
+    for scale in (None, -2.0, 1 / 3):  # (1/3: fp32 math rounded once, as the kernel, not torch's CPU _foreach_mul_)
         bucket = torch.full((size,), _SENTINEL, dtype=BF16, device=dev)
         ops.pack_(entries, bucket, offsets, numels=numels, scale=scale)
         _assert_bitwise(bucket, _expected(torch.full_like(bucket, _SENTINEL), entries, offsets, numels,

@@ -49,6 +49,38 @@ def _cached_views(plan, bucket: torch.Tensor) -> list:
     return entry[1]
 
 
+def _runs(plan, bucket: torch.Tensor) -> list:
+    """Views of ``bucket`` over the maximal runs of adjacent ranges of ``plan`` (cached as ``_cached_views``): what
+    one scale of every packed range touches, in a few ranges rather than one per tensor (800 small gradients
+    scaled one view each cost 1.7 ms a step on a 2-core CPU; their ranges mostly lie end to end)."""
+    cache = plan.state.setdefault("runs", {})
+    ptr = bucket.data_ptr()
+    entry = cache.get(ptr)
+    if entry is None or entry[0].data_ptr() != ptr:
+        if len(cache) >= _VIEW_CACHE:
+            cache.pop(next(iter(cache)))
+        spans = sorted((o, o + n) for o, n in zip(plan.offsets, plan.numels) if n > 0)
+        merged: list = []
+        for a, b in spans:
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        entry = cache[ptr] = (bucket[:1], [bucket[a:b] for a, b in merged])
+    return entry[1]
+
+
+def _scale_(views: list, scale: float) -> None:
+    """``v.mul_(scale)`` for every view: fp32 math rounded once, as the kernel's. One ``_foreach_mul_`` for fp32;
+    bf16 and fp16 one by one (torch's CPU ``_foreach_mul_`` rounds the scalar to the tensors' dtype first: 1/3
+    gave another bf16 value for a third of the elements)."""
+    if all(v.dtype == torch.float32 for v in views):
+        torch._foreach_mul_(views, scale)
+        return
+    for v in views:
+        v.mul_(scale)
+
+
 def _copy_shaped(plan, bucket: torch.Tensor, views: list, tensors) -> None:
     """``views[i].copy_(tensors[i])`` for all i in one ``_foreach_copy_``, through views of the bucket shaped like
     the tensors (made once per plan and bucket: reshaping 800 gradients flat costs more than copying them).
@@ -87,8 +119,8 @@ def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
             t is None or t.dtype == bucket.dtype for t in tensors)
         if exact and tensors and not any(t is None for t in tensors):
             _copy_shaped(plan, bucket, views, tensors)
-            if scale is not None:
-                torch._foreach_mul_([v for v in views if v.numel()], scale)
+            if scale is not None:  # (elementwise: the same bits as scaling each tensor's range)
+                _scale_(_runs(plan, bucket), scale)
             return bucket
         if exact:
             dsts, srcs, zeros = [], [], []
@@ -103,7 +135,7 @@ def pack_twin(plan, tensors, bucket: torch.Tensor, *, accumulate: bool = False,
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
             if scale is not None and dsts:
-                torch._foreach_mul_(dsts, scale)
+                _scale_(dsts, scale)
             return bucket
     dsts, srcs = [], []
     for t, dst in zip(tensors, views):
