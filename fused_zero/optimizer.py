@@ -33,6 +33,7 @@ from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology, refuse_build
+from .clip_value import BACKWARD_AFTER, INSIDE_NO_SYNC, check_clip_value, check_no_value_clip, clamp_shards_
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
@@ -264,6 +265,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # their arguments on this rank (raised by the step, after its collectives)
         self._clipped: tuple = ()
         self._clip_refused: Exception | None = None
+        self._clip_values: tuple = ()  # clip_grad_value_ called since the last step: its values (clip_value.py)
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
@@ -577,6 +579,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._backwards_begun += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
+            if self._clip_values:  # clip_grad_value_ came before it: refused by the step (clip_value.py)
+                self._clip_values = ()
+                self._clip_refused = self._clip_refused or RuntimeError(BACKWARD_AFTER)
 
     def _apply_clip(self, during_backward: bool) -> tuple[PendingClip, torch.Tensor]:
         """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward
@@ -762,7 +767,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # a bad max_norm or norm_type may be on one rank only: raised by the step() that follows, after its
         # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
         # would each scale their own shard), so the others skip that step too and raise at their next call
-        _, bad_clip = self._refusal(lambda: _check_clip_args(max_norm, norm_type))
+        _, bad_clip = self._refusal(lambda: (_check_clip_args(max_norm, norm_type),
+                                             check_no_value_clip(self._clip_values)))
         # (step() raises these: it refuses again there; the clip's checksum carries them to the step that follows,
         # which makes no all-reduce of its own)
         _, edited = self._refusal(self._check_edits)
@@ -796,6 +802,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                  previous=None if previous is None or previous[0].resolved else previous)
         self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
         return total
+
+    @eager_under_compile
+    def clip_grad_value_(self, clip_value: float, foreach: bool | None = None) -> None:
+        """Clamp every element of the averaged gradients to ``[-clip_value, clip_value]`` in the next step(), as
+        ``torch.nn.utils.clip_grad_value_`` over DDP's gradients (every rank calls it, after the step's last
+        backward). No collective: each rank clamps its own shard, after the step's overflow check (a GradScaler
+        still skips a step with an inf). Called twice, both clamps apply in turn. Not with a norm clip in the same
+        step, nor before a further backward (refused by the step on every rank: ``clip_value.py``). At stage 1 the
+        kept ``.grad`` are clamped after the step, as torch's clip left them. ``foreach`` has no effect."""
+        self._check_open()
+        if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
+            raise RuntimeError(INSIDE_NO_SYNC)
+        norm_clip = self._clip is not None or self.config.max_grad_norm is not None
+        value, bad = self._refusal(lambda: check_clip_value(clip_value, norm_clip))
+        if bad is not None:
+            self._clip_refused = self._clip_refused or bad  # (the step raises it after its collectives)
+            return
+        self._clip_values += (value,)
 
     @_reason_left_for_peers("step()")
     @torch.no_grad()
@@ -896,18 +920,19 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         need_norm = self._clip is None and self.config.max_grad_norm is not None
         amp = scaler.state is not None or scaler.found_inf is not None
         clip, vector, flags = self._clip, None, ()
+        values = self._clip_values  # clip_grad_value_: clamped right before the update (clip_value.py)
         if clip is not None:  # (a backward since would have applied it: _begin_backward)
             agreed = self._agreed()  # clip_grad_norm_'s all-reduce serves this step; the next one checks this
         else:
             # (clips a backward applied since: their norms agree in this all-reduce, so a mismatch skips this step)
-            vector, flags = self._stats_input(need_norm or amp, ("step", self._clipped) if self._clipped else "step",
-                                              refused is not None)
+            site = ("step", self._clipped, values) if self._clipped or values else "step"
+            vector, flags = self._stats_input(need_norm or amp, site, refused is not None)
             agreed = self._stats_agreed
         key = None
         if self._graph is not None:  # capturable: the body reads static inputs, refilled here (step_graph.py)
             graph = self._graph
             hypers = graph.hypers(hypers, self.partitions)
-            if refused is None and (clip is None or graph.clip_serves(clip, scaler)):
+            if refused is None and not values and (clip is None or graph.clip_serves(clip, scaler)):
                 key = graph.key(self.partitions, self.state, need_norm or amp, scaler, hypers, flags,
                                 self.topology.world_size == 1, self._names, clip)
             if key is not None:
@@ -923,7 +948,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self.comm, self.partitions, vector, flags, need_norm or amp, self.topology.replicate)
             grad_scale, skip, clip_coef = update_scalars(stats, scaler, clip, self.config.max_grad_norm)
             if refused is not None:  # this rank's step is skipped; the others skip it too (their checksum differs)
-                skip = torch.ones_like(skip)  # (refused only among ranks, where the all-reduce always gives a verdict)
+                # (among ranks the all-reduce always gives a verdict; alone only clip_grad_value_'s refusal of a
+                # backward after it comes here, the others raise before the step's work)
+                skip = torch.ones((), device=stats.sq_norm.device) if skip is None else torch.ones_like(skip)
+            if values and refused is None:
+                clamp_shards_(self.partitions, values, grad_scale)
             # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
             self._update(stats.has_grad, grad_scale, skip, hypers)
             return _Body(stats, clip_coef, None if scaler.state is None else scaler.state["found_inf_per_device"])
@@ -945,6 +974,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._last_update = agreed
         if out.clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
             self.grad_sync.clip_kept_grads(out.clip_coef)
+        if values and refused is None:
+            self.grad_sync.clamp_kept_grads(values)
         self._end_step()
         if refused is not None:
             raise refused
@@ -1107,7 +1138,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
 
     def _forget_clips(self) -> None:
-        self._clip, self._clipped, self._clip_refused = None, (), None
+        self._clip, self._clipped, self._clip_refused, self._clip_values = None, (), None, ()
 
     def _order_state(self) -> None:
         """``self.state`` in param_groups order, as torch.optim's first step creates it (the partitions create the

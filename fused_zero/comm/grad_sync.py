@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..clip_value import clamp_grads_
 from ..host_read import to_host
 from ..lifecycle import expect, setting
 from ..sharding.partition import Partition
@@ -246,6 +247,9 @@ class GradSync:
         """A step applied clip factor ``coef`` in its update: the ``.grad`` this stage keeps past step() (stage 1)
         gets it too, as torch's clip_grad_norm_ scales ``.grad`` in place (stages 2-3 keep none)."""
 
+    def clamp_kept_grads(self, values: tuple[float, ...]) -> None:
+        """A step clamped the gradient shards (``clip_grad_value_``): the kept ``.grad`` (stage 1) are clamped too."""
+
     def clear_if_empty(self) -> None:
         """Nothing reduced since the last step or zero_grad(): the shards hold the last step's values, which a
         norm must not see (stages 2-3; stage 1 reduces ``.grad`` afresh)."""
@@ -331,6 +335,9 @@ class ReduceAtStep(GradSync):
                 grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
         for (device, _), gs in grads.items():
             torch._foreach_mul_(gs, coef.to(device))
+
+    def clamp_kept_grads(self, values: tuple[float, ...]) -> None:
+        clamp_grads_([p.grad for p in self.entries if p.grad is not None], values)
 
     def prepare_step(self) -> Exception | None:
         if self.refused is not None:

@@ -22,7 +22,7 @@ that at the first backward, since the optimizer averages gradients itself):
   and re-points the schedulers prepared with it; other optimizer classes are refused.
 - ``accumulate(model)`` / ``no_sync(model)`` keep gradients local through the optimizer's
   ``no_sync()`` until the last micro-batch; ``clip_grad_norm_`` clips the global norm of the
-  averaged gradients through the optimizer (``clip_grad_value_`` is refused).
+  averaged gradients through the optimizer, and ``clip_grad_value_`` clamps their elements there.
 - ``save_state`` / ``load_state`` write and read the models and optimizers as a
   fused_zero.checkpoint (``<dir>/fused_zero``: sharded, loadable at any world size and stage);
   schedulers, samplers, RNG states, the scaler and registered objects are Accelerate's as usual.
@@ -206,33 +206,43 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The global norm of the averaged gradients, clipped in the next step (every rank calls it)."""
         params = [p for p in parameters] if not isinstance(parameters, torch.Tensor) else [parameters]
-        owners = {id(o): o for o in (self._owner(p) for p in params) if o is not None}
-        if not owners:
+        opt = self._clipping_owner(params, "clip_grad_norm_", "clips the global norm of all of them together")
+        if opt is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
-        if len(owners) > 1:
-            raise ValueError("clip_grad_norm_ got the parameters of several ShardedOptimizers; clip each "
-                             "model's parameters on their own")
-        opt = next(iter(owners.values()))
-        given = {p for p in params if p.requires_grad}
-        if not {p for g in opt.param_groups for p in g["params"] if p.requires_grad} <= given:
-            raise ValueError("clip_grad_norm_ got only part of a ShardedOptimizer's parameters: it clips the global "
-                             "norm of all of them together (the gradients live as shards inside the optimizer); "
-                             "pass model.parameters()")
-        stray = [p for p in params if p.grad is not None and self._owner(p) is None]
-        if stray:  # torch would count their gradients in the norm; the optimizer's norm cannot
-            raise ValueError(f"clip_grad_norm_ got {len(stray)} parameters with a gradient that the ShardedOptimizer "
-                             "does not hold (shapes " + ", ".join(str(tuple(p.shape)) for p in stray[:4]) + "): its "
-                             "norm covers the optimizer's gradients only, and no DDP averages theirs across ranks. "
-                             "Pass the optimizer's parameters only, or freeze the others (requires_grad_(False)) "
-                             "before backward")
         self.unscale_gradients()
         return opt.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, parameters, clip_value):
-        if any(self._owner(p) is not None for p in parameters):
-            raise ValueError("clip_grad_value_ is not supported with fused_zero: the averaged gradients exist only "
-                             "as shards inside the optimizer; clip the norm with clip_grad_norm_")
-        return super().clip_grad_value_(parameters, clip_value)
+        """Each element of the averaged gradients clamped in the next step (every rank calls it)."""
+        params = [p for p in parameters] if not isinstance(parameters, torch.Tensor) else [parameters]
+        opt = self._clipping_owner(params, "clip_grad_value_", "clamps every gradient it holds")
+        if opt is None:
+            return super().clip_grad_value_(params, clip_value)
+        self.unscale_gradients()
+        return opt.clip_grad_value_(clip_value)
+
+    def _clipping_owner(self, params: list, name: str, what: str):
+        """The one ShardedOptimizer holding ``params`` (None: none does), given all of its parameters and none
+        with a gradient it does not hold; ValueError naming the fix otherwise."""
+        owners = {id(o): o for o in (self._owner(p) for p in params) if o is not None}
+        if not owners:
+            return None
+        if len(owners) > 1:
+            raise ValueError(f"{name} got the parameters of several ShardedOptimizers; clip each "
+                             "model's parameters on their own")
+        opt = next(iter(owners.values()))
+        given = {p for p in params if p.requires_grad}
+        if not {p for g in opt.param_groups for p in g["params"] if p.requires_grad} <= given:
+            raise ValueError(f"{name} got only part of a ShardedOptimizer's parameters: it {what} (the gradients "
+                             "live as shards inside the optimizer); pass model.parameters()")
+        stray = [p for p in params if p.grad is not None and self._owner(p) is None]
+        if stray:  # torch would clip their gradients too; the optimizer's clip cannot
+            raise ValueError(f"{name} got {len(stray)} parameters with a gradient that the ShardedOptimizer "
+                             "does not hold (shapes " + ", ".join(str(tuple(p.shape)) for p in stray[:4]) + "): its "
+                             "clip covers the optimizer's gradients only, and no DDP averages theirs across ranks. "
+                             "Pass the optimizer's parameters only, or freeze the others (requires_grad_(False)) "
+                             "before backward")
+        return opt
 
     # -- the model's weights and checkpoints ----------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):

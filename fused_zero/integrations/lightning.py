@@ -17,8 +17,9 @@ schedulers at it. What DDPStrategy does by wrapping the model, the optimizer doe
   ``training_step``/``validation_step``/``predict_step`` run through the LightningModule's own
   ``__call__`` and stage 3 gathers its root parameters around them (Lightning never calls
   ``forward``);
-- ``Trainer(gradient_clip_val=m)`` clips the global norm with ``optimizer.clip_grad_norm_(m)``
-  (``gradient_clip_algorithm="value"`` is refused: per-element clipping needs every gradient);
+- ``Trainer(gradient_clip_val=m)`` clips the global norm with ``optimizer.clip_grad_norm_(m)``, and
+  ``gradient_clip_algorithm="value"`` each element of the averaged gradients with
+  ``optimizer.clip_grad_value_(m)``;
 - ``accumulate_grad_batches`` accumulates inside ``optimizer.no_sync()``;
 - checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``) hold the full model state dict
   (gathered on every rank at stage 3) and ``optimizer.state_dict()``, torch AdamW's format, so a
@@ -95,16 +96,12 @@ class _ZeroClipping:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         if clip_val is None or clip_val <= 0:
             return None
-        if _is_value_clipping(gradient_clip_algorithm):
-            raise ValueError(_VALUE_CLIP)
+        if _is_value_clipping(gradient_clip_algorithm):  # (the step clamps with the scaler it is given)
+            opt.clip_grad_value_(float(clip_val))
+            return None
         # the precision plugin's GradScaler (16-mixed): the shards stay scaled, the norm is unscaled with it
         opt.clip_grad_norm_(float(clip_val), grad_scaler=getattr(self, "scaler", None))
         return None
-
-
-_VALUE_CLIP = ("ZeroStrategy clips the global gradient norm only: gradient_clip_algorithm='value' would clip "
-               "each rank's gradient elements, which ZeRO stages 2-3 never hold in full. Use "
-               "gradient_clip_algorithm='norm' (the default) with gradient_clip_val=...")
 
 
 def _is_value_clipping(algorithm) -> bool:
@@ -191,8 +188,6 @@ class ZeroStrategy(DDPStrategy):
         super().setup(trainer)
 
     def _check_trainer(self, trainer) -> None:
-        if trainer.gradient_clip_val and _is_value_clipping(trainer.gradient_clip_algorithm):
-            raise ValueError(_VALUE_CLIP)
         averaging = [type(cb).__name__ for cb in trainer.callbacks if _averages_weights(cb)]
         if averaging and STAGE_TRAITS[self.stage].shards_params:
             raise RuntimeError(

@@ -278,3 +278,40 @@ def test_an_optimizer_prepared_again_after_free_memory_is_still_the_integrations
     for norms, held in run_ranks(_reprepared_after_free_memory, 2, stage, timeout=300):
         assert held == 1
         assert norms[0] > 0 and norms[1] > 0 and norms[1] != norms[0], norms
+
+
+VALUE = 1e-3  # clamps many elements of the averaged gradients every step
+
+
+def _value_clipped(rank, world_size, stage):
+    """A few steps of Accelerate's loop with ``clip_grad_value_`` under ``sync_gradients``: Accelerate's DDP
+    (``stage`` None, torch's clamp of the averaged .grad) or ZeroAccelerator (the optimizer's clamp of its
+    shards). Returns the losses and, for DDP, how many elements each step clamped."""
+    acc = accelerator(rank, world_size, stage, ACCUM)
+    model = tiny_gpt2()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    loader = acc.prepare(torch.utils.data.DataLoader(TokenDataset(), batch_size=BATCH, shuffle=False))
+    losses, clamped = [], []
+    for i, batch in enumerate(loader):
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                if stage is None:
+                    clamped.append(sum(int((p.grad.abs() > VALUE).sum()) for p in model.parameters()))
+                acc.clip_grad_value_(model.parameters(), VALUE)
+            opt.step()
+            opt.zero_grad()
+        losses.append(acc.gather(loss.detach().reshape(1)).mean().item())
+        if i == 4 * ACCUM - 1:
+            break
+    return losses, clamped
+
+
+def test_clip_grad_value_matches_ddp():
+    """Accelerate's clip_grad_value_ clamps the averaged gradients through the optimizer (it was refused)."""
+    ref = run_ranks(_value_clipped, 2, None, timeout=180)[0]
+    assert min(ref[1]) > 1000, ref[1]  # the clip is active every step
+    for stage in (2, 3):
+        got = run_ranks(_value_clipped, 2, stage, timeout=180)[0]
+        assert rel_close(got[0], ref[0], TOL) <= TOL, (stage, got[0], ref[0])

@@ -1,0 +1,172 @@
+"""optimizer.clip_grad_value_ against torch.nn.utils.clip_grad_value_ over hand-averaged gradients (DDP's).
+
+Each rank clamps its own shard of the averaged gradient in step(), after the step's overflow check: stages 1-3 on
+2 gloo ranks with buckets that split parameters, called twice in a step, under a GradScaler with an overflow on
+one rank (the step is skipped, as torch's unscale_ found the inf before the clamp), stage 1's kept .grad; and the
+orders that are refused on every rank with the fix named.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from fused_zero import ShardedOptimizer
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.a = nn.Linear(8, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.b = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        for blk in self.blocks:
+            h = torch.tanh(blk(h))
+        return (self.b(h) * 4).square().mean()
+
+
+def _build(model, stage, **kw):
+    if stage == 3:
+        return ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0, bucket_numel=50, **kw)
+    return ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, bucket_numel=50, **kw)
+
+
+def _averaged(ref, world_size):
+    import torch.distributed as dist
+
+    for p in ref.parameters():
+        if p.grad is not None and world_size > 1:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
+
+def _params(model, opt, stage):
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _against_torch(rank, world_size, stage, case):
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = _build(model, stage)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)] if case == "scaler" else None
+    values = (0.02, 0.005) if case == "twice" else (0.01,)
+    clamped, kept = 0, 0.0
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        overflow = case == "scaler" and step == 2 and rank == 1  # an inf on one rank: the step skipped on both
+        ref_opt.zero_grad()
+        loss = ref(x) * (float("inf") if overflow else 1.0)
+        (scalers[0].scale(loss) if scalers else loss).backward()
+        _averaged(ref, world_size)
+        if scalers:
+            scalers[0].unscale_(ref_opt)
+        clamped += sum(int((p.grad.abs() > values[-1]).sum()) for p in ref.parameters())
+        for v in values:
+            torch.nn.utils.clip_grad_value_(ref.parameters(), v)
+        if scalers:
+            scalers[0].step(ref_opt)
+            scalers[0].update()
+        else:
+            ref_opt.step()
+        opt.zero_grad()
+        loss = model(x) * (float("inf") if overflow else 1.0)
+        (scalers[1].scale(loss) if scalers else loss).backward()
+        if scalers:
+            scalers[1].unscale_(opt)
+        for v in values:
+            opt.clip_grad_value_(v)
+        if scalers:
+            scalers[1].step(opt)
+            scalers[1].update()
+        else:
+            opt.step()
+        if stage == 1:  # the kept .grad is each rank's local one, clamped as torch's clip left it
+            kept = max([kept] + [float(p.grad.abs().max()) for p in model.parameters()])
+    diff = max(float((a - b).abs().max()) for a, b in zip(_params(model, opt, stage), ref.parameters()))
+    return diff, clamped, kept, [s.get_scale() for s in scalers] if scalers else None
+
+
+@pytest.mark.parametrize("case", ["once", "twice", "scaler"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_value_equals_torchs_over_averaged_gradients(stage, case):
+    for diff, clamped, kept, scales in run_ranks(_against_torch, 2, stage, case, timeout=180):
+        assert clamped > 100  # the clip changes most gradients: a missed clamp is 1e-2 off
+        assert diff < 1e-6, diff
+        assert kept <= (0.005 if case == "twice" else 0.01)
+        if scales is not None:  # the overflow halved both scalers' scale once
+            assert scales[0] == scales[1] == 128.0
+
+
+def test_clip_grad_value_refusals():
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(4, 8)
+    opt = _build(model, 2)
+    before = _params(model, opt, 2)
+    opt.zero_grad()
+    model(x).backward()
+    with pytest.raises(TypeError, match=r"clip_value must be a real number, got str 'a'.*clip_grad_value_\(1\.0\)"):
+        opt.clip_grad_value_("a")
+    with pytest.raises(TypeError, match="clip_value must be a real number"):
+        opt.clip_grad_value_(True)
+    opt.clip_grad_value_(0.1)
+    with pytest.raises(ValueError, match=r"clip_grad_value_\(\) and a norm clip .* in one step are not served"):
+        opt.clip_grad_norm_(1.0)
+    opt.zero_grad()
+    model(x).backward()
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="in one step are not served"):
+        opt.clip_grad_value_(0.1)
+    opt.zero_grad()
+    with opt.no_sync():
+        model(x).backward()
+        with pytest.raises(RuntimeError, match=r"inside optimizer.no_sync\(\)"):
+            opt.clip_grad_value_(0.1)
+    model(x).backward()
+    opt.clip_grad_value_(0.1)
+    model(x).backward()  # torch would add unclamped gradients to clamped ones
+    with pytest.raises(RuntimeError, match=r"a backward ran after clip_grad_value_\(\) and before step\(\).*changed "
+                                           "nothing"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model, opt, 2)))
+    opt.zero_grad()
+    model(x).backward()
+    opt.clip_grad_value_(0.1)
+    opt.step()  # and trains on
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(model, opt, 2)))
+    configured = _build(_Net(), 1, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="in one step are not served"):
+        configured.clip_grad_value_(0.1)
+
+
+def _bad_value_on_one_rank(rank, world_size):
+    model = _Net()
+    opt = _build(model, 2)
+    out = []
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))).backward()
+        opt.clip_grad_value_("a" if (rank == 1 and step == 0) else 0.1)
+        try:
+            opt.step()
+            out.append(None)
+        except (TypeError, RuntimeError) as error:
+            out.append(type(error).__name__)
+    return out
+
+
+def test_a_bad_clip_value_on_one_rank_raises_on_every_rank_without_hanging():
+    first, second = run_ranks(_bad_value_on_one_rank, 2, timeout=120)
+    assert second[0] == "TypeError" and first[0] is None  # rank 1 at its step, after the collectives
+    assert first[1] == second[1] == "RuntimeError"  # "ranks disagree": the step before was skipped on every rank
+    assert first[2] is None and second[2] is None
