@@ -66,6 +66,26 @@ class TinyNet(nn.Module):
         return self.head(h).mean(dim=1)
 
 
+class ClipNet(nn.Module):
+    """Three tanh layers and a head, seeded alike every time (the clip tests): ``gain`` scales the head's output,
+    so the gradients outgrow a small clip."""
+
+    def __init__(self, outputs: int = 4, gain: float = 1.0) -> None:
+        super().__init__()
+        self.gain = gain
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.a = nn.Linear(8, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.b = nn.Linear(16, outputs)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        for blk in self.blocks:
+            h = torch.tanh(blk(h))
+        return (self.b(h) * self.gain).square().mean()
+
+
 class PlainNet(nn.Module):
     """An MLP whose parameters are all trainable and used every step (for accounting)."""
 

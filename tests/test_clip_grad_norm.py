@@ -12,25 +12,12 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from _dist import run_ranks
+from _models import ClipNet
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.a = nn.Linear(8, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
-            self.b = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        for blk in self.blocks:
-            h = torch.tanh(blk(h))
-        return self.b(h).square().mean()
+_Net = ClipNet
 
 
 def _scenario(rank, world_size, stage, case, bucket_numel):

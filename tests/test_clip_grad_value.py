@@ -11,26 +11,14 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from _dist import run_ranks
+from _models import ClipNet
 from fused_zero import ShardedOptimizer
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.a = nn.Linear(8, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
-            self.b = nn.Linear(16, 5)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        for blk in self.blocks:
-            h = torch.tanh(blk(h))
-        return (self.b(h) * 4).square().mean()
+def _Net():
+    return ClipNet(outputs=5, gain=4.0)
 
 
 def _build(model, stage, **kw):

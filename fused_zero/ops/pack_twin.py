@@ -33,41 +33,40 @@ def _bucket_views(bucket: torch.Tensor, offsets, sizes) -> list:
 _VIEW_CACHE = 4
 
 
-def _cached_views(plan, bucket: torch.Tensor) -> list:
-    """``_bucket_views`` of ``bucket``, kept in the plan for the next call on the same memory.
+def _cached(plan, bucket: torch.Tensor, kind: str, make) -> list:
+    """``make(bucket)`` (views of ``bucket``), kept in the plan under ``kind`` for the next call on the same memory.
 
     Keyed by the bucket's address and checked against a one-element view of it taken with the views
     (a storage resized since then has moved, and its old address may hold another buffer). At
-    most ``_VIEW_CACHE`` buffers per plan."""
-    cache = plan.state.setdefault("views", {})
+    most ``_VIEW_CACHE`` buffers per plan and kind."""
+    cache = plan.state.setdefault(kind, {})
     ptr = bucket.data_ptr()
     entry = cache.get(ptr)
     if entry is None or entry[0].data_ptr() != ptr:
         if len(cache) >= _VIEW_CACHE:
             cache.pop(next(iter(cache)))
-        entry = cache[ptr] = (bucket[:1], _bucket_views(bucket, plan.offsets, plan.numels))
+        entry = cache[ptr] = (bucket[:1], make(bucket))
     return entry[1]
+
+
+def _cached_views(plan, bucket: torch.Tensor) -> list:
+    """``_bucket_views`` of ``bucket`` (cached)."""
+    return _cached(plan, bucket, "views", lambda b: _bucket_views(b, plan.offsets, plan.numels))
 
 
 def _runs(plan, bucket: torch.Tensor) -> list:
-    """Views of ``bucket`` over the maximal runs of adjacent ranges of ``plan`` (cached as ``_cached_views``): what
-    one scale of every packed range touches, in a few ranges rather than one per tensor (800 small gradients
-    scaled one view each cost 1.7 ms a step on a 2-core CPU; their ranges mostly lie end to end)."""
-    cache = plan.state.setdefault("runs", {})
-    ptr = bucket.data_ptr()
-    entry = cache.get(ptr)
-    if entry is None or entry[0].data_ptr() != ptr:
-        if len(cache) >= _VIEW_CACHE:
-            cache.pop(next(iter(cache)))
-        spans = sorted((o, o + n) for o, n in zip(plan.offsets, plan.numels) if n > 0)
+    """Views of ``bucket`` over the maximal runs of adjacent ranges of ``plan`` (cached): what one scale of every
+    packed range touches, in a few ranges rather than one per tensor (800 small gradients scaled one view each
+    cost 1.7 ms a step on a 2-core CPU; their ranges mostly lie end to end)."""
+    def make(b: torch.Tensor) -> list:
         merged: list = []
-        for a, b in spans:
-            if merged and merged[-1][1] == a:
-                merged[-1][1] = b
+        for lo, hi in sorted((o, o + n) for o, n in zip(plan.offsets, plan.numels) if n > 0):
+            if merged and merged[-1][1] == lo:
+                merged[-1][1] = hi
             else:
-                merged.append([a, b])
-        entry = cache[ptr] = (bucket[:1], [bucket[a:b] for a, b in merged])
-    return entry[1]
+                merged.append([lo, hi])
+        return [b[lo:hi] for lo, hi in merged]
+    return _cached(plan, bucket, "runs", make)
 
 
 def _scale_(views: list, scale: float) -> None:
