@@ -321,7 +321,9 @@ class Stage3(Stage2):
         extra = [tuple(p.shape) for p in group_of if p not in in_module]
         if extra:
             raise ValueError(f"param groups hold {len(extra)} parameters (shapes {extra[:5]}) that are not "
-                             "parameters of the model passed as module=")
+                             "parameters of the model passed as module=: stage 3 shards and gathers parameters with "
+                             "the model's modules. Register such a parameter on a module of the model (a learnable "
+                             "loss temperature as model.temperature), or train it at stage 1 or 2")
         unit_of = {p: ui for ui, ps in enumerate(plan.params) for p in ps}
         signature = [(group_of.get(p, -1), unit_of[p], name, tuple(p.shape), str(p.dtype), p.requires_grad)
                      for p, name in names.items()]
