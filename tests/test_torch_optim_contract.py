@@ -515,3 +515,29 @@ def test_a_parameter_without_a_gradient_is_not_marked_written(stage):
     opt.step()
     assert model["idle"].weight._version == idle
     assert model["used"].weight._version > used
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_aliases_taken_before_the_build_keep_the_initial_values(stage):
+    """torch's in-place update keeps every alias of a parameter current; building moves each parameter into the
+    optimizer's flat buffer, so an alias taken before keeps the initial values (README's habits table), and one
+    taken after the build follows the training (stage 3: inside full_parameters()). zero_grad(set_to_none=False)
+    leaves stages 2-3's .grad None, where torch leaves zeros."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = model[0].weight.detach()
+    initial = before.clone()
+    opt = ShardedOptimizer(model, lr=1e-2, stage=stage)
+    after = None if stage == 3 else model[0].weight.detach()
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    assert torch.equal(before, initial)
+    with opt.full_parameters() if stage == 3 else contextlib.nullcontext():
+        now = model[0].weight.detach().clone()
+    assert not torch.equal(now, initial)
+    if after is not None:
+        assert torch.equal(after, now)
+    opt.zero_grad(set_to_none=False)
+    assert (model[0].weight.grad is None) == (stage != 1)
