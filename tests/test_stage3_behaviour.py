@@ -295,7 +295,8 @@ def test_foreign_parameter_in_groups():
     from fused_zero import ShardedOptimizer
     model = TinyNet()
     groups = param_groups(model) + [{"params": [nn.Parameter(torch.zeros(3))]}]
-    with pytest.raises(ValueError, match="not parameters of the model"):
+    with pytest.raises(ValueError, match="not parameters of the model passed as module=: .*Register such a parameter "
+                                         "on a module of the model .* or train it at stage 1 or 2"):
         ShardedOptimizer(groups, stage=3, module=model)
 
 
