@@ -1524,3 +1524,36 @@ def test_trainable_parameters_no_rank_averages_are_warned_once(stage):
     for out in run_ranks(_head_elsewhere, 2, stage, timeout=TIMEOUT):
         assert len(out["torch optimizer"]) == 1 and "'2.weight', '2.bias'" in out["torch optimizer"][0], out
         assert out["head in DDP"] == [] and out["second ShardedOptimizer"] == [], out
+
+
+def _moved_parameter_stage3(rank, world_size):
+    """Stage 3, every rank: an earlier layer given a later layer's Parameter after the build. The gather keeps the
+    refusal for the step (it may be one rank's) and puts the parameter back as a placeholder, so the forward fails
+    first in torch's shape check: its error now says why."""
+    from fused_zero import ShardedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = ShardedOptimizer(model, **HYPER, stage=3, min_unit_numel=0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    with opt.full_parameters(writeback=True):
+        model[0].weight = model[2].weight
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            model(x)
+        except RuntimeError as e:
+            return str(e), " ".join(getattr(e, "__notes__", ()))
+    return None
+
+
+def test_stage3_a_forward_failing_after_a_kept_refusal_says_why():
+    for got in run_ranks(_moved_parameter_stage3, 2, timeout=TIMEOUT):
+        assert got is not None
+        message, notes = got
+        assert "mat2 must be a matrix" in message  # torch's own, on the placeholder
+        assert "fused_zero: this forward went on after it found what the next step refuses" in notes
+        assert "parameter 0.weight is no longer the one the optimizer was built over" in notes

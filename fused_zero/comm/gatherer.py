@@ -383,6 +383,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             return
         if sys.exc_info()[0] is not None:
             if u.index == 0:
+                self._note_refused(sys.exc_info()[1])
                 self._abort()
             return
         tensors = _output_tensors(output)
@@ -402,6 +403,13 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             # backward starts (a rank that skipped the unit keeps it, as the schedule's last)
             self._release(u)
         return copied
+
+    def _note_refused(self, error: BaseException) -> None:
+        """The forward raised after a gather kept a refusal for the step (among ranks, ``_kept_refusal``): the
+        parameter it put back is an empty placeholder, so torch's own error (a shape check) comes first; say why."""
+        if self.refused is not None and error is not self.refused and hasattr(error, "add_note"):
+            error.add_note(f"fused_zero: this forward went on after it found what the next step refuses (its "
+                           f"parameters were put back as empty placeholders): {self.refused}")
 
     def _gathered_into_backward(self, u: _Unit) -> bool:
         """Whether ``u`` stays gathered from its forward into backward (kept, or nothing is resharded): its
