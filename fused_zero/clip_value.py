@@ -6,7 +6,9 @@ keeps each rank's local one, so torch's fails (stages 2-3: no gradient to clamp)
 collective: the call records the clip value and ``step()`` clamps the reduced gradient shards right before the
 update, after the step's statistics. A GradScaler's overflow verdict is therefore taken from the unclamped
 gradients, as ``scaler.unscale_`` takes it before the user's clip; the shards stay scaled, so the bound is
-``v / inv_scale`` (GradScaler's scales are powers of two: the clamped values are then exactly ``v``).
+``v / inv_scale`` (GradScaler's scales are powers of two: the clamped values are then exactly ``v``). A clip
+before any ``unscale_`` clamps the scaled values to ``v``, as torch's clamps the scaled ``.grad`` then (an inf
+still skips the step here, where torch's clamp made it finite first).
 
 Served as torch's on DDP: after the last backward of the step, before ``step()``, on every rank; called twice,
 both clamps apply in turn. Refused (on every rank, by the step, after its collectives where it may be one rank's):
@@ -52,16 +54,20 @@ BACKWARD_AFTER = ("a backward ran after clip_grad_value_() and before step(): to
                   "clip_grad_value_() once, after the step's last backward; this step changed nothing")
 
 
-def clamp_shards_(partitions, values: tuple[float, ...], grad_scale: torch.Tensor | None) -> None:
-    """Clamp every trained partition's reduced gradient shard to each of ``values`` in turn, in the units of the
-    true gradient: the update multiplies the shard by ``grad_scale`` (the GradScaler's inverse scale, or None)."""
+def clamp_shards_(partitions, values: tuple, grad_scale: torch.Tensor | None, unscaled_now: bool) -> None:
+    """Clamp every trained partition's reduced gradient shard to each of ``values`` in turn: ``(v, unscaled)``,
+    ``unscaled`` whether ``scaler.unscale_()`` came before that call (None: not known then; ``unscaled_now``, whether
+    it ran this step, decides). The shards stay scaled and the update multiplies them by ``grad_scale`` (the
+    GradScaler's inverse scale, or None): after an unscale_ the bound is ``v`` in the true gradient's units, as
+    torch's clamps the unscaled ``.grad``; without one, ``v`` in the scaled units, as torch's clamps the scaled
+    ``.grad``."""
     bounds: dict = {}
     for part in partitions:
         g = part.grad_shard
         if g is None or g.numel() == 0:
             continue
-        for v in values:
-            if grad_scale is None:
+        for v, unscaled in values:
+            if grad_scale is None or not (unscaled_now if unscaled is None else unscaled):
                 g.clamp_(-v, v)
                 continue
             key = (g.device, v)

@@ -819,7 +819,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if bad is not None:
             self._clip_refused = self._clip_refused or bad  # (the step raises it after its collectives)
             return
-        self._clip_values += (value,)
+        # in which units it clamps: torch's clamps .grad as it is, unscaled by scaler.unscale_() before or still
+        # scaled; the scaler is known from its first step on (before: step() tells whether unscale_ ran)
+        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        unscaled = None if scaler is None else unscaling_scaler(self, self._scaler_ref) is not None
+        self._clip_values += ((value, unscaled),)
 
     @_reason_left_for_peers("step()")
     @torch.no_grad()
@@ -952,7 +956,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 # backward after it comes here, the others raise before the step's work)
                 skip = torch.ones((), device=stats.sq_norm.device) if skip is None else torch.ones_like(skip)
             if values and refused is None:
-                clamp_shards_(self.partitions, values, grad_scale)
+                clamp_shards_(self.partitions, values, grad_scale, scaler_unscaled(scaler))
             # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
             self._update(stats.has_grad, grad_scale, skip, hypers)
             return _Body(stats, clip_coef, None if scaler.state is None else scaler.state["found_inf_per_device"])
@@ -975,7 +979,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if out.clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
             self.grad_sync.clip_kept_grads(out.clip_coef)
         if values and refused is None:
-            self.grad_sync.clamp_kept_grads(values)
+            self.grad_sync.clamp_kept_grads(tuple(v for v, _ in values))
         self._end_step()
         if refused is not None:
             raise refused
