@@ -804,13 +804,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         return total
 
     @eager_under_compile
-    def clip_grad_value_(self, clip_value: float, foreach: bool | None = None) -> None:
+    def clip_grad_value_(self, clip_value: float, foreach: bool | None = None, *, grad_scaler=None) -> None:
         """Clamp every element of the averaged gradients to ``[-clip_value, clip_value]`` in the next step(), as
         ``torch.nn.utils.clip_grad_value_`` over DDP's gradients (every rank calls it, after the step's last
         backward). No collective: each rank clamps its own shard, after the step's overflow check (a GradScaler
         still skips a step with an inf). Called twice, both clamps apply in turn. Not with a norm clip in the same
         step, nor before a further backward (refused by the step on every rank: ``clip_value.py``). At stage 1 the
-        kept ``.grad`` are clamped after the step, as torch's clip left them. ``foreach`` has no effect."""
+        kept ``.grad`` are clamped after the step, as torch's clip left them. ``foreach`` has no effect.
+
+        Under a GradScaler it clamps what torch's would: the unscaled gradients after ``scaler.unscale_(opt)``,
+        the scaled ones before it. ``grad_scaler``: the clamp is of the gradients unscaled by this scaler (what a
+        framework that lets the optimizer unscale means, as Lightning's 16-mixed: ``clip_grad_norm_`` takes it
+        alike)."""
         self._check_open()
         if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
             raise RuntimeError(INSIDE_NO_SYNC)
@@ -822,7 +827,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # in which units it clamps: torch's clamps .grad as it is, unscaled by scaler.unscale_() before or still
         # scaled; the scaler is known from its first step on (before: step() tells whether unscale_ ran)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
-        unscaled = None if scaler is None else unscaling_scaler(self, self._scaler_ref) is not None
+        unscaled = True if grad_scaler is not None else \
+            None if scaler is None else unscaling_scaler(self, self._scaler_ref) is not None
         self._clip_values += ((value, unscaled),)
 
     @_reason_left_for_peers("step()")

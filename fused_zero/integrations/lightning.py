@@ -96,8 +96,8 @@ class _ZeroClipping:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         if clip_val is None or clip_val <= 0:
             return None
-        if _is_value_clipping(gradient_clip_algorithm):  # (the step clamps with the scaler it is given)
-            opt.clip_grad_value_(float(clip_val))
+        if _is_value_clipping(gradient_clip_algorithm):  # the unscaled gradients, as the norm below
+            opt.clip_grad_value_(float(clip_val), grad_scaler=getattr(self, "scaler", None))
             return None
         # the precision plugin's GradScaler (16-mixed): the shards stay scaled, the norm is unscaled with it
         opt.clip_grad_norm_(float(clip_val), grad_scaler=getattr(self, "scaler", None))
