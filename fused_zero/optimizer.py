@@ -266,6 +266,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clipped: tuple = ()
         self._clip_refused: Exception | None = None
         self._clip_values: tuple = ()  # clip_grad_value_ called since the last step: its values (clip_value.py)
+        self._clamped: list = []  # stage 1: the kept .grad a clip_grad_value_ since the last step clamps (weakly)
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
@@ -579,9 +580,12 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._backwards_begun += 1
             if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
                 self._apply_clip(during_backward=True)
-            if self._clip_values:  # clip_grad_value_ came before it: refused by the step (clip_value.py)
+            if self._clip_values:  # clip_grad_value_ came before it: refused by the step (clip_value.py), unless
+                # what it clamped is gone (stage 1's model.zero_grad() sets .grad None; stages 2-3's forgets the clip)
+                clamped = self._clamped
+                if self.grad_sync.frees_grads or any(p.grad is not None and p.grad is g() for p, g in clamped):
+                    self._clip_refused = self._clip_refused or RuntimeError(BACKWARD_AFTER)
                 self._clip_values = ()
-                self._clip_refused = self._clip_refused or RuntimeError(BACKWARD_AFTER)
 
     def _apply_clip(self, during_backward: bool) -> tuple[PendingClip, torch.Tensor]:
         """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward
@@ -830,6 +834,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         unscaled = True if grad_scaler is not None else \
             None if scaler is None else unscaling_scaler(self, self._scaler_ref) is not None
         self._clip_values += ((value, unscaled),)
+        if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
+            self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]
 
     @_reason_left_for_peers("step()")
     @torch.no_grad()
@@ -1086,7 +1092,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             raise RuntimeError(
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
                 "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
-                "options, or whether the step clips (clip_grad_norm_) or uses a GradScaler differ across ranks, or "
+                "options, or whether the step clips (clip_grad_norm_, clip_grad_value_ and its value) or uses a "
+                "GradScaler differ across ranks, or "
                 "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
                 "parameter, a param group's parameters edited, a bad clip_grad_norm_ argument, a closure that "
                 "raised), or at stages 2-3 a rank had no gradient reduced since its last step while the others had "
@@ -1149,6 +1156,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
     def _forget_clips(self) -> None:
         self._clip, self._clipped, self._clip_refused, self._clip_values = None, (), None, ()
+        self._clamped = []
 
     def _order_state(self) -> None:
         """``self.state`` in param_groups order, as torch.optim's first step creates it (the partitions create the

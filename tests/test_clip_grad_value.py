@@ -160,3 +160,25 @@ def test_a_bad_clip_value_on_one_rank_raises_on_every_rank_without_hanging():
     assert second[0] == "TypeError" and first[0] is None  # rank 1 at its step, after the collectives
     assert first[1] == second[1] == "RuntimeError"  # "ranks disagree": the step before was skipped on every rank
     assert first[2] is None and second[2] is None
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_clip_whose_gradients_were_zeroed_is_forgotten(stage):
+    """clip_grad_value_, then model.zero_grad() (the clamped gradients gone), then a backward and step(): torch
+    steps with the new, unclamped gradients; so does this (stage 1 refused it as a backward after the clip)."""
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = _build(model, stage) if stage == 3 else ShardedOptimizer(model, stage=stage, lr=1e-2, bucket_numel=50)
+    x0, x1 = torch.randn(4, 8), torch.randn(4, 8)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        m(x0).backward()
+        if o is opt:
+            o.clip_grad_value_(1e-3)
+        else:
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+        m.zero_grad()
+        m(x1).backward()
+        o.step()
+    diff = max(float((a - b.detach()).abs().max()) for a, b in zip(_params(model, opt, stage), ref.parameters()))
+    assert diff < 1e-6, diff
