@@ -13,7 +13,7 @@ from .accounting import memory_bytes
 from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_optim_state
 from .comm.collectives import Comm
 from .hooks import eager_under_compile
-from .sharding.partition import PartitionIndex
+from .sharding.partition import PartitionIndex, unalias
 from .state_views import attach_all
 from .tiers.tier import Tier
 from .update import step_counts_of
@@ -45,6 +45,7 @@ class StateAccess:
         """
         self._settle_update()  # stage 3 with offloaded states: the update behind the last step ends first
         self.check_states_kept()
+        self._take_in_loaded_weights()
         self.check_agreement()  # a step whose ranks disagreed raises here, on every rank, before any gather
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
@@ -68,6 +69,7 @@ class StateAccess:
         rank finished; the reductions it waits for touch none of them.
         """
         self._settle_update()
+        self._take_in_loaded_weights()
         with self.collective_call("state_dict()"):
             gather_state_dict(self, self._control_comm(), keep=False)
 
@@ -126,9 +128,25 @@ class StateAccess:
         """
         self._settle_update()
         self.check_states_kept()
+        self._take_in_loaded_weights()
         if settle:
             self.grad_sync.wait()
         return self.partitions[partition].store.read(kind, start, end)
+
+    def _take_in_loaded_weights(self) -> None:
+        """Stages 1-2, between ``load_state_dict`` and the model's weights loaded after it and the next step: the
+        saved masters kept for those weights (``Partition.pending_master``) are taken in now, as the step would,
+        so that a state dict or checkpoint saved in between holds them (it held the masters of the weights from
+        before the load). A change the step would refuse is left to it (refused again there)."""
+        stage = self._stage
+        if stage.shards_params or not any(part.pending_master for part in self.partitions):
+            return
+        for part, changed in zip(self.partitions, unalias(self.partitions)):
+            if part.pending_master and changed:
+                try:
+                    part.adopt_outside_changes(stage.names, changed)
+                except RuntimeError:
+                    pass
 
     def check_states_kept(self) -> None:
         """After ``close()`` the states stay readable where they live in memory; NVMe files are gone with it."""

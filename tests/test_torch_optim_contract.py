@@ -541,3 +541,37 @@ def test_aliases_taken_before_the_build_keep_the_initial_values(stage):
         assert torch.equal(after, now)
     opt.zero_grad(set_to_none=False)
     assert (model[0].weight.grad is None) == (stage != 1)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_state_dict_saved_between_loading_and_the_next_step_holds_the_loaded_masters(stage):
+    """opt.load_state_dict(osd), then model.load_state_dict(msd), then opt.state_dict() before any step (a script
+    that converts or re-saves a checkpoint): the bf16 parameters' fp32 masters are the saved ones (they were the
+    masters of the weights from before the load: resuming from the re-saved dict went off the uninterrupted run)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
+        return model, ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_numel=64)
+
+    def train(model, opt, steps):
+        for t in steps:
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t)).bfloat16()
+            model(x).float().square().mean().backward()
+            opt.step()
+
+    model, opt = build(0)
+    train(model, opt, range(3))
+    msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, range(3, 5))
+    model2, opt2 = build(9)
+    opt2.load_state_dict(copy.deepcopy(osd))
+    model2.load_state_dict(msd)
+    resaved = copy.deepcopy(opt2.state_dict())
+    for i, s in osd["state"].items():
+        assert torch.equal(resaved["state"][i]["master"], s["master"]), i
+    model3, opt3 = build(9)
+    model3.load_state_dict(msd)
+    opt3.load_state_dict(resaved)
+    train(model3, opt3, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model3.parameters()))
