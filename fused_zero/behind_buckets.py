@@ -131,10 +131,7 @@ class BucketsBehind:
         if module is None or self._released:
             return
         self._unhook_forward()
-        HookSet._remove_all(self._handles, self._learning or [])
-        self._handles.clear()
-        if self._learning is not None:
-            self._learning.clear()
+        HookSet._remove_all(self._handles, self._learning or [])  # (empties the lists the finalizer holds)
         self._hook_modules(module)
 
     def _rerank(self) -> None:
