@@ -25,6 +25,9 @@ class ScalerInputs(NamedTuple):
     inv_scale: torch.Tensor | None  # multiply the gradient shards by this before the update
     found_inf: torch.Tensor | None  # an overflow verdict handed in through the attribute protocol
     state: dict | None  # the scaler's per-optimizer state (when the scaler passed itself)
+    # the inverse scale a scaler.unscale_(opt) before step() divided the kept .grad by, where the optimizer reduces
+    # them at step() (stage 1; inv_scale is None then): a clip_grad_value_ before that unscale_ clamped them scaled
+    unscaled_by: torch.Tensor | None = None
 
 
 def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_in_place: bool) -> ScalerInputs:
@@ -40,9 +43,10 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     from torch.amp.grad_scaler import OptState
 
     state = grad_scaler._per_optimizer_states[id(optimizer)]
+    inv = grad_scaler._scale.double().reciprocal().float().to(device)
     if state["stage"] is OptState.UNSCALED and grads_unscaled_in_place:
-        return ScalerInputs(None, None, state)
-    return ScalerInputs(grad_scaler._scale.double().reciprocal().float().to(device), None, state)
+        return ScalerInputs(None, None, state, inv)
+    return ScalerInputs(inv, None, state)
 
 
 _CALLER_DEPTH = 12  # frames above calling_scaler: _step, step, its no_grad and torch.optim wrappers (a subclass's
@@ -79,6 +83,43 @@ def scaler_unscaled(scaler: ScalerInputs) -> bool:
     from torch.amp.grad_scaler import OptState
 
     return scaler.state["stage"] is OptState.UNSCALED
+
+
+_CLIP_CALLER_DEPTH = 4  # frames above clip_grad_value_: its eager_under_compile wrapper, the training loop (or a
+# framework's clip method), the loop that called that
+_HELD = 8  # the longest list or tuple of a frame looked into
+
+
+def unscaled_before_first_step(optimizer) -> bool | None:
+    """Before ``optimizer``'s first ``scaler.step`` (the scaler is not known yet): whether an enabled GradScaler
+    in the calling frames (a local of the training loop, in a list or tuple there, or an attribute of its
+    ``self``) has run
+    ``unscale_(optimizer)`` this step. None: no scaler there (``step()`` then takes an ``unscale_`` it finds as
+    having come first)."""
+    from torch.amp import GradScaler
+    from torch.amp.grad_scaler import OptState
+
+    found = None
+    frame = sys._getframe(1)
+    for _ in range(_CLIP_CALLER_DEPTH + 1):
+        frame = frame.f_back
+        if frame is None:
+            break
+        names = frame.f_locals
+        candidates = list(names.values())
+        owner = names.get("self")
+        if owner is not None and hasattr(owner, "__dict__"):
+            candidates += list(vars(owner).values())
+        for held in tuple(candidates):  # one level into a list or tuple of them (one scaler per model)
+            if isinstance(held, (list, tuple)) and len(held) <= _HELD:
+                candidates += held
+        for scaler in candidates:
+            if isinstance(scaler, GradScaler) and scaler.is_enabled():
+                state = scaler._per_optimizer_states.get(id(optimizer))
+                if state is not None and state["stage"] is OptState.UNSCALED:
+                    return True
+                found = False  # a scaler that has not unscaled it: the gradients are still scaled
+    return found
 
 
 def unscaling_scaler(optimizer, scaler_ref):
@@ -171,3 +212,16 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
     if coef is not None:
         grad_scale = coef if grad_scale is None else grad_scale * coef
     return grad_scale, skip, coef
+
+
+def kept_factor(clip_coef: torch.Tensor | None, inv_scale: torch.Tensor | None,
+                skip: torch.Tensor | None) -> torch.Tensor | None:
+    """What a kept ``.grad`` (stage 1) is multiplied by after the step, on the device: the clip factor (torch's clip
+    scales ``.grad`` in place) times the inverse scale of a GradScaler whose ``unscale_`` did not run, unless the
+    step was skipped (torch's fused AdamW, which reads the scale on the device as this optimizer does, writes the
+    unscaled gradients back, and leaves them scaled on an overflow). None: nothing to do."""
+    if inv_scale is not None and skip is not None:
+        inv_scale = torch.where(skip > 0, torch.ones_like(inv_scale), inv_scale)
+    if clip_coef is None or inv_scale is None:
+        return clip_coef if inv_scale is None else inv_scale
+    return clip_coef * inv_scale

@@ -8,7 +8,10 @@ update, after the step's statistics. A GradScaler's overflow verdict is therefor
 gradients, as ``scaler.unscale_`` takes it before the user's clip; the shards stay scaled, so the bound is
 ``v / inv_scale`` (GradScaler's scales are powers of two: the clamped values are then exactly ``v``). A clip
 before any ``unscale_`` clamps the scaled values to ``v``, as torch's clamps the scaled ``.grad`` then (an inf
-still skips the step here, where torch's clamp made it finite first).
+still skips the step here, where torch's clamp made it finite first); an ``unscale_`` after it (stage 1 reduces
+the ``.grad`` it divided) makes the bound ``v * inv_scale``: ``clamp_bounds``. Whether the call came after an
+``unscale_`` is known from the scaler the optimizer last stepped with, and before its first step from one in the
+calling frames (``amp.unscaled_before_first_step``).
 
 Served as torch's on DDP: after the last backward of the step, before ``step()``, on every rank; called twice,
 both clamps apply in turn. Refused (on every rank, by the step, after its collectives where it may be one rank's):
@@ -54,32 +57,42 @@ BACKWARD_AFTER = ("a backward ran after clip_grad_value_() and before step(): to
                   "clip_grad_value_() once, after the step's last backward; this step changed nothing")
 
 
-def clamp_shards_(partitions, values: tuple, grad_scale: torch.Tensor | None, unscaled_now: bool) -> None:
-    """Clamp every trained partition's reduced gradient shard to each of ``values`` in turn: ``(v, unscaled)``,
-    ``unscaled`` whether ``scaler.unscale_()`` came before that call (None: not known then; ``unscaled_now``, whether
-    it ran this step, decides). The shards stay scaled and the update multiplies them by ``grad_scale`` (the
-    GradScaler's inverse scale, or None): after an unscale_ the bound is ``v`` in the true gradient's units, as
-    torch's clamps the unscaled ``.grad``; without one, ``v`` in the scaled units, as torch's clamps the scaled
-    ``.grad``."""
-    bounds: dict = {}
-    for part in partitions:
-        g = part.grad_shard
+def clamp_bounds(values: tuple, scaler, grad_scale: torch.Tensor | None, unscaled_now: bool) -> tuple:
+    """Each of ``values`` (``(v, unscaled)``: ``unscaled``, whether ``scaler.unscale_()`` came before that call;
+    None: not known then, ``unscaled_now``, whether it ran this step, decides) as the bound in the units of the
+    gradient shards: a float, or a device tensor.
+
+    The shards are scaled where the update multiplies them by ``grad_scale`` (the GradScaler's inverse scale):
+    a clip after ``unscale_`` clamps the true gradients, so its bound is ``v / inv_scale``, as torch's clamps the
+    unscaled ``.grad``. Where ``unscale_`` divided the gradients in place before they were reduced (stage 1:
+    ``scaler.unscaled_by``) a clip before it clamped the scaled ones, as torch's: the bound is ``v * inv_scale``
+    (torch's ``clamp(g, v) / scale``: scales are powers of two, so the same values). Otherwise the clip and the
+    shards share their units: ``v``."""
+    bounds = []
+    for v, unscaled in values:
+        clip_unscaled = unscaled_now if unscaled is None else unscaled
+        if clip_unscaled and grad_scale is not None:
+            bounds.append(v / grad_scale)
+        elif not clip_unscaled and grad_scale is None and scaler.unscaled_by is not None:
+            bounds.append(v * scaler.unscaled_by)
+        else:
+            bounds.append(v)
+    return tuple(bounds)
+
+
+def clamp_(tensors, bounds: tuple) -> None:
+    """Clamp each of ``tensors`` to ``[-b, b]`` for each of ``bounds`` in turn (a tensor bound copied once per
+    device: a host shard with a GPU scale)."""
+    on_device: dict = {}
+    for g in tensors:
         if g is None or g.numel() == 0:
             continue
-        for v, unscaled in values:
-            if grad_scale is None or not (unscaled_now if unscaled is None else unscaled):
-                g.clamp_(-v, v)
+        for i, b in enumerate(bounds):
+            if not isinstance(b, torch.Tensor):
+                g.clamp_(-b, b)
                 continue
-            key = (g.device, v)
-            bound = bounds.get(key)
-            if bound is None:  # (a host shard with a GPU scale: one copy per value, as the host update reads it too)
-                bound = bounds[key] = (v / grad_scale).to(g.device)
+            key = (g.device, i)
+            bound = on_device.get(key)
+            if bound is None:
+                bound = on_device[key] = b.to(g.device)
             g.clamp_(min=-bound, max=bound)
-
-
-def clamp_grads_(grads: list[torch.Tensor], values: tuple[float, ...]) -> None:
-    """Stage 1's kept ``.grad`` after the step: clamped as torch's clip left them (a read after step() or a backward
-    without zero_grad() sees clamped gradients)."""
-    for g in grads:
-        for v in values:
-            g.clamp_(-v, v)

@@ -27,13 +27,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaling_scaler,
-                  update_scalars)
+from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaled_before_first_step,
+                  unscaling_scaler, update_scalars, kept_factor)
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
 from .comm.topology import Topology, refuse_build
-from .clip_value import BACKWARD_AFTER, INSIDE_NO_SYNC, check_clip_value, check_no_value_clip, clamp_shards_
+from .clip_value import BACKWARD_AFTER, INSIDE_NO_SYNC, check_clip_value, check_no_value_clip, clamp_, clamp_bounds
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
@@ -83,7 +83,9 @@ class _Body(NamedTuple):
     """What step()'s device body hands the host half after it (step_graph.py: a replay hands the captured one)."""
 
     stats: StepStats
-    clip_coef: torch.Tensor | None  # the clip factor the update applied (stage 1 applies it to the kept .grad)
+    # what the kept .grad (stage 1) is multiplied by after the update, as torch's left it: the clip factor, and the
+    # GradScaler's inverse scale where the step was not skipped (torch's fused AdamW unscales .grad in place)
+    kept_factor: torch.Tensor | None
     found_inf: dict | None  # the GradScaler state's found_inf_per_device, for scaler.update()
 
 
@@ -831,8 +833,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         # in which units it clamps: torch's clamps .grad as it is, unscaled by scaler.unscale_() before or still
         # scaled; the scaler is known from its first step on (before: step() tells whether unscale_ ran)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
-        unscaled = True if grad_scaler is not None else \
-            None if scaler is None else unscaling_scaler(self, self._scaler_ref) is not None
+        unscaled = True if grad_scaler is not None else unscaled_before_first_step(self) if scaler is None else \
+            unscaling_scaler(self, self._scaler_ref) is not None
         self._clip_values += ((value, unscaled),)
         if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
             self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]
@@ -958,6 +960,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     clip = graph.clip(clip)
                 scaler = graph.scaler(scaler)
 
+        bounds: list = []  # clip_grad_value_'s, in the shards' units (body() sets them)
+
         def body() -> _Body:
             """The step's device work: the stats all-reduce, the factors and the verdict, the update, the gather."""
             stats = clip.stats if clip is not None else reduce_stats(
@@ -967,11 +971,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 # (among ranks the all-reduce always gives a verdict; alone only clip_grad_value_'s refusal of a
                 # backward after it comes here, the others raise before the step's work)
                 skip = torch.ones((), device=stats.sq_norm.device) if skip is None else torch.ones_like(skip)
-            if values and refused is None:
-                clamp_shards_(self.partitions, values, grad_scale, scaler_unscaled(scaler))
+            if values and refused is None:  # (never captured: a step with them runs eagerly)
+                bounds.extend(clamp_bounds(values, scaler, grad_scale, scaler_unscaled(scaler)))
+                clamp_([part.grad_shard for part in self.partitions], bounds)
             # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
             self._update(stats.has_grad, grad_scale, skip, hypers)
-            return _Body(stats, clip_coef, None if scaler.state is None else scaler.state["found_inf_per_device"])
+            kept = None if self.grad_sync.frees_grads else kept_factor(clip_coef, scaler.inv_scale, skip)
+            return _Body(stats, kept, None if scaler.state is None else scaler.state["found_inf_per_device"])
 
         runs = None if key is None else (self._graph.replays, self._graph.captures)
         out = body() if key is None else self._graph.run(key, body)
@@ -988,10 +994,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             for part in self.partitions:
                 part.mark_synced()
         self._last_update = agreed
-        if out.clip_coef is not None:  # stage 1 keeps .grad: clipped in place, as torch's clip left it
-            self.grad_sync.clip_kept_grads(out.clip_coef)
-        if values and refused is None:
-            self.grad_sync.clamp_kept_grads(tuple(v for v, _ in values))
+        if bounds:  # stage 1 keeps .grad: clamped, clipped and unscaled in place, as torch's clip and step left it
+            self.grad_sync.clamp_kept_grads(tuple(bounds))
+        if out.kept_factor is not None:
+            self.grad_sync.scale_kept_grads(out.kept_factor)
         self._end_step()
         if refused is not None:
             raise refused

@@ -154,8 +154,9 @@ class StepGraph:
 
     def scaler(self, scaler: ScalerInputs) -> ScalerInputs:
         """The GradScaler's inverse scale and ``found_inf`` (fresh tensors every step) in static tensors."""
-        return ScalerInputs(*(self.static(name, t) if isinstance(t, torch.Tensor) else t
-                              for name, t in zip(("inv_scale", "found_inf"), scaler[:2])), scaler.state)
+        return scaler._replace(**{name: self.static(name, t) for name, t in
+                                  (("inv_scale", scaler.inv_scale), ("found_inf", scaler.found_inf))
+                                  if isinstance(t, torch.Tensor)})
 
     @staticmethod
     def clip_serves(clip: PendingClip, scaler: ScalerInputs) -> bool:

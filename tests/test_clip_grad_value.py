@@ -44,11 +44,13 @@ def _params(model, opt, stage):
 def _against_torch(rank, world_size, stage, case):
     ref = _Net()
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    # fused: its step leaves a scaled .grad scaled, as this optimizer's (both read the scale on the device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = _build(model, stage)
     # "scaled": no scaler.unscale_() before the clip, which then clamps the scaled gradients (as torch's)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)] if case in ("scaler", "scaled") \
-        else None
+    # "clip_first": the clip clamps the scaled gradients, then scaler.unscale_() (torch's clamp(g, v) / scale)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)] \
+        if case in ("scaler", "scaled", "clip_first") else None
     values = (0.02, 0.005) if case == "twice" else (0.01,)
     clamped, kept = 0, 0.0
     for step in range(4):
@@ -63,6 +65,8 @@ def _against_torch(rank, world_size, stage, case):
         clamped += sum(int((p.grad.abs() > values[-1]).sum()) for p in ref.parameters() if p.grad is not None)
         for v in values:
             torch.nn.utils.clip_grad_value_(ref.parameters(), v)
+        if case == "clip_first":
+            scalers[0].unscale_(ref_opt)
         if scalers:
             scalers[0].step(ref_opt)
             scalers[0].update()
@@ -75,6 +79,8 @@ def _against_torch(rank, world_size, stage, case):
             scalers[1].unscale_(opt)
         for v in values:
             opt.clip_grad_value_(v)
+        if case == "clip_first":
+            scalers[1].unscale_(opt)
         if scalers:
             scalers[1].step(opt)
             scalers[1].update()
@@ -82,19 +88,36 @@ def _against_torch(rank, world_size, stage, case):
             opt.step()
         if stage == 1:  # the kept .grad is each rank's local one, clamped as torch's clip left it
             kept = max([kept] + [float(p.grad.abs().max()) for p in model.parameters()])
+            if world_size == 1:  # alone, it is torch's .grad to the bit
+                kept_diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(),
+                                                                                     ref.parameters()))
+                assert kept_diff == 0, (step, kept_diff)
     diff = max(float((a - b).abs().max()) for a, b in zip(_params(model, opt, stage), ref.parameters()))
     return diff, clamped, kept, [s.get_scale() for s in scalers] if scalers else None
 
 
-@pytest.mark.parametrize("case", ["once", "twice", "scaler", "scaled"])
+_CASES = ["once", "twice", "scaler", "scaled", "clip_first"]
+
+
+@pytest.mark.parametrize("case", _CASES)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clip_grad_value_equals_torchs_over_averaged_gradients(stage, case):
     for diff, clamped, kept, scales in run_ranks(_against_torch, 2, stage, case, timeout=180):
         assert clamped > 100  # the clip changes most gradients: a missed clamp is 1e-2 off
         assert diff < 1e-6, diff
-        assert kept <= (0.005 if case == "twice" else 0.01)  # (the local .grad as the clip left it)
+        # (the local .grad as the clip left it: unscaled after it by 1/256)
+        assert kept <= (0.005 if case == "twice" else 0.01 / 256 if case == "clip_first" else 0.01)
         if case == "scaler":  # the overflow halved both scalers' scale once
             assert scales[0] == scales[1] == 128.0
+
+
+@pytest.mark.parametrize("case", _CASES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_value_alone_equals_torchs_with_its_kept_grads(stage, case):
+    """World size 1, no process group: the parameters as torch's, and stage 1's kept .grad bitwise torch's."""
+    diff, clamped, _, _ = _against_torch(0, 1, stage, case)
+    assert clamped > 100
+    assert diff < 1e-6, diff
 
 
 def test_clip_grad_value_refusals():
@@ -168,7 +191,8 @@ def test_a_clip_whose_gradients_were_zeroed_is_forgotten(stage):
     steps with the new, unclamped gradients; so does this (stage 1 refused it as a backward after the clip)."""
     ref = _Net()
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    # fused: its step leaves a scaled .grad scaled, as this optimizer's (both read the scale on the device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = _build(model, stage) if stage == 3 else ShardedOptimizer(model, stage=stage, lr=1e-2, bucket_numel=50)
     x0, x1 = torch.randn(4, 8), torch.randn(4, 8)
     for m, o in ((ref, ref_opt), (model, opt)):

@@ -71,6 +71,38 @@ def test_grad_scaler_steps_without_futurewarning_and_backs_off_as_torch(stage):
     assert _max_error(model, opt, ref) < TOL
 
 
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_grad_scaler_leaves_stage_1s_kept_grad_as_torchs_fused(clip):
+    """Stage 1 keeps .grad past step(): after scaler.step(opt) it holds what torch's fused AdamW leaves, bitwise: the
+    unscaled gradients (the fused kernel writes them back), a clip's effect included; gradients carried into the
+    next backward (no zero_grad) add to those."""
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, 1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    kw = dict(init_scale=2.0 ** 10, growth_interval=2)
+    scalers = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    for t in range(5):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            if t != 4:  # step 4 carries step 3's gradients (unscaled by its step) into its backward
+                o.zero_grad()
+            x, y = batch(t, 0)
+            loss = loss_fn(m(x, **flags(t, 0)), y) * (float("inf") if t == 2 else 1.0)
+            scaler.scale(loss).backward()
+            if clip == "norm":  # (torch's clip of the scaled .grad; at world size 1 .grad is the global gradient)
+                (o.clip_grad_norm_ if o is opt else lambda n: clip_grad_norm_(ref.parameters(), n))(40.0)
+            elif clip == "value":
+                (o.clip_grad_value_ if o is opt else lambda v: clip_utils.clip_grad_value_(ref.parameters(), v))(1.0)
+            scaler.step(o)
+            scaler.update()
+        if t == 2:
+            continue  # (an inf in .grad on both sides)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), (t, name, float((p.grad - q.grad).abs().max()))
+    assert _max_error(model, opt, ref) < TOL
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_grad_scaler_step_without_a_backward_is_refused_at_update_as_torchs_fused(stage):
     """A forgotten backward: no gradient anywhere, so no inf check recorded and scaler.update() raises, as with

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..clip_value import clamp_grads_
+from ..clip_value import clamp_
 from ..host_read import to_host
 from ..lifecycle import expect, setting
 from ..sharding.partition import Partition
@@ -243,12 +243,14 @@ class GradSync:
         """``params`` were laid out while frozen (no hook) and now hold a gradient that no hook saw (stages 2-3
         reduce it here; stage 1 reduces every .grad at step() anyway)."""
 
-    def clip_kept_grads(self, coef: torch.Tensor) -> None:
-        """A step applied clip factor ``coef`` in its update: the ``.grad`` this stage keeps past step() (stage 1)
-        gets it too, as torch's clip_grad_norm_ scales ``.grad`` in place (stages 2-3 keep none)."""
+    def scale_kept_grads(self, factor: torch.Tensor) -> None:
+        """A step's update applied ``factor`` (a clip's, a GradScaler's inverse scale) to the reduced gradients: the
+        ``.grad`` this stage keeps past step() (stage 1) gets it too, as torch's clip_grad_norm_ and fused AdamW
+        scale ``.grad`` in place (stages 2-3 keep none)."""
 
-    def clamp_kept_grads(self, values: tuple[float, ...]) -> None:
-        """A step clamped the gradient shards (``clip_grad_value_``): the kept ``.grad`` (stage 1) are clamped too."""
+    def clamp_kept_grads(self, bounds: tuple) -> None:
+        """A step clamped the gradient shards (``clip_grad_value_``) to ``bounds`` (in their units): the kept ``.grad``
+        (stage 1, reduced at step() into those shards: the same units) are clamped too."""
 
     def clear_if_empty(self) -> None:
         """Nothing reduced since the last step or zero_grad(): the shards hold the last step's values, which a
@@ -326,18 +328,19 @@ class ReduceAtStep(GradSync):
                     if versions[j] is not None:
                         versions[j] = p.grad._version  # the optimizer's own edit: not the user's (grads_edited)
 
-    def clip_kept_grads(self, coef: torch.Tensor) -> None:
-        """One pass over the kept ``.grad`` (the update applied ``coef`` to their reduction, not to them): a next
-        backward without zero_grad() adds to clipped gradients, and a read after step() sees them, as torch's."""
+    def scale_kept_grads(self, factor: torch.Tensor) -> None:
+        """One pass over the kept ``.grad`` (the update applied ``factor`` to their reduction, not to them): a next
+        backward without zero_grad() adds to clipped, unscaled gradients, and a read after step() sees them, as
+        torch's."""
         grads: dict = {}
         for p in self.entries:
             if p.grad is not None:
                 grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
         for (device, _), gs in grads.items():
-            torch._foreach_mul_(gs, coef.to(device))
+            torch._foreach_mul_(gs, factor.to(device))
 
-    def clamp_kept_grads(self, values: tuple[float, ...]) -> None:
-        clamp_grads_([p.grad for p in self.entries if p.grad is not None], values)
+    def clamp_kept_grads(self, bounds: tuple) -> None:
+        clamp_([p.grad for p in self.entries], bounds)
 
     def prepare_step(self) -> Exception | None:
         if self.refused is not None:
