@@ -32,12 +32,26 @@ class StateShard(torch.Tensor):
     """This rank's elements of one parameter's optimizer state (the rest live on other ranks).
 
     ``pieces``: ((offset in the flattened parameter, count), ...), in order; ``full_shape``: the
-    parameter's shape. Operations on it return plain tensors.
+    parameter's shape. Operations on it return plain tensors; ``copy.deepcopy`` gives a StateShard of its own
+    memory, pickling (``torch.save``) a plain tensor.
     """
 
     pieces: tuple[tuple[int, int], ...]
     full_shape: torch.Size
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __deepcopy__(self, memo):
+        """A StateShard of its own memory, with the same pieces (``copy.deepcopy(optimizer.state)``: torch's
+        default needs clone() to return the subclass, which operations here never do)."""
+        copied = memo.get(id(self))
+        if copied is None:
+            copied = memo[id(self)] = _shard(torch.Tensor.clone(self), self.pieces, self.full_shape)
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save(optimizer.state)``) as a plain tensor, as ``ParamState`` pickles as a dict: the file
+        loads with ``torch.load``'s default ``weights_only=True`` and without fused_zero."""
+        return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
 
 
 def _shard(t: torch.Tensor, pieces, shape) -> StateShard:

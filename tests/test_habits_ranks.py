@@ -12,6 +12,7 @@ gives DDP's result or raises the same clear error on every rank, before anything
 import contextlib
 import copy
 import datetime
+import io
 import warnings
 
 import pytest
@@ -365,6 +366,18 @@ def _state_shards(rank, world_size, stage):
             pieces = t.pieces if isinstance(t, StateShard) else ((0, p.numel() if stage < 3 else t.numel()),)
             mine[names[p]] = (pieces, t.detach().clone().as_subclass(torch.Tensor).reshape(-1),
                               isinstance(t, StateShard))
+    # a snapshot of the state (an EMA, a debugger) and torch.save of it: copies of the values, of their own memory,
+    # a StateShard keeping its pieces; saved as plain tensors, so torch.load's default weights_only reads them
+    snapshot = copy.deepcopy(opt.state)
+    buf = io.BytesIO()
+    torch.save([dict(s) for s in opt.state.values()], buf)
+    buf.seek(0)
+    for s, copied, loaded in zip(opt.state.values(), snapshot.values(), torch.load(buf)):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            t, c, l = s[kind], copied[kind], loaded[kind]
+            assert type(c) is type(t) and getattr(c, "pieces", None) == getattr(t, "pieces", None), kind
+            assert torch.equal(c, t) and (t.numel() == 0 or c.data_ptr() != t.data_ptr()), kind
+            assert type(l) is torch.Tensor and torch.equal(l, t.as_subclass(torch.Tensor)), kind
     params = [p for g in opt.param_groups for p in g["params"]]
     full = {names[params[i]]: s["exp_avg"] for i, s in opt.state_dict()["state"].items()}
     return mine, {n: t.reshape(-1) for n, t in full.items()}
@@ -373,7 +386,8 @@ def _state_shards(rank, world_size, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_state_moments_are_this_ranks_shard_and_say_so(stage):
     """At 2 ranks each rank's state[p]["exp_avg"] holds its own elements of p (a StateShard with the
-    pieces it covers where it holds part of p): together they are state_dict()'s full tensors."""
+    pieces it covers where it holds part of p): together they are state_dict()'s full tensors; copy.deepcopy and
+    torch.save of the state copy them."""
     got = run_ranks(_state_shards, 2, stage, timeout=TIMEOUT)
     full = got[0][1]
     split = 0
