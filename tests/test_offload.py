@@ -249,6 +249,29 @@ def test_full_disk_midway_leaves_the_step_undone(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
 
 
+def test_state_files_reserve_their_space_or_warn_and_train_on(tmp_path, monkeypatch):
+    """The states' file is allocated as the optimizer is built (nothing written later on the disk can take its
+    room); where the disk has no room, a warning names the folder and the file grows as the steps write it."""
+    model, ref = TinyNet(), TinyNet()
+    os.makedirs(tmp_path / "reserved")
+    opt = _build(model, 2, str(tmp_path / "reserved"), **TIERS[2])
+    for part in opt.partitions:
+        size = os.path.getsize(part.store.path)
+        assert size > 0 and os.stat(part.store.path).st_blocks * 512 >= size  # allocated, not sparse
+    opt.close()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.warns(RuntimeWarning, match=r"could not reserve .* MiB .*\.states \(No space left on device\)"):
+        opt = _build(model, 2, str(tmp_path), **TIERS[2])
+    ref_opt = _build(ref, 2)
+    for t in range(3):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
 def test_scratch_files_are_private_and_removed(tmp_path):
     a = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])
     b = _build(PlainNet(), 2, str(tmp_path), **TIERS[2])  # the same folder: files of its own

@@ -2,7 +2,8 @@
 
 One file per partition under ``nvme_path`` (named by process id and a random id, so two
 optimizers never share one), holding two slots of every state kind. The shard is cut into
-blocks of ``chunk_numel`` elements; for each block one slot is live. A step reads a block from
+blocks of ``chunk_numel`` elements; for each block one slot is live (the file's space is reserved as the
+optimizer is built, where the disk has it: ``_reserve``). A step reads a block from
 its live slot into a host staging buffer (the next block is read ahead on a thread), the update
 runs on it, and the block is written to its *other* slot behind (on a thread). Only ``commit()``
 -- once every partition of the step succeeded -- makes the written slots live: a full disk or an
@@ -16,14 +17,17 @@ The file is removed on ``close()``, when the store is collected, and at exit.
 """
 from __future__ import annotations
 
+import errno
 import os
 import uuid
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from ..user_frames import user_stacklevel
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
 from .scratch import ScratchFile
 from .staging import DIRECT_ELEMENTS, Staging
@@ -73,6 +77,28 @@ def _probe_direct(probe: str, path: str) -> None:
                          "disk, or nvme_direct=False to go through the page cache") from None
 
 
+def _reserve(file: ScratchFile, nbytes: int) -> None:
+    """Size the file to ``nbytes`` (reads as zeros) with its space reserved, so that nothing written on the disk
+    later (checkpoints, logs) can take the room the states need mid-run. Where the room is not there now, or the
+    file system cannot reserve (glibc emulates posix_fallocate on most that cannot), the file is sparse and a
+    warning says so: a step that then runs out of space raises on every rank with the step undone, as any failed
+    write (raising here would be this rank's alone, in the middle of the build's collectives)."""
+    if nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(file.fd, 0, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        reason = e.strerror
+    os.ftruncate(file.fd, nbytes)
+    warnings.warn(f"fused_zero NVMe offload: could not reserve {nbytes / 2**20:.1f} MiB for the optimizer states "
+                  f"in {file.path} ({reason}); the file grows as the steps write it, and a step that finds the disk "
+                  "full raises (undone). Free space there, or pass another nvme_path", RuntimeWarning,
+                  stacklevel=user_stacklevel())
+
+
 class NvmeStore(ShardStore):
     """The states in a file, streamed block by block through a few host staging buffers."""
 
@@ -101,7 +127,7 @@ class NvmeStore(ShardStore):
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
         try:
-            os.ftruncate(self.file.fd, 2 * len(self.kinds) * self.stride * _F32)  # sparse: reads as zeros
+            _reserve(self.file, 2 * len(self.kinds) * self.stride * _F32)
             # the update's stream bypasses the page cache; read()/write() (checkpoints, loads) keep the buffered
             # descriptor: Linux writes cached pages back before a direct read of the range and drops them on a
             # direct write, so the two views of the file agree
