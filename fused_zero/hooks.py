@@ -56,6 +56,28 @@ class EagerRelay(Relay):
         return None
 
 
+class GradRelay(EagerRelay):
+    """The ``EagerRelay`` of a parameter's gradient hook, which runs once per parameter per backward: its one bound
+    argument kept in a slot, so a call builds no argument tuples (about 0.4 of its 1.2 us went there)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, method: Callable, entry) -> None:
+        super().__init__(method, entry)
+        self.entry = entry
+
+    def __call__(self, p):
+        if _is_compiling():
+            return _eagerly(Relay.__call__, self, p)
+        owner = self.owner()
+        if owner is not None:
+            return self.func(owner, p, self.entry)
+        return None
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
 def _eagerly(fn: Callable, *args):
     """``fn(*args)`` out of Dynamo's reach (made on first use: torch.compiler.disable imports Dynamo, which is
     imported already whenever something is being compiled)."""
@@ -145,9 +167,9 @@ class HookSet:
         """A callable that forwards to the owner's bound ``method`` without keeping the owner alive."""
         return Relay(method)
 
-    def grad(self, p: torch.nn.Parameter, method: Callable, *bound) -> None:
-        """``method(p, *bound)`` (a bound method of the owner) after ``p``'s gradient is accumulated."""
-        self._handles.append(p.register_post_accumulate_grad_hook(EagerRelay(method, *bound)))
+    def grad(self, p: torch.nn.Parameter, method: Callable, entry) -> None:
+        """``method(p, entry)`` (a bound method of the owner) after ``p``'s gradient is accumulated."""
+        self._handles.append(p.register_post_accumulate_grad_hook(GradRelay(method, entry)))
         self._params.append(p)
         self._cdatas.append(p._cdata)
 
