@@ -1,7 +1,7 @@
 """What user code does to ``optimizer.state`` and ``param_groups`` between steps, against torch.optim.AdamW
 (``fused=True``, the CPU update fused_zero runs: bitwise equal).
 
-- Taking a parameter's state away (``state.clear()``, ``del state[p]``, ``state = defaultdict(dict)``,
+- Taking a parameter's state away (``state.clear()``, ``del state[p]``, ``state.pop(p)``, ``state = defaultdict(dict)``,
   ``state[p] = {}``) restarts it from zero moments and step 0, as torch does; a moment replaced by a
   tensor (``state[p]["exp_avg"] = t``) is taken in; one removed is refused.
 - Tensor betas are kept as tensors and followed when filled in place; a group's ``params`` list edited
@@ -48,13 +48,15 @@ def _reset(how, opt, p):
         opt.state.clear()
     elif how == "del":
         del opt.state[p]
+    elif how == "pop":
+        opt.state.pop(p)
     elif how == "defaultdict":
         opt.state = collections.defaultdict(dict)
     elif how == "empty dict":
         opt.state[p] = {}
 
 
-@pytest.mark.parametrize("how", ["clear", "del", "defaultdict", "empty dict"])
+@pytest.mark.parametrize("how", ["clear", "del", "pop", "defaultdict", "empty dict"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_state_taken_away_restarts_from_zero_moments_as_torch(stage, how):
     model, ref = PlainNet(), PlainNet()
