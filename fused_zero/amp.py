@@ -26,15 +26,19 @@ class ScalerInputs(NamedTuple):
     found_inf: torch.Tensor | None  # an overflow verdict handed in through the attribute protocol
     state: dict | None  # the scaler's per-optimizer state (when the scaler passed itself)
     # the inverse scale a scaler.unscale_(opt) before step() divided the kept .grad by, where the optimizer reduces
-    # them at step() (stage 1; inv_scale is None then): a clip_grad_value_ before that unscale_ clamped them scaled
+    # them at step() (stage 1; inv_scale is None then, unless a clip_grad_norm_ reduced them before that unscale_):
+    # a clip_grad_value_ before that unscale_ clamped them scaled, and the kept .grad owes no more unscaling
     unscaled_by: torch.Tensor | None = None
 
 
-def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_in_place: bool) -> ScalerInputs:
+def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_in_place: bool,
+                  reduced_before_unscale: bool = False) -> ScalerInputs:
     """What the scaler (or the attributes it set) says about this step.
 
     ``grads_unscaled_in_place``: the optimizer reduces ``.grad`` itself at step time,
-    so a ``scaler.unscale_(opt)`` before step() has already divided the gradients.
+    so a ``scaler.unscale_(opt)`` before step() has already divided the gradients;
+    ``reduced_before_unscale``: unless a ``clip_grad_norm_`` before that ``unscale_``
+    reduced them while still scaled (the shards then still need the inverse scale).
     """
     if grad_scaler is None or not grad_scaler.is_enabled():
         scale = getattr(optimizer, "grad_scale", None)
@@ -45,7 +49,7 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     state = grad_scaler._per_optimizer_states[id(optimizer)]
     inv = grad_scaler._scale.double().reciprocal().float().to(device)
     if state["stage"] is OptState.UNSCALED and grads_unscaled_in_place:
-        return ScalerInputs(None, None, state, inv)
+        return ScalerInputs(inv if reduced_before_unscale else None, None, state, inv)
     return ScalerInputs(inv, None, state)
 
 
@@ -93,14 +97,19 @@ _HELD = 8  # the longest list or tuple of a frame looked into
 def unscaled_before_first_step(optimizer) -> bool | None:
     """Before ``optimizer``'s first ``scaler.step`` (the scaler is not known yet): whether an enabled GradScaler
     in the calling frames (a local of the training loop, in a list or tuple there, or an attribute of its
-    ``self``) has run
-    ``unscale_(optimizer)`` this step. None: no scaler there (``step()`` then takes an ``unscale_`` it finds as
-    having come first)."""
+    ``self``) has run ``unscale_(optimizer)`` this step. None: no scaler there (``step()`` then takes an
+    ``unscale_`` it finds as having come first)."""
+    return scaler_in_callers(optimizer, 1)[1]
+
+
+def scaler_in_callers(optimizer, skip: int = 0):
+    """``(scaler, unscaled)``: ``unscaled_before_first_step``'s verdict, with the GradScaler that unscaled
+    ``optimizer`` (None where none did). ``skip``: frames of fused_zero's own between the caller and this."""
     from torch.amp import GradScaler
     from torch.amp.grad_scaler import OptState
 
     found = None
-    frame = sys._getframe(1)
+    frame = sys._getframe(1 + skip)
     for _ in range(_CLIP_CALLER_DEPTH + 1):
         frame = frame.f_back
         if frame is None:
@@ -117,9 +126,9 @@ def unscaled_before_first_step(optimizer) -> bool | None:
             if isinstance(scaler, GradScaler) and scaler.is_enabled():
                 state = scaler._per_optimizer_states.get(id(optimizer))
                 if state is not None and state["stage"] is OptState.UNSCALED:
-                    return True
+                    return scaler, True
                 found = False  # a scaler that has not unscaled it: the gradients are still scaled
-    return found
+    return None, found
 
 
 def unscaling_scaler(optimizer, scaler_ref):
@@ -140,7 +149,10 @@ class PendingClip(NamedTuple):
     stats: StepStats  # the clip's all-reduce (stats.py): its sq_norm is of the shards as they were (scaled,
     # under a GradScaler); step() acts on all of it, one all-reduce for both calls
     total: torch.Tensor  # the tensor returned to the user
-    resolved: bool  # total is already the norm of unscaled gradients
+    # total is final: the norm of the unscaled gradients (a scaler.unscale_ came first), or of the scaled ones (a
+    # clip before it, or with none: torch's measures .grad as it is); False: no scaler was known then, and one that
+    # step() finds has unscaled is taken as having come first (unscales_at_step)
+    resolved: bool
     # (no backward begins while a clip is pending: the optimizer applies it to the gradients first, so its
     # stats always serve the step that follows)
     # a clip this step before this one, not resolved, and the factor it was applied to the shards with (from a

@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .amp import (PendingClip, ScalerInputs, calling_scaler, scaler_inputs, scaler_unscaled, unscaled_before_first_step,
-                  unscaling_scaler, update_scalars, kept_factor)
+from .amp import (PendingClip, ScalerInputs, calling_scaler, kept_factor, scaler_in_callers, scaler_inputs,
+                  scaler_unscaled, unscaled_before_first_step, unscaling_scaler, update_scalars)
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
@@ -759,9 +759,13 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         gradients (every rank calls it). With a ``torch.amp.GradScaler``, the
         usual ``scaler.unscale_(opt); opt.clip_grad_norm_(m); scaler.step(opt)``
         clips the unscaled gradients at every stage, as DDP does: the shards
-        stay scaled, so the norm is unscaled with the scaler's scale. On the very
-        first step the scaler is not known yet; the returned tensor then holds
-        the right value from ``scaler.step(opt)`` on (read it after the step).
+        stay scaled, so the norm is unscaled with the scaler's scale. Before any
+        ``unscale_`` it measures and clips the scaled gradients, as torch's. On
+        the very first step the scaler is not known yet: it is looked for in the
+        calling frames (``amp.scaler_in_callers``); not found there, the returned
+        tensor holds the right value from ``scaler.step(opt)`` on (read it after
+        the step), taking an ``unscale_`` the step finds as having come first.
+        At stage 1 the kept ``.grad`` is clipped by ``step()``.
 
         Called again before ``step()``, it measures what the first call left, and a backward after it adds
         unclipped gradients to clipped ones, as torch's. ``error_if_nonfinite=True`` reads the norm on the
@@ -794,7 +798,18 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
             previous = self._apply_clip(during_backward=False)
-        grad_scaler = grad_scaler or unscaling_scaler(self, self._scaler_ref)
+        # in which units it measures: torch's measures .grad as it is, unscaled by a scaler.unscale_() before it or
+        # still scaled; the scaler is known from its first step on, before that looked for in the calling frames
+        # (none found: step() takes an unscale_ it finds as having come first)
+        final = grad_scaler is not None
+        if not final:
+            if self._scaler_ref is not None:
+                grad_scaler, final = unscaling_scaler(self, self._scaler_ref), True
+            else:
+                grad_scaler, unscaled = scaler_in_callers(self)
+                final = unscaled is not None
+        if final and grad_scaler is None and not self.grad_sync.frees_grads:
+            self.grad_sync.reduced_scaled = True  # stage 1 reduced the scaled .grad: an unscale_ after misses them
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
         clipped = self._clipped + (None if bad_clip else _norm_key(max_norm),)
         stats = self._stats(with_norm=True, site=("clip_grad_norm_", clipped), refusing=refusing)
@@ -804,7 +819,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=grad_scaler is not None,
+        self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=final,
                                  previous=None if previous is None or previous[0].resolved else previous)
         self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
         return total
@@ -976,7 +991,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 clamp_([part.grad_shard for part in self.partitions], bounds)
             # 3. then gather (stages 1-2) or release (stage 3: the next forward gathers)
             self._update(stats.has_grad, grad_scale, skip, hypers)
-            kept = None if self.grad_sync.frees_grads else kept_factor(clip_coef, scaler.inv_scale, skip)
+            kept = None if self.grad_sync.frees_grads else kept_factor(  # (.grad an unscale_ divided owes no more)
+                clip_coef, scaler.inv_scale if scaler.unscaled_by is None else None, skip)
             return _Body(stats, kept, None if scaler.state is None else scaler.state["found_inf_per_device"])
 
         runs = None if key is None else (self._graph.replays, self._graph.captures)
@@ -1065,7 +1081,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     # -- phases -----------------------------------------------------------
     def _scaler(self, grad_scaler) -> ScalerInputs:
         device = self.partitions[0].flat.device if self.partitions else torch.device("cpu")
-        return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads)
+        return scaler_inputs(self, grad_scaler, device, grads_unscaled_in_place=not self.grad_sync.frees_grads,
+                             reduced_before_unscale=self.grad_sync.reduced_scaled)
 
     def _stats(self, with_norm: bool, site, refusing: bool) -> StepStats:
         """The one all-reduce of clip_grad_norm_ (step() runs its two halves apart: its device body may be a

@@ -118,7 +118,8 @@ def test_clip_takes_torchs_keywords():
 
 def _scaler_and_kept_grads(rank, world_size):
     """Each stage under a GradScaler clipping twice a step from the first step on (the scaler is known only from
-    its first scaler.step), and stage 1 stepping without zero_grad() between clipped steps."""
+    its first scaler.step), after scaler.unscale_ and before it, and stage 1 stepping without zero_grad() between
+    clipped steps."""
     import torch.distributed as dist
 
     from fused_zero import ShardedOptimizer
@@ -129,7 +130,8 @@ def _scaler_and_kept_grads(rank, world_size):
             p.grad /= world_size
 
     out = {}
-    for stage, case in ((1, "scaler"), (2, "scaler"), (3, "scaler"), (1, "kept")):
+    for stage, case in ((1, "scaler"), (2, "scaler"), (3, "scaler"), (1, "kept"),
+                        (1, "clip_first"), (2, "clip_first"), (3, "clip_first")):
         ref = _Net()
         model = copy.deepcopy(ref)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -139,17 +141,25 @@ def _scaler_and_kept_grads(rank, world_size):
         norms = []
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
-            if case == "scaler":
+            if case in ("scaler", "clip_first"):  # clip_first: the clips measure the scaled gradients, as torch's
+                first = case == "clip_first"
+                bounds = (0.3 * 256, 0.1 * 256) if first else (0.3, 0.1)
                 scalers[0].scale(ref(x)).backward()
                 averaged(ref)
-                scalers[0].unscale_(ref_opt)
-                want = [torch.nn.utils.clip_grad_norm_(ref.parameters(), m).item() for m in (0.3, 0.1)]
+                if not first:
+                    scalers[0].unscale_(ref_opt)
+                want = [torch.nn.utils.clip_grad_norm_(ref.parameters(), m).item() for m in bounds]
+                if first:
+                    scalers[0].unscale_(ref_opt)
                 scalers[0].step(ref_opt)
                 scalers[0].update()
                 ref_opt.zero_grad()
                 scalers[1].scale(model(x)).backward()
-                scalers[1].unscale_(opt)
-                got = [opt.clip_grad_norm_(m) for m in (0.3, 0.1)]
+                if not first:
+                    scalers[1].unscale_(opt)
+                got = [opt.clip_grad_norm_(m) for m in bounds]
+                if first:
+                    scalers[1].unscale_(opt)
                 scalers[1].step(opt)
                 scalers[1].update()
                 opt.zero_grad()
@@ -179,7 +189,9 @@ def _scaler_and_kept_grads(rank, world_size):
 def test_clips_under_a_grad_scaler_from_the_first_step_and_stage_1_kept_grads():
     """Before: under a GradScaler, a second clip on the first step applied the first with the scaled norm (cut
     the gradients about 256x, 1e-1 relative off; stages 2-3); and stage 1 stepping without zero_grad() added the
-    next gradients to unclipped ones (torch's clip had scaled .grad; 1e-1 relative off)."""
+    next gradients to unclipped ones (torch's clip had scaled .grad; 1e-1 relative off). Clips before
+    scaler.unscale_ measured the unscaled gradients at stages 2-3, and stage 1's step left the shards its clip had
+    reduced scaled (norms 256x off, parameters 5e-4)."""
     for out in run_ranks(_scaler_and_kept_grads, 2, timeout=180):
         for key, (norms, diff) in out.items():
             for got, want in norms:

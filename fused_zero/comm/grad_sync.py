@@ -107,6 +107,9 @@ class GradSync:
     refused: RuntimeError | None = None
     #: whether ``.grad`` is freed once packed (the shards stand in for it)
     frees_grads = False
+    #: stage 1: the shards were reduced from ``.grad`` still scaled by a GradScaler (a ``clip_grad_norm_`` before
+    #: ``scaler.unscale_()``, which then divides ``.grad`` and not them), until ``.grad`` is reduced again
+    reduced_scaled = False
 
     def __init__(self, partitions: list[Partition], positions: list[list[int]], comm: Comm, overlap: bool) -> None:
         self.names: dict = {}  # parameter -> its name, for messages (the optimizer sets it)
@@ -305,6 +308,7 @@ class ReduceAtStep(GradSync):
     def _forget(self) -> None:
         """.grad changed or was zeroed: the shards are reduced from it again at the next step."""
         self.refused = None
+        self.reduced_scaled = False
         if self.state is RoundState.REDUCED:
             self.state = RoundState.EMPTY
 
@@ -418,6 +422,7 @@ class ReduceAtStep(GradSync):
         backward."""
         self._carry = None
         self.refused = None
+        self.reduced_scaled = False
         for versions in self._grad_versions:
             versions[:] = [None] * len(versions)
 
