@@ -1114,8 +1114,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 self._forget_clips()
             raise RuntimeError(
                 "ranks disagree on this step or the one before it, which was skipped on every rank (nothing "
-                "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...), the optimizer's "
-                "options, or whether the step clips (clip_grad_norm_, clip_grad_value_ and its value) or uses a "
+                "changed): a param group's hyperparameters (lr, betas, eps, weight_decay, ...; an LR scheduler "
+                "stepped with each rank's own metric, as ReduceLROnPlateau given a local loss: all_reduce the metric "
+                "first), the optimizer's options, or whether the step clips (clip_grad_norm_, clip_grad_value_ and its value) or uses a "
                 "GradScaler differ across ranks, or "
                 "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
                 "parameter, a param group's parameters edited, a bad clip_grad_norm_ argument, a closure that "
