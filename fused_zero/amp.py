@@ -89,16 +89,17 @@ def scaler_unscaled(scaler: ScalerInputs) -> bool:
     return scaler.state["stage"] is OptState.UNSCALED
 
 
-_CLIP_CALLER_DEPTH = 4  # frames above clip_grad_value_: its eager_under_compile wrapper, the training loop (or a
-# framework's clip method), the loop that called that
+_CLIP_CALLER_DEPTH = 4  # frames above clip_grad_value_ / clip_grad_norm_: their decorators' wrappers, the training
+# loop (or a framework's clip method), the loop that called that
 _HELD = 8  # the longest list or tuple of a frame looked into
 
 
 def unscaled_before_first_step(optimizer) -> bool | None:
     """Before ``optimizer``'s first ``scaler.step`` (the scaler is not known yet): whether an enabled GradScaler
     in the calling frames (a local of the training loop, in a list or tuple there, or an attribute of its
-    ``self``) has run ``unscale_(optimizer)`` this step. None: no scaler there (``step()`` then takes an
-    ``unscale_`` it finds as having come first)."""
+    ``self``) has run ``unscale_(optimizer)`` this step. False: one there has not, or is disabled (the gradients
+    are as backward left them). None: no scaler there (``step()`` then takes an ``unscale_`` it finds as having
+    come first)."""
     return scaler_in_callers(optimizer, 1)[1]
 
 
@@ -116,18 +117,20 @@ def scaler_in_callers(optimizer, skip: int = 0):
             break
         names = frame.f_locals
         candidates = list(names.values())
-        owner = names.get("self")
-        if owner is not None and hasattr(owner, "__dict__"):
-            candidates += list(vars(owner).values())
+        try:
+            candidates += list(vars(names["self"]).values())
+        except (KeyError, TypeError, AttributeError):  # no self, or one without a __dict__
+            pass
         for held in tuple(candidates):  # one level into a list or tuple of them (one scaler per model)
             if isinstance(held, (list, tuple)) and len(held) <= _HELD:
                 candidates += held
         for scaler in candidates:
-            if isinstance(scaler, GradScaler) and scaler.is_enabled():
-                state = scaler._per_optimizer_states.get(id(optimizer))
-                if state is not None and state["stage"] is OptState.UNSCALED:
-                    return scaler, True
-                found = False  # a scaler that has not unscaled it: the gradients are still scaled
+            if not isinstance(scaler, GradScaler):
+                continue
+            state = scaler._per_optimizer_states.get(id(optimizer)) if scaler.is_enabled() else None
+            if state is not None and state["stage"] is OptState.UNSCALED:
+                return scaler, True
+            found = False  # one that has not unscaled it (the gradients are still scaled), or a disabled one (none is)
     return None, found
 
 
@@ -158,6 +161,9 @@ class PendingClip(NamedTuple):
     # a clip this step before this one, not resolved, and the factor it was applied to the shards with (from a
     # norm that a GradScaler found at step() may show to be scaled): (that clip, the factor)
     previous: tuple[PendingClip, torch.Tensor] | None = None
+    # its factor is already in the gradients (stage 1 clips .grad and the shards at the call when the norm is final,
+    # as torch's clips .grad at once): the update applies none of it
+    applied: bool = False
 
     def unscales_at_step(self, scaler: ScalerInputs) -> bool:
         """Whether ``coef`` unscales the returned norm in place: a scaler turned up only at step() (the usual
@@ -213,10 +219,11 @@ def update_scalars(stats: StepStats, scaler: ScalerInputs, clip: PendingClip | N
         skip = found if skip is None else torch.maximum(found, skip)
     coef = None
     if clip is not None:
-        coef = clip.coef(scaler)
+        coef = None if clip.applied else clip.coef(scaler)
         if max_grad_norm is not None:  # the config's clip, every step, of what clip_grad_norm_ left
             left = clip.total * torch.clamp(clip.max_norm / (clip.total + 1e-6), max=1.0)
-            coef = coef * torch.clamp(max_grad_norm / (left + 1e-6), max=1.0)
+            config = torch.clamp(max_grad_norm / (left + 1e-6), max=1.0)
+            coef = config if coef is None else coef * config
     elif max_grad_norm is not None:
         total = stats.total_norm(scaler.inv_scale)
         coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)

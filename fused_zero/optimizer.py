@@ -596,7 +596,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         Device work, no host read; the usual clip-then-step pays nothing (the update applies the factor)."""
         clip, self._clip = self._clip, None
         coef = clip.coef(ScalerInputs(None, None, None))
-        self.grad_sync.apply_clip(coef, during_backward)
+        if not clip.applied:  # (stage 1's final clips are in .grad and the shards since the call)
+            self.grad_sync.apply_clip(coef, during_backward)
         return clip, coef
 
     def _take_swapped(self, stale: list) -> None:
@@ -765,7 +766,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         calling frames (``amp.scaler_in_callers``); not found there, the returned
         tensor holds the right value from ``scaler.step(opt)`` on (read it after
         the step), taking an ``unscale_`` the step finds as having come first.
-        At stage 1 the kept ``.grad`` is clipped by ``step()``.
+        At stage 1, once the norm is final, the kept ``.grad`` (and the shards
+        reduced from it) are clipped at the call, as torch's clips ``.grad``.
 
         Called again before ``step()``, it measures what the first call left, and a backward after it adds
         unclipped gradients to clipped ones, as torch's. ``error_if_nonfinite=True`` reads the norm on the
@@ -805,6 +807,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if not final:
             if self._scaler_ref is not None:
                 grad_scaler, final = unscaling_scaler(self, self._scaler_ref), True
+            elif self._steps_done:  # no scaler stepped the steps that finished: a run without one
+                final = True
             else:
                 grad_scaler, unscaled = scaler_in_callers(self)
                 final = unscaled is not None
@@ -822,6 +826,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=final,
                                  previous=None if previous is None or previous[0].resolved else previous)
         self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
+        if final and not bad_clip and not self.grad_sync.frees_grads:
+            # stage 1 keeps .grad: clipped now, as torch's clip writes .grad at once (a read before step() sees it, a
+            # further backward adds to it, an unscale_ after divides it), and the shards reduced from it with it
+            self.grad_sync.apply_clip(self._clip.coef(ScalerInputs(None, None, None)), during_backward=False)
+            self._clip = self._clip._replace(applied=True)
         return total
 
     @eager_under_compile
@@ -846,10 +855,11 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             self._clip_refused = self._clip_refused or bad  # (the step raises it after its collectives)
             return
         # in which units it clamps: torch's clamps .grad as it is, unscaled by scaler.unscale_() before or still
-        # scaled; the scaler is known from its first step on (before: step() tells whether unscale_ ran)
+        # scaled; the scaler is known from its first step on (none then: a run without one), before that looked
+        # for in the calling frames (not found: step() takes an unscale_ it finds as having come first)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
-        unscaled = True if grad_scaler is not None else unscaled_before_first_step(self) if scaler is None else \
-            unscaling_scaler(self, self._scaler_ref) is not None
+        unscaled = True if grad_scaler is not None else unscaling_scaler(self, self._scaler_ref) is not None \
+            if scaler is not None else False if self._steps_done else unscaled_before_first_step(self)
         self._clip_values += ((value, unscaled),)
         if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
             self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]

@@ -198,7 +198,7 @@ class StepGraph:
         def value(v):  # a tensor (the static lr) by where it lives: a graph reads it there
             return ("tensor", v.data_ptr(), v.dtype) if isinstance(v, torch.Tensor) else v
         return (with_norm, tuple(t is None for t in scaler[:2]), scaler.state is None, None if every else has_grad,
-                None if clip is None else ("clip", clip.max_norm, clip.stats.disagree is None),
+                None if clip is None else ("clip", clip.max_norm, clip.stats.disagree is None, clip.applied),
                 tuple((tuple((k, value(v)) for k, v in h.values.items()), h.amsgrad) for h in hypers), tuple(counts))
 
     def _missing(self, partitions: list, flags: tuple[bool, ...], names: dict) -> None:

@@ -1,7 +1,8 @@
 """optimizer.clip_grad_norm_ in the orders torch allows, against torch's clip over hand-averaged gradients.
 
-torch's ``clip_grad_norm_`` scales ``.grad`` in place at once. ShardedOptimizer applies the factor in the update
-(no pass over the gradients), so whatever can observe the difference applies it first: a backward after the clip
+torch's ``clip_grad_norm_`` scales ``.grad`` in place at once. Stage 1, which keeps ``.grad``, does too once the norm
+is final (the scaler known, or found in the calling frames). Otherwise ShardedOptimizer applies the factor in the
+update (no pass over the gradients), so whatever can observe the difference applies it first: a backward after the clip
 (it adds unclipped gradients to clipped ones), a second clip (it measures what the first left), the config's
 ``max_grad_norm`` (it clips what the user's clip left), and a clip with nothing reduced since ``zero_grad()``
 (the norm of no gradient is 0, not the last step's).
@@ -197,3 +198,64 @@ def test_clips_under_a_grad_scaler_from_the_first_step_and_stage_1_kept_grads():
             for got, want in norms:
                 assert got == pytest.approx(want, rel=1e-5), (key, norms)
             assert diff < 1e-5, (key, diff)
+
+
+def _orders(stage, order, amp):
+    """World size 1: ``order`` is a string of n (clip_grad_norm_(0.05)), b (a further backward), u (scaler.unscale_);
+    the step follows. Returns stage 1's .grad right after each clip and after each step as (event, torch's, ours),
+    and the parameters as (ours, torch fused AdamW's)."""
+    from fused_zero import ShardedOptimizer
+
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3, fused=True)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, eps=1e-3, min_unit_numel=0) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, eps=1e-3, bucket_numel=64)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0, enabled=amp) for _ in range(2)]
+    grads = []
+    for step in range(3):
+        seen = ([], [])
+        for side, (m, o, scaler) in enumerate(((ref, ref_opt, scalers[0]), (model, opt, scalers[1]))):
+            o.zero_grad()
+            for k, what in enumerate("b" + order):
+                if what == "b":
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + k))
+                    scaler.scale(m(x)).backward()
+                elif what == "u":
+                    scaler.unscale_(o)
+                elif o is ref_opt:  # (0.05: below the norms of the scaled and of the unscaled gradients)
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                else:
+                    o.clip_grad_norm_(0.05)
+                if what == "n" and stage == 1:  # torch's clip writes .grad at once
+                    seen[side].append([p.grad.clone() for p in m.parameters()])
+            scaler.step(o)
+            scaler.update()
+            if stage == 1:
+                seen[side].append([p.grad.clone() for p in m.parameters()])
+        grads += [(f"step {step}, event {i}", want, got) for i, (want, got) in enumerate(zip(*seen))]
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        params = [(p.detach().clone(), q.detach().clone()) for p, q in zip(model.parameters(), ref.parameters())]
+    return grads, params
+
+
+@pytest.mark.filterwarnings("ignore:torch.nn.utils.clip_grad_norm_")  # (the reference's own clip, in the same loop)
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("order", ["n", "nb", "nbu", "nu", "un", "unb"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_and_parameters_in_every_clip_order_as_torchs(stage, order, amp):
+    """A clip, further backwards and scaler.unscale_ in any order, alone (no process group): the parameters as
+    torch's fused AdamW with its clip (to 1e-6), and stage 1's .grad torch's (to 1e-5) right after the clip and after
+    the step. Before, stage 1 applied the clip in step(): .grad read in between was unclipped, a backward after the
+    clip left .grad unclipped after the step, and clip, backward, unscale_ trained 2e-2 off. Stages 2-3 differ in
+    one order, documented: unscale_, clip, backward (torch steps on that backward's gradients still scaled)."""
+    if stage > 1 and amp and order == "unb":
+        pytest.skip("documented difference: a backward after scaler.unscale_ is unscaled here, not in torch")
+    grads, params = _orders(stage, order, amp)
+    for p, q in params:
+        assert ((p - q).abs().max() / q.abs().max()).item() < 1e-6, (stage, order, amp)
+    # (to the norm's rounding: torch sums per-tensor norms, the shards' sum differs in the last bits, and so do the
+    # parameters and the next steps' gradients; what this catches is 1e-2 off and more)
+    for what, want, got in grads:
+        assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max())) for g, w in zip(got, want)), \
+            (order, amp, what)
