@@ -94,18 +94,13 @@ _CLIP_CALLER_DEPTH = 4  # frames above clip_grad_value_ / clip_grad_norm_: their
 _HELD = 8  # the longest list or tuple of a frame looked into
 
 
-def unscaled_before_first_step(optimizer) -> bool | None:
-    """Before ``optimizer``'s first ``scaler.step`` (the scaler is not known yet): whether an enabled GradScaler
-    in the calling frames (a local of the training loop, in a list or tuple there, or an attribute of its
-    ``self``) has run ``unscale_(optimizer)`` this step. False: one there has not, or is disabled (the gradients
-    are as backward left them). None: no scaler there (``step()`` then takes an ``unscale_`` it finds as having
-    come first)."""
-    return scaler_in_callers(optimizer, 1)[1]
-
-
 def scaler_in_callers(optimizer, skip: int = 0):
-    """``(scaler, unscaled)``: ``unscaled_before_first_step``'s verdict, with the GradScaler that unscaled
-    ``optimizer`` (None where none did). ``skip``: frames of fused_zero's own between the caller and this."""
+    """Before ``optimizer``'s first ``scaler.step`` (the scaler is not known yet), what a GradScaler in the calling
+    frames (a local of the training loop, in a list or tuple there, or an attribute of its ``self``) says of its
+    gradients: ``(scaler, True)``, an enabled one ran ``unscale_(optimizer)`` this step; ``(None, False)``, one
+    there has not, or is disabled (the gradients are as backward left them); ``(None, None)``, no scaler there
+    (``step()`` then takes an ``unscale_`` it finds as having come first). ``skip``: frames of fused_zero's own
+    between the clip call and this one's caller."""
     from torch.amp import GradScaler
     from torch.amp.grad_scaler import OptState
 

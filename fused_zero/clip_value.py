@@ -11,7 +11,7 @@ before any ``unscale_`` clamps the scaled values to ``v``, as torch's clamps the
 still skips the step here, where torch's clamp made it finite first); an ``unscale_`` after it (stage 1 reduces
 the ``.grad`` it divided) makes the bound ``v * inv_scale``: ``clamp_bounds``. Whether the call came after an
 ``unscale_`` is known from the scaler the optimizer last stepped with, and before its first step from one in the
-calling frames (``amp.unscaled_before_first_step``).
+calling frames (``ShardedOptimizer._clip_units``).
 
 Served as torch's on DDP: after the last backward of the step, before ``step()``, on every rank; called twice,
 both clamps apply in turn. Refused (on every rank, by the step, after its collectives where it may be one rank's):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .amp import (PendingClip, ScalerInputs, calling_scaler, kept_factor, scaler_in_callers, scaler_inputs,
-                  scaler_unscaled, unscaled_before_first_step, unscaling_scaler, update_scalars)
+                  scaler_unscaled, unscaling_scaler, update_scalars)
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
@@ -800,18 +800,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
             previous = self._apply_clip(during_backward=False)
-        # in which units it measures: torch's measures .grad as it is, unscaled by a scaler.unscale_() before it or
-        # still scaled; the scaler is known from its first step on, before that looked for in the calling frames
-        # (none found: step() takes an unscale_ it finds as having come first)
-        final = grad_scaler is not None
-        if not final:
-            if self._scaler_ref is not None:
-                grad_scaler, final = unscaling_scaler(self, self._scaler_ref), True
-            elif self._steps_done:  # no scaler stepped the steps that finished: a run without one
-                final = True
-            else:
-                grad_scaler, unscaled = scaler_in_callers(self)
-                final = unscaled is not None
+        grad_scaler, unscaled = self._clip_units(grad_scaler)
+        final = unscaled is not None
         if final and grad_scaler is None and not self.grad_sync.frees_grads:
             self.grad_sync.reduced_scaled = True  # stage 1 reduced the scaled .grad: an unscale_ after misses them
         inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
@@ -854,15 +844,26 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if bad is not None:
             self._clip_refused = self._clip_refused or bad  # (the step raises it after its collectives)
             return
-        # in which units it clamps: torch's clamps .grad as it is, unscaled by scaler.unscale_() before or still
-        # scaled; the scaler is known from its first step on (none then: a run without one), before that looked
-        # for in the calling frames (not found: step() takes an unscale_ it finds as having come first)
-        scaler = self._scaler_ref() if self._scaler_ref is not None else None
-        unscaled = True if grad_scaler is not None else unscaling_scaler(self, self._scaler_ref) is not None \
-            if scaler is not None else False if self._steps_done else unscaled_before_first_step(self)
+        unscaled = self._clip_units(grad_scaler)[1]
         self._clip_values += ((value, unscaled),)
         if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
             self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]
+
+    def _clip_units(self, grad_scaler) -> tuple:
+        """In which units a clip called now finds the gradients: torch's measures ``.grad`` as it is, unscaled by a
+        ``scaler.unscale_()`` before it or still scaled. ``(the scaler that unscaled them, True)``; ``(None,
+        False)``, still as backward left them; ``(None, None)``, not known (``step()`` then takes an ``unscale_`` it
+        finds as having come first). ``grad_scaler``: the caller's word that this scaler unscales them. The scaler
+        is known from its first step on (none then: a run without one), before that looked for in the calling
+        frames (``amp.scaler_in_callers``). Called by the clip methods only (the frames above them are counted)."""
+        if grad_scaler is not None:
+            return grad_scaler, True
+        if self._scaler_ref is not None:
+            scaler = unscaling_scaler(self, self._scaler_ref)
+            return scaler, scaler is not None
+        if self._steps_done:  # no scaler stepped the steps that finished: a run without one
+            return None, False
+        return scaler_in_callers(self, skip=1)
 
     @_reason_left_for_peers("step()")
     @torch.no_grad()
