@@ -179,8 +179,15 @@ class Stage1:
                        frozen: bool = False) -> Partition:
         """Lay ``params`` (one dtype) out flat, with rank 0's values on every rank (``frozen``: weights only)."""
         layout = build_layout([p.numel() for p in params], self.comm.world_size, self.config.bucket_numel, ALIGN)
-        part = Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
-                         amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers, frozen=frozen)
+        def make() -> Partition:
+            return Partition(group_index, params, layout, self.comm.rank, self.config.reduce_dtype or params[0].dtype,
+                             amsgrad=bool(group.get("amsgrad", False)), tiers=self.tiers, frozen=frozen)
+        if self.topology.world_size > 1 and self.tiers.offloaded:
+            # an offload tier's room (a file's space, pinned host memory) can be missing on one rank alone: every
+            # rank raises here, none waits in the broadcast below (the partitions built so far are collected)
+            part = self.topology.agree(make)
+        else:
+            part = make()
         if self.topology.world_size > 1:
             self.topology.broadcast(part.flat, src=0)
             part.load_master_from_params()

@@ -249,9 +249,10 @@ def test_full_disk_midway_leaves_the_step_undone(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
 
 
-def test_state_files_reserve_their_space_or_warn_and_train_on(tmp_path, monkeypatch):
+def test_state_files_reserve_their_space_or_refuse_or_warn_and_train_on(tmp_path, monkeypatch):
     """The states' file is allocated as the optimizer is built (nothing written later on the disk can take its
-    room); where the disk has no room, a warning names the folder and the file grows as the steps write it."""
+    room); a disk without the room refuses the build, naming the file, the size and the fix (the steps would fill
+    both slots within two steps); a file system that cannot reserve warns and the file grows as the steps write."""
     model, ref = TinyNet(), TinyNet()
     os.makedirs(tmp_path / "reserved")
     opt = _build(model, 2, str(tmp_path / "reserved"), **TIERS[2])
@@ -263,7 +264,16 @@ def test_state_files_reserve_their_space_or_warn_and_train_on(tmp_path, monkeypa
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.warns(RuntimeWarning, match=r"could not reserve .* MiB .*\.states \(No space left on device\)"):
+    with pytest.raises(OSError, match=r"reserving space for .*\.states failed \(No space left on device: the states "
+                                      r"need [0-9.]+ MiB there .*\); free space there, or pass another nvme_path"):
+        _build(model, 2, str(tmp_path), **TIERS[2])
+    gc.collect()
+    assert os.listdir(tmp_path) == ["reserved"]
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with pytest.warns(RuntimeWarning, match=r"could not reserve .* MiB .*\.states \(Operation not supported\)"):
         opt = _build(model, 2, str(tmp_path), **TIERS[2])
     ref_opt = _build(ref, 2)
     for t in range(3):

@@ -175,3 +175,33 @@ def test_param_files_are_private_removed_and_errors_name_them(tmp_path, monkeypa
     del opt_b, b
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+def _full_disk_on_rank_1(rank, world_size, folder, options):
+    """Rank 1's disk has no room for its files: every rank must raise at the build, none wait in a collective."""
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own)
+    if rank == 1:
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = full
+    model = TinyNet()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        _build(model, own, **options)
+    except OSError as e:
+        error = (type(e).__name__, str(e))
+    else:
+        return None
+    gc.collect()
+    # the refused build leaves the model a plain model (its values, trainable by another optimizer) and no files
+    return error, all(torch.equal(a, b) for a, b in zip(before, model.parameters())), os.listdir(own)
+
+
+@pytest.mark.parametrize("options", [BF16[2], FP32[2]], ids=["params", "params+states"])
+def test_a_full_disk_on_one_rank_is_refused_on_every_rank_at_the_build(tmp_path, options):
+    (mine, kept0, files0), (theirs, kept1, files1) = run_ranks(_full_disk_on_rank_1, 2, str(tmp_path), options,
+                                                               timeout=120)
+    assert mine[0] == theirs[0] == "OSError" and mine[1] == f"rank 1 failed: {theirs[1]}"
+    assert ".params" in theirs[1] and "No space left on device" in theirs[1], theirs
+    assert kept0 and kept1 and files0 == files1 == []

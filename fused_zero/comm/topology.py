@@ -222,7 +222,7 @@ class Topology:
         raise_if_differ(sorted((pair for r in rows for pair in r), key=lambda pair: pair[0]), what, hint)
 
     def agree(self, fn):
-        """``fn()`` on every rank; if it raises on one, it raises on every rank of both levels."""
+        """``fn()`` on every rank, and its result; if it raises on one, it raises on every rank of both levels."""
         if self.replicate is None:
-            return self.shard.agree(fn)
-        return self.replicate.agree(lambda: self.shard.agree(fn))
+            return self.shard.agree(fn)[0]
+        return self.replicate.agree(lambda: self.shard.agree(fn)[0])[0]

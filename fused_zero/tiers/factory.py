@@ -49,6 +49,11 @@ class Tiers:
         self.nvme_direct = nvme_direct
         self.chunk_numel = chunk_numel
 
+    @property
+    def offloaded(self) -> bool:
+        """Some of a partition's memory is off the device (its allocation can fail on one rank alone)."""
+        return self.states is not Tier.DEVICE or self.params not in (None, Tier.DEVICE)
+
     @classmethod
     def from_config(cls, config, staging: Staging, shards_params: bool) -> Tiers:
         return cls(Tier.of(config.offload_optimizer), Tier.of(config.offload_params) if shards_params else None,

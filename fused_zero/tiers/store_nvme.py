@@ -3,7 +3,7 @@
 One file per partition under ``nvme_path`` (named by process id and a random id, so two
 optimizers never share one), holding two slots of every state kind. The shard is cut into
 blocks of ``chunk_numel`` elements; for each block one slot is live (the file's space is reserved as the
-optimizer is built, where the disk has it: ``_reserve``). A step reads a block from
+optimizer is built, or the build refused: ``_reserve``). A step reads a block from
 its live slot into a host staging buffer (the next block is read ahead on a thread), the update
 runs on it, and the block is written to its *other* slot behind (on a thread). Only ``commit()``
 -- once every partition of the step succeeded -- makes the written slots live: a full disk or an
@@ -79,24 +79,25 @@ def _probe_direct(probe: str, path: str) -> None:
 
 def _reserve(file: ScratchFile, nbytes: int) -> None:
     """Size the file to ``nbytes`` (reads as zeros) with its space reserved, so that nothing written on the disk
-    later (checkpoints, logs) can take the room the states need mid-run. Where the room is not there now, or the
-    file system cannot reserve (glibc emulates posix_fallocate on most that cannot), the file is sparse and a
-    warning says so: a step that then runs out of space raises on every rank with the step undone, as any failed
-    write (raising here would be this rank's alone, in the middle of the build's collectives)."""
+    later (checkpoints, logs) can take the room the states need mid-run. A disk without the room raises (the
+    caller names the file; the build agrees on it, so every rank raises: ``stages._new_partition``): the steps
+    would fill both slots within two steps anyway. Where the file system cannot reserve (glibc emulates
+    posix_fallocate on most that cannot), the file is sparse and a warning says so: a step that then runs out of
+    space raises on every rank with the step undone, as any failed write."""
     if nbytes == 0:
         return
     try:
         os.posix_fallocate(file.fd, 0, nbytes)
         return
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(e.errno, f"{e.strerror}: the states need {nbytes / 2**20:.1f} MiB there "
+                          f"(two slots of each state kind)") from None
         reason = e.strerror
     os.ftruncate(file.fd, nbytes)
     warnings.warn(f"fused_zero NVMe offload: could not reserve {nbytes / 2**20:.1f} MiB for the optimizer states "
                   f"in {file.path} ({reason}); the file grows as the steps write it, and a step that finds the disk "
-                  "full raises (undone). Free space there, or pass another nvme_path", RuntimeWarning,
-                  stacklevel=user_stacklevel())
+                  "full raises (undone)", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class NvmeStore(ShardStore):
@@ -135,7 +136,8 @@ class NvmeStore(ShardStore):
                 self.file.open_direct()
         except OSError as e:
             self.close()
-            raise self.file.error("sizing", e) from None
+            raise OSError(e.errno, f"fused_zero NVMe offload: reserving space for {self.path} failed ({e.strerror}); "
+                          "free space there, or pass another nvme_path") from None
 
     # -- file I/O ---------------------------------------------------------
     def _offset(self, slot: int, kind: str, element: int) -> int:
