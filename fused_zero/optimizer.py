@@ -58,7 +58,7 @@ from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
-from .update import REFUSED, mark_written, plan_update, read_hypers, update_all
+from .update import REFUSED, mark_written, plan_update, read_hypers, shared_counters, update_all
 
 
 def _norm_key(max_norm) -> object:
@@ -248,6 +248,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
         self._stage = make_stage(self.topology, config)
         self.partitions: list[Partition] = []
+        self._shared_versions: tuple = ()  # (partition, index) of parameters sharing a version counter (update.py)
         self.grad_sync: GradSync | None = None
         self._reduce_comm: Comm = self.comm  # what the gradient reductions go over (_reduction_group)
         self._unhooked: list[nn.Parameter] = []  # laid out while frozen for now: no gradient hook yet (_build)
@@ -406,6 +407,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             gatherer.recover_backward = Relay(self._recover_if_dropped)
             gatherer.check_model = Relay(self._check_still_the_models)
         claim(self, [p for part in self.partitions for p in part.params])
+        # parameters sharing an autograd version counter (views of one tensor): the step's marking moves them apart
+        self._shared_versions = shared_counters((*self.partitions, *self._stage.frozen_parts))
         self._params = {p for part in self.partitions for p in part.params}
         self._on_cuda = any(part.flat.device.type == "cuda" for part in self.partitions)
         self._layout = [tuple(map(id, g["params"])) for g in self.param_groups]  # what the flat buffers hold
@@ -1017,7 +1020,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
             replayed, captured = self._graph.replays != runs[0], self._graph.captures != runs[1]
             if replayed and not captured:  # (a replay runs no Python: a capture's body marked them already)
-                mark_written(self.partitions, out.stats.has_grad)
+                mark_written(self.partitions, out.stats.has_grad, self._shared_versions)
             for part in self.partitions:
                 part.mark_synced()
         self._last_update = agreed
@@ -1148,7 +1151,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with the model) the update is planned here and the host update left running behind the step
         (behind.py, behind_buckets.py); stages 1-2 with ``update_behind`` and the states beside the parameters
         update here and leave the all-gathers running behind the step (gathers_behind.py)."""
-        mark_written(self.partitions, has_grad)
+        mark_written(self.partitions, has_grad, self._shared_versions)
         behind = self._stage.behind
         if behind is None or behind.gathers_only:
             # a store that can fail (a disk): every rank learns whether every rank's update succeeded before any commits

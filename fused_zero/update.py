@@ -80,13 +80,46 @@ def update_all(partitions: list[Partition], state: dict, has_grad: tuple[tuple[b
     commit(partitions)
 
 
-def mark_written(partitions: list[Partition], has_grad: tuple[tuple[bool, ...], ...]) -> None:
+def mark_written(partitions: list[Partition], has_grad: tuple[tuple[bool, ...], ...],
+                 shared: tuple[tuple[Partition, int], ...] = ()) -> None:
     """Every parameter the step updates, marked written in place, as torch's in-place update marks it
     (``Partition.mark_written``): a graph saved before the step and run backward after it (``retain_graph`` across
     a step, a GAN's second loss through the updated discriminator) raises torch's "modified by an inplace
-    operation" instead of mixing old activations with new weights."""
+    operation" instead of mixing old activations with new weights. ``shared`` (``shared_counters``): parameters
+    whose version counter others share; the versions their partition remembers move by what this marking moved
+    them (a bump of each sharer), so only user code's writes show."""
+    before = [part.params[i]._version for part, i in shared]
     for part, flags in zip(partitions, has_grad):
         part.mark_written(flags)
+    if shared:
+        flags_of = {id(part): flags for part, flags in zip(partitions, has_grad)}
+        for (part, i), old in zip(shared, before):
+            own = 1 if flags_of.get(id(part), ())[i:i + 1] == (True,) else 0  # what part.mark_written counted
+            part.shift_versions(i, part.params[i]._version - old - own)
+
+
+def shared_counters(partitions) -> tuple[tuple[Partition, int], ...]:
+    """(partition, index) of every parameter whose autograd version counter another parameter of ``partitions``
+    shares: Parameters made from views of one tensor (``[nn.Parameter(t) for t in torch.randn(2, 4, 4)]``; a
+    view and ``detach()`` keep the counter of their base, and ``p.data = t`` keeps ``p``'s). Found by bumping
+    every parameter once (a counter shared by k parameters moves by k) and setting them back. Empty in the
+    common case, which costs ``mark_written`` nothing."""
+    params = [p for part in partitions for p in part.params]
+    if len(params) < 2:
+        return ()
+    before = [p._version for p in params]
+    torch.autograd.graph.increment_version(params)
+    moved = [p._version - v for p, v in zip(params, before)]
+    torch._C._autograd._unsafe_set_version_counter(tuple(params), tuple(before))
+    if max(moved) == 1:
+        return ()
+    found, k = [], 0
+    for part in partitions:
+        for i in range(len(part.params)):
+            if moved[k] > 1:
+                found.append((part, i))
+            k += 1
+    return tuple(found)
 
 
 def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],

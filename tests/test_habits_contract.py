@@ -227,6 +227,43 @@ def test_stage3_in_place_write_between_steps_is_refused_naming_writeback(write):
     _step(model, opt, 1)  # refused once; the optimizer goes on
 
 
+class _SiblingViews(nn.Module):
+    """Parameters made from views of one tensor share its autograd version counter: the step's marking of one
+    moves the others' versions, which must not read as user code's writes (stage 3 refused the next forward)."""
+
+    def __init__(self):
+        super().__init__()
+        base = torch.randn(4, 6, 6, generator=torch.Generator().manual_seed(3))
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)  # units of their own, each holding one sibling
+        self.a.weight, self.b.weight, self.c, self.d = (nn.Parameter(t) for t in base)
+
+    def forward(self, x):
+        return self.b(self.a(x @ self.c) @ self.d)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_that_are_views_of_one_tensor_train_as_torch(stage):
+    model, ref = _SiblingViews(), _SiblingViews()
+    ref.load_state_dict(model.state_dict())
+    assert model.a.weight._version == model.d._version  # (one counter)
+    opt = _build(model, stage, min_unit_numel=0) if stage == 3 else _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for t in range(4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.randn(5, 6, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+            o.step()
+            if o is opt and stage < 3:  # none read as user code's write (taken in again at every step)
+                assert [part._changed() for part in opt.partitions] == [[]] * len(opt.partitions)
+    with opt.full_parameters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    if stage == 3:  # a write between steps still shows, through the counter it shares
+        with torch.no_grad():
+            model.c.mul_(2.0)
+        with pytest.raises(RuntimeError, match="was written in place between steps"):
+            model(torch.randn(5, 6))
+
+
 def test_stage3_write_inside_full_parameters_writeback_lands_as_torch():
     """What the refusal names: the same write inside full_parameters(writeback=True) trains as torch does."""
     model, ref = TinyNet(), TinyNet()

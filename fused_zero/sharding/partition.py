@@ -177,6 +177,13 @@ class Partition:
                 for i in written:
                     versions[i] += 1
 
+    def shift_versions(self, index: int, n: int) -> None:
+        """Move the remembered versions of parameter ``index`` by ``n``: bumps the optimizer made through another
+        parameter sharing its version counter (``update.mark_written``)."""
+        for versions in (self._versions, self._released_versions):
+            if n and versions is not None and len(versions) == len(self.params):
+                versions[index] += n
+
     def check_fit(self, names: dict) -> None:
         """Raise what ``adopt_outside_changes`` would refuse, changing nothing (clip_grad_norm_: the step that
         follows makes no all-reduce of its own, so a refusal must be known at the clip's)."""
