@@ -1,7 +1,10 @@
 """Train a GPT with Accelerate's own loop and fused_zero: ``Accelerator`` becomes ``ZeroAccelerator``.
 
     torchrun --standalone --nproc_per_node=2 examples/train_accelerate.py --stage 2
-    accelerate launch --cpu --num_processes 2 examples/train_accelerate.py --stage 3
+    accelerate launch --multi_gpu --num_processes 2 examples/train_accelerate.py --stage 3   # GPUs
+
+On CPU launch with torchrun: ``accelerate launch --cpu`` starts one process unless an MPI host file is
+configured (Accelerate's multi-CPU launcher), so the run would train at world size 1.
 
 The loop is Accelerate's documented one, unchanged: a torch.optim.AdamW and a scheduler passed
 to ``prepare`` with the model and the data, ``accumulate``, ``backward``, ``clip_grad_norm_``
