@@ -61,7 +61,9 @@ _WHAT_INSTEAD = {
     "load_state_dict()": "call optimizer.load_state_dict(sd) on every rank (each may load rank 0's dict: "
                          "`sd = torch.load(path)` on every rank)",
     "full_parameters()": "enter `with optimizer.full_parameters():` on every rank and save on one inside it: "
-                         "`if rank == 0: torch.save(model.state_dict(), path)`",
+                         "`if rank == 0: torch.save(model.state_dict(), path)`; a framework's save that gathers "
+                         "the model enters it for you (HF `trainer.save_model()`, Accelerate's `save_model` / "
+                         "`get_state_dict`): call that on every rank, not under `if is_world_process_zero()`",
     "checkpoint.save()": "call fused_zero.checkpoint.save(dir, model, optimizer) on every rank; each writes its shard",
     "checkpoint.load()": "call fused_zero.checkpoint.load(dir, model, optimizer) on every rank",
     "close()": "call optimizer.close() on every rank",
