@@ -32,7 +32,6 @@ import time
 import warnings
 from typing import NamedTuple
 
-from .agreement import _error_class
 from .rendezvous import WARN_S
 
 

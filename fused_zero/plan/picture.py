@@ -35,8 +35,6 @@ def figure_class():
 def check_path(path: str) -> None:
     """ValueError unless ``path`` names a file the picture can be written to: a format matplotlib writes (its
     suffix), in a folder that exists, not a folder itself. Checked before anything is printed."""
-    import os
-
     formats = sorted(figure_class()().canvas.get_supported_filetypes())
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
     if os.path.isdir(path):
