@@ -24,6 +24,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -710,6 +711,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         behind it).
         """
         self._check_open()
+        if not isinstance(writeback, (bool, np.bool_)):  # ("no" would write back; every rank alike, before any
+            raise TypeError(f"full_parameters(writeback=...) must be True or False, got {writeback!r}")  # collective)
         lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here
         with nullcontext() if lone_ok else self.collective_call("full_parameters()"), self._stage.full_parameters():
             self._holding += 1  # a forward inside (one rank's evaluation) broadcasts no buffers: no peer joins
@@ -900,6 +903,8 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _step(self, closure):
         """``step()``'s body, under no_grad, outside compile and inference_mode."""
         self._check_open()
+        if self.grad_sync.frees_grads and self._in_backward and _in_autograd_engine():
+            raise RuntimeError(STEP_IN_BACKWARD.format(stage=self.config.stage))
         if self.grad_sync.frees_grads:  # (every rank alike, before any collective)
             message = grad_reader_around_step()
             if message is not None:
@@ -1209,3 +1214,17 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
 
 
 ShardOwner.register(ShardedOptimizer)  # what fused_zero.checkpoint saves and loads
+
+
+#: step() from a gradient hook while backward runs (torch's "optimizer in backward" pattern), stages 2-3
+STEP_IN_BACKWARD = (
+    "step() was called during backward (from a gradient hook): at stage {stage} the gradients are reduced as "
+    "backward produces them and reach the shards only once it ends, so a step inside it would update from a part "
+    "of them. Call step() after loss.backward() returns (fusing the step into backward saves no memory here: the "
+    "full gradients never stay), or use stage=1, where it steps as torch's")
+
+
+def _in_autograd_engine() -> bool:
+    """Whether this thread runs inside autograd's engine now (a hook called by backward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1

@@ -552,3 +552,42 @@ def test_a_bad_value_in_a_loaded_dict_is_refused_in_the_constructors_words(key, 
     words = "Invalid learning rate: -0.5" if isinstance(value, torch.Tensor) else str(torch_err.value)
     assert str(err.value) == f"param group 0: {words}"  # (a tensor lr is read as a float at step)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_from_a_gradient_hook_inside_backward(stage):
+    """torch's optimizer-in-backward habit (step() from a gradient hook): stage 1 steps as torch's AdamW does;
+    stages 2-3, whose gradients reach the shards only once backward ends, refuse it naming the fix, rather than
+    calling the gradients hand-set."""
+    model, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(model.state_dict())
+    opt = _build(model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    handles = [m.proj.weight.register_hook(lambda g, o=o: (o.step(), g)[1]) for m, o in ((model, opt), (ref, ref_opt))]
+    x, y = batch(0, 0)
+    if stage > 1:
+        with pytest.raises(RuntimeError, match=r"step\(\) was called during backward .* after loss\.backward\(\) "
+                                               r"returns .* stage=1"):
+            loss_fn(model(x, **flags(0, 0)), y).backward()
+        for h in handles:  # the loop written as the message says trains on as torch's
+            h.remove()
+        for t in (1, 2):
+            _step(model, opt, t)
+            _step(ref, ref_opt, t)
+        assert _max_error(model, opt, ref) < TOL
+        return
+    for m, o in ((model, opt), (ref, ref_opt)):
+        loss_fn(m(x, **flags(0, 0)), y).backward()
+        o.step()
+    assert _max_error(model, opt, ref) < TOL
+
+
+def test_full_parameters_takes_a_bool():
+    model = TinyNet()
+    opt = _build(model, 3)
+    for value in ("no", 0, None):
+        with pytest.raises(TypeError, match=r"writeback=\.\.\.\) must be True or False"):
+            with opt.full_parameters(writeback=value):
+                pass
+    with opt.full_parameters(writeback=True):
+        pass
