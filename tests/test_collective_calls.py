@@ -11,6 +11,7 @@ caller whose error ends its process takes the others down with its reason
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -260,6 +261,27 @@ def test_a_withdrawn_call_leaves_its_name_for_a_peer_that_saw_it():
         r0._fail("state_dict()", "rank 1 called something else")
     assert r1._other_names(1, "load_state_dict()") == "rank 0 called state_dict() at the same point"
     assert r1._named(1, 0).startswith("withdrawn:") and r1._named(1, 1) == ""
+
+
+def test_a_peer_that_gave_up_on_another_call_and_left_is_named_with_the_first_cause():
+    """3 ranks: rank 0 calls state_dict() while ranks 1-2 call load_state_dict(). The first to see the mismatch gives
+    up and its process ends; the others then find it gone. They said "closed this optimizer or exited without
+    calling it" (of a rank that was in the same call); they now give the first cause, not a peer's echo of it."""
+    from fused_zero.comm.rendezvous import Rendezvous
+
+    store = torch.distributed.HashStore()
+    r0, r1, r2 = (Rendezvous(store, r, 3, 5.0, "gave-up") for r in range(3))
+    for r in (r0, r1, r2):
+        r._count = 1
+    first = "rank 0 called state_dict() at the same point"
+    with pytest.raises(RuntimeError, match=re.escape(first)):
+        r2._fail("load_state_dict()", first)
+    echo = r0._left_reason([2])
+    assert echo == f"rank 2 gave up on its load_state_dict() and left: {first}"
+    with pytest.raises(RuntimeError):
+        r0._fail("state_dict()", echo)
+    assert r1._left_reason([0, 2]) == echo  # (rank 0's reason repeats rank 2's)
+    assert r1._left_reason([1]) is None
 
 
 def test_a_peer_blocked_inside_the_step_the_caller_finished_is_waited_for():

@@ -83,6 +83,9 @@ def _message(name: str, why: str) -> str:
 #: the name under which a rank that raised out of a step leaves its reason (``Rendezvous.raised``)
 _RAISED = "step()"
 
+#: what ``Rendezvous._left_reason`` says of a rank that gave up on a call of its own and left
+_GAVE_UP = " gave up on its "
+
 #: the prefix of a name key whose rank withdrew its call (rendezvous keys are never deleted)
 _WITHDRAWN = "withdrawn:"
 
@@ -199,8 +202,9 @@ class Rendezvous:
                 states = {q: self._read(f"state/{q}") for q in behind}
                 gone = [q for q in behind if states[q] == GONE]
                 if gone:
-                    self._fail(name, f"rank(s) {self._global(gone)} closed this optimizer or exited without "
-                                     "calling it")
+                    reason = self._left_reason(gone)
+                    self._fail(name, reason or f"rank(s) {self._global(gone)} closed this optimizer or exited "
+                                               "without calling it")
                 blocked = [q for q in behind if states[q] == BLOCKED and self._blocked_at(q) >= mine]
                 if blocked and name not in self._servers:
                     self._fail(name, f"rank(s) {self._global(blocked)} did not call it and are waiting in their next "
@@ -233,6 +237,19 @@ class Rendezvous:
         """Whether rank q is in call c now (it called it and did not withdraw)."""
         named = self._named(c, q)
         return bool(named) and not named.startswith(_WITHDRAWN)
+
+    def _left_reason(self, ranks: list[int]) -> str | None:
+        """Why one of ``ranks`` (gone) left, where it gave up on a call of its own first (``_fail``: it met a
+        different call, and its process then ended), or None."""
+        reasons = []
+        for q in ranks:
+            key = self._key(f"failed/{q}")
+            if self._store.check([key]):
+                other, why = self._store.get(key).decode().split("\n", 1)
+                if other != _RAISED:
+                    reasons.append(why if _GAVE_UP in why else f"rank {self._ranks[q]}{_GAVE_UP}{other} and left: {why}")
+        # the first cause, not a peer that left because of it
+        return min(reasons, key=lambda r: r.count(_GAVE_UP), default=None)
 
     def _other_names(self, c: int, name: str) -> str:
         for q in self._peers():
