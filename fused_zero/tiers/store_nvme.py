@@ -90,9 +90,11 @@ def _reserve(file: ScratchFile, nbytes: int) -> None:
         os.posix_fallocate(file.fd, 0, nbytes)
         return
     except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OSError(e.errno, f"{e.strerror}: the states need {nbytes / 2**20:.1f} MiB there "
                           f"(two slots of each state kind)") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
         reason = e.strerror
     os.ftruncate(file.fd, nbytes)
     warnings.warn(f"fused_zero NVMe offload: could not reserve {nbytes / 2**20:.1f} MiB for the optimizer states "
@@ -127,17 +129,19 @@ class NvmeStore(ShardStore):
         self._live = np.zeros(n_blocks, dtype=np.int8)  # which slot of each block holds the states
         self._pending: set[int] = set()  # blocks written to their other slot this step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
+        doing, fix = "reserving space for", "free space there, or pass another nvme_path"
         try:
             _reserve(self.file, 2 * len(self.kinds) * self.stride * _F32)
             # the update's stream bypasses the page cache; read()/write() (checkpoints, loads) keep the buffered
             # descriptor: Linux writes cached pages back before a direct read of the range and drops them on a
             # direct write, so the two views of the file agree
             if direct:
+                doing, fix = "opening (O_DIRECT)", "pass another nvme_path, or nvme_direct=False"
                 self.file.open_direct()
         except OSError as e:
             self.close()
-            raise OSError(e.errno, f"fused_zero NVMe offload: reserving space for {self.path} failed ({e.strerror}); "
-                          "free space there, or pass another nvme_path") from None
+            raise OSError(e.errno, f"fused_zero NVMe offload: {doing} {self.path} failed ({e.strerror}); {fix}") \
+                from None
 
     # -- file I/O ---------------------------------------------------------
     def _offset(self, slot: int, kind: str, element: int) -> int:
