@@ -207,6 +207,11 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, wei
         return
     lr_dev = isinstance(lr, torch.Tensor)
     step_dev = isinstance(step, torch.Tensor)
+    if lr_dev and not step_dev and 2**31 <= int(step) < 2**32:
+        # Triton's interpreter holds such an int argument as a uint32 array under an int64 type and reads a
+        # negative step (compiled kernels take it as int64). From the device it is read as int64 on both (a step
+        # count no real run reaches: one small copy)
+        step, step_dev = torch.tensor(int(step), dtype=torch.int64, device=param.device), True
     if lr_dev or step_dev:
         neg_step_size, bc2_sqrt, decay = 0.0, 1.0, 1.0  # computed in the kernel
     else:

@@ -136,6 +136,14 @@ def test_tensor_lr_and_step_equal_number_path(backend, which, step):
                        run_op(n, adam_w_mode=adam_w_mode, step=step, lr=1e-3))
 
 
+@pytest.mark.parametrize("step", [2**31 - 1, 2**31, 2**31 + 5, 2**32 + 1])
+def test_tensor_lr_with_a_step_past_int32(backend, step):
+    """A step number in [2**31, 2**32) reached Triton's interpreter as a uint32 read as a negative int64 (NaN at
+    2**31); compiled kernels type it int64."""
+    lr = torch.tensor(1e-3, dtype=torch.float64, device=DEVICE)
+    assert_bitwise(run_op(33, step=step, lr=lr), run_op(33, step=step, lr=1e-3))
+
+
 def test_fp32_lr_tensor_and_int_step_tensor(backend):
     lr = torch.tensor(3e-4, device=DEVICE)  # fp32: its value is what the number path gets
     step = torch.tensor(17, dtype=torch.int64, device=DEVICE)
