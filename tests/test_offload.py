@@ -265,7 +265,7 @@ def test_state_files_reserve_their_space_or_refuse_or_warn_and_train_on(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=r"reserving space for .*\.states failed \(No space left on device: the states "
-                                      r"need [0-9.]+ MiB there .*\); free space there, or pass another nvme_path"):
+                                      r"need [0-9.]+ [KM]iB there .*\); free space there, or pass another nvme_path"):
         _build(model, 2, str(tmp_path), **TIERS[2])
     gc.collect()
     assert os.listdir(tmp_path) == ["reserved"]
@@ -273,7 +273,7 @@ def test_state_files_reserve_their_space_or_refuse_or_warn_and_train_on(tmp_path
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
-    with pytest.warns(RuntimeWarning, match=r"could not reserve .* MiB .*\.states \(Operation not supported\)"):
+    with pytest.warns(RuntimeWarning, match=r"could not reserve .* [KM]iB .*\.states \(Operation not supported\)"):
         opt = _build(model, 2, str(tmp_path), **TIERS[2])
     ref_opt = _build(ref, 2)
     for t in range(3):

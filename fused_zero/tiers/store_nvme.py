@@ -77,6 +77,10 @@ def _probe_direct(probe: str, path: str) -> None:
                          "disk, or nvme_direct=False to go through the page cache") from None
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
 def _reserve(file: ScratchFile, nbytes: int) -> None:
     """Size the file to ``nbytes`` (reads as zeros) with its space reserved, so that nothing written on the disk
     later (checkpoints, logs) can take the room the states need mid-run. A disk without the room raises (the
@@ -91,13 +95,13 @@ def _reserve(file: ScratchFile, nbytes: int) -> None:
         return
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(e.errno, f"{e.strerror}: the states need {nbytes / 2**20:.1f} MiB there "
+            raise OSError(e.errno, f"{e.strerror}: the states need {_size(nbytes)} there "
                           f"(two slots of each state kind)") from None
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
         reason = e.strerror
     os.ftruncate(file.fd, nbytes)
-    warnings.warn(f"fused_zero NVMe offload: could not reserve {nbytes / 2**20:.1f} MiB for the optimizer states "
+    warnings.warn(f"fused_zero NVMe offload: could not reserve {_size(nbytes)} for the optimizer states "
                   f"in {file.path} ({reason}); the file grows as the steps write it, and a step that finds the disk "
                   "full raises (undone)", RuntimeWarning, stacklevel=user_stacklevel())
 
