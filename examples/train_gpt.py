@@ -34,7 +34,7 @@ from gpt import GPT, GPTConfig, add_model_args, lr_lambda, markov_entropy, model
 from fused_zero import ShardedOptimizer  # noqa: E402
 from fused_zero.plan import estimate  # noqa: E402
 
-MB = 1 << 20
+MiB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -91,8 +91,8 @@ def torch_memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def fmt_memory(mem: dict) -> str:
-    split = " ".join(f"{k} {v / MB:.2f}" for k, v in mem.items())
-    return f"mem/rank {sum(mem.values()) / MB:.2f} MB ({split})"
+    split = " ".join(f"{k} {v / MiB:.2f}" for k, v in mem.items())
+    return f"mem/rank {sum(mem.values()) / MiB:.2f} MiB ({split})"
 
 
 def print_planned_vs_measured(args, cfg: GPTConfig, world: int, mem: dict) -> None:
@@ -105,9 +105,9 @@ def print_planned_vs_measured(args, cfg: GPTConfig, world: int, mem: dict) -> No
             "optimizer": (plan.optimizer, mem["master"] + mem["exp_avg"] + mem["exp_avg_sq"]),
             "buffers": (plan.buffers, mem["buffers"])}
     rows["total"] = tuple(sum(r[i] for r in rows.values()) for i in (0, 1))
-    print(f"stage {args.stage} memory per rank, MB   planned   measured", flush=True)
+    print(f"stage {args.stage} memory per rank, MiB  planned   measured", flush=True)
     for name, (planned, measured) in rows.items():
-        print(f"  {name:<30} {planned / MB:9.2f} {measured / MB:10.2f}", flush=True)
+        print(f"  {name:<30} {planned / MiB:9.2f} {measured / MiB:10.2f}", flush=True)
 
 
 def train(args, cfg: GPTConfig, variant: str, rank: int, world: int, device) -> dict:
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         print(f"  median tokens/s {steady[len(steady) // 2]:.0f} (all ranks)")
         print(f"  ShardedOptimizer {fmt_memory(hist['mem'])}")
         if hist["comm"]:
-            print("  comm/step/rank " + " ".join(f"{k} {v / MB:.2f} MB" for k, v in hist["comm"].items()))
+            print("  comm/step/rank " + " ".join(f"{k} {v / MiB:.2f} MiB" for k, v in hist["comm"].items()))
         if ref is not None:
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["loss"]))
             tol = args.compare_tol if args.compare_tol is not None else (

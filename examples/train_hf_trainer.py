@@ -1,7 +1,10 @@
 """Train a GPT-2 (built from a config) with HF Trainer and fused_zero: one changed line.
 
     torchrun --standalone --nproc_per_node=2 examples/train_hf_trainer.py --stage 2
-    torchrun --standalone --nproc_per_node=2 examples/train_hf_trainer.py --stage 3 --resume   # from the last checkpoint
+    torchrun --standalone --nproc_per_node=2 examples/train_hf_trainer.py --stage 3 --resume --steps 60
+
+The second resumes the first's last checkpoint (saved at stage 2, loaded at stage 3) and trains on to step 60
+(resumed at its own ``--steps``, HF's Trainer runs one more step past the end).
 
 ``Trainer(...)`` becomes ``ZeroTrainer(..., zero=ZeroConfig(stage=...))``; everything else is
 the Trainer you know: TrainingArguments' AdamW hyperparameters, schedule, max_grad_norm and
@@ -62,7 +65,7 @@ def main() -> None:
     result = trainer.train(resume_from_checkpoint=True if a.resume else None)
     trainer.save_model()  # every rank calls it (stage 3 gathers the full model)
     if trainer.is_world_process_zero():
-        print(f"stage {a.stage}: final train loss {result.training_loss:.4f} "
+        print(f"stage {a.stage}: mean train loss of this run {result.training_loss:.4f} "
               f"(chain entropy floor {markov_entropy(VOCAB, 0):.4f}); "
               f"model saved to {args.output_dir}")
 
