@@ -46,6 +46,9 @@ def count(text: str) -> int:
     value = _number(text, _SUFFIX, "a parameter count (e.g. 7e9, 7B, 350M)")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a model needs at least one parameter")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters (1.5B or 1.5e9 for 1.5 "
+                                         "billion)")
     return int(value)
 
 
