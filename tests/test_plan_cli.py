@@ -166,6 +166,8 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     (SEVEN_B[:2] + ["--activations", "1e400GiB"], "argument --activations: '1e400GiB' is too large"),
     (["--params", "1e400"], "argument --params: '1e400' is too large"),
     (["--params", "1.5"], "'1.5' is not a whole number of parameters (1.5B"),  # was planned as one parameter
+    (SEVEN_B[:2] + ["--nodes", "2"], "--nodes 2 needs --gpus-per-node"),  # was "world_size 1 is not a multiple"
+    (SEVEN_B[:2] + ["--activation-checkpointing"], "give --seq-len, --micro-batch"),  # was silently ignored
     # layers: 1e9 ran for minutes eating memory (a stage 3 unit each), and more layers than parameters passed
     (SEVEN_B[:2] + ["--layers", "100001"], "argument --layers: 100001 layers is more than 100000"),
     (["--params", "10", "--layers", "20"], "argument --layers: 20 layers is more than the 10 parameters"),

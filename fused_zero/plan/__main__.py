@@ -169,6 +169,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.activation_checkpointing and args.seq_len is None:  # counted from the layer shapes, else ignored
+        p.error("--activation-checkpointing counts checkpointed activations from the model's shape: give --seq-len, "
+                "--micro-batch, --hidden and --layers with it (a size given with --activations is taken as it is)")
     if args.params is not None:  # more layers (stage 3 units) than parameters: an argparse error as the others
         try:
             check_layers(args.layers, args.params)
@@ -211,6 +214,8 @@ def main(argv=None) -> int:
 def _world_size(world_size: int | None, nodes: int, gpus_per_node: int | None) -> int:
     """--world-size, or --nodes x --gpus-per-node (both given: they must agree)."""
     if gpus_per_node is None:
+        if world_size is None and nodes > 1:
+            raise ValueError(f"--nodes {nodes} needs --gpus-per-node (or --world-size, the total number of ranks)")
         return 1 if world_size is None else world_size
     if world_size is not None and world_size != nodes * gpus_per_node:
         raise ValueError(f"--world-size {world_size} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}: "
