@@ -166,8 +166,11 @@ def main(argv=None) -> int:
     if args.plot_from:
         results = []
         for name in args.plot_from:
-            with open(name) as f:
-                results.append(json.load(f))
+            try:
+                with open(name) as f:
+                    results.append(json.load(f))
+            except (OSError, ValueError) as e:  # a missing or unreadable file: one line, as argparse's errors
+                sys.exit(f"codec_loss.py: error: --plot-from {name}: {e}")
         plot(args.plot, results)
         return 0
     rank, world, device = setup_distributed()
