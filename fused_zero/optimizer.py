@@ -711,8 +711,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         behind it).
         """
         self._check_open()
-        if not isinstance(writeback, (bool, np.bool_)):  # ("no" would write back; every rank alike, before any
-            raise TypeError(f"full_parameters(writeback=...) must be True or False, got {writeback!r}")  # collective)
+        # a truthy "no" would write back (checked on every rank alike, before any collective)
+        if not isinstance(writeback, (bool, np.bool_)):
+            raise TypeError(f"full_parameters(writeback=...) must be True or False, got {writeback!r}")
         lone_ok = not self.config.needs_module  # stages 1-2 hold full parameters: nothing collective here
         with nullcontext() if lone_ok else self.collective_call("full_parameters()"), self._stage.full_parameters():
             self._holding += 1  # a forward inside (one rank's evaluation) broadcasts no buffers: no peer joins
@@ -903,9 +904,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     def _step(self, closure):
         """``step()``'s body, under no_grad, outside compile and inference_mode."""
         self._check_open()
-        if self.grad_sync.frees_grads and self._in_backward and _in_autograd_engine():
-            raise RuntimeError(STEP_IN_BACKWARD.format(stage=self.config.stage))
         if self.grad_sync.frees_grads:  # (every rank alike, before any collective)
+            if self._in_backward and _in_autograd_engine():
+                raise RuntimeError(STEP_IN_BACKWARD.format(stage=self.config.stage))
             message = grad_reader_around_step()
             if message is not None:
                 raise RuntimeError(message)

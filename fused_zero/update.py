@@ -92,9 +92,10 @@ def mark_written(partitions: list[Partition], has_grad: tuple[tuple[bool, ...], 
     for part, flags in zip(partitions, has_grad):
         part.mark_written(flags)
     if shared:
-        flags_of = {id(part): flags for part, flags in zip(partitions, has_grad)}
+        flags_of = {id(part): flags for part, flags in zip(partitions, has_grad)}  # (none for frozen partitions)
         for (part, i), old in zip(shared, before):
-            own = 1 if flags_of.get(id(part), ())[i:i + 1] == (True,) else 0  # what part.mark_written counted
+            flags = flags_of.get(id(part))
+            own = int(flags is not None and bool(flags[i]))  # the bump part.mark_written counted itself
             part.shift_versions(i, part.params[i]._version - old - own)
 
 
@@ -104,22 +105,15 @@ def shared_counters(partitions) -> tuple[tuple[Partition, int], ...]:
     view and ``detach()`` keep the counter of their base, and ``p.data = t`` keeps ``p``'s). Found by bumping
     every parameter once (a counter shared by k parameters moves by k) and setting them back. Empty in the
     common case, which costs ``mark_written`` nothing."""
-    params = [p for part in partitions for p in part.params]
+    slots = [(part, i) for part in partitions for i in range(len(part.params))]
+    params = [part.params[i] for part, i in slots]
     if len(params) < 2:
         return ()
     before = [p._version for p in params]
     torch.autograd.graph.increment_version(params)
     moved = [p._version - v for p, v in zip(params, before)]
     torch._C._autograd._unsafe_set_version_counter(tuple(params), tuple(before))
-    if max(moved) == 1:
-        return ()
-    found, k = [], 0
-    for part in partitions:
-        for i in range(len(part.params)):
-            if moved[k] > 1:
-                found.append((part, i))
-            k += 1
-    return tuple(found)
+    return tuple(slot for slot, m in zip(slots, moved) if m > 1)
 
 
 def plan_update(partitions: list[Partition], state: dict, has_grad: tuple[tuple[bool, ...], ...],

@@ -243,13 +243,19 @@ class Rendezvous:
         different call, and its process then ended), or None."""
         reasons = []
         for q in ranks:
-            key = self._key(f"failed/{q}")
-            if self._store.check([key]):
-                other, why = self._store.get(key).decode().split("\n", 1)
-                if other != _RAISED:
-                    reasons.append(why if _GAVE_UP in why else f"rank {self._ranks[q]}{_GAVE_UP}{other} and left: {why}")
+            other, why = self._failure_of(q) or (_RAISED, "")
+            if other != _RAISED:
+                reasons.append(why if _GAVE_UP in why else f"rank {self._ranks[q]}{_GAVE_UP}{other} and left: {why}")
         # the first cause, not a peer that left because of it
         return min(reasons, key=lambda r: r.count(_GAVE_UP), default=None)
+
+    def _failure_of(self, q: int) -> tuple[str, str] | None:
+        """(the call rank q gave up on, or ``_RAISED``; why) as it left them in the store, or None."""
+        key = self._key(f"failed/{q}")
+        if not self._store.check([key]):
+            return None
+        name, why = self._store.get(key).decode().split("\n", 1)
+        return name, why
 
     def _other_names(self, c: int, name: str) -> str:
         for q in self._peers():
@@ -296,9 +302,9 @@ class Rendezvous:
     def peer_failure(self) -> str | None:
         """What a peer that gave up on a collective call, or raised out of a step, left in the store, if anything."""
         for q in self._peers():
-            key = self._key(f"failed/{q}")
-            if self._store.check([key]):
-                name, why = self._store.get(key).decode().split("\n", 1)
+            failure = self._failure_of(q)
+            if failure is not None:
+                name, why = failure
                 if name == _RAISED:
                     return f"rank {self._ranks[q]} raised {why}"
                 return f"rank {self._ranks[q]} stopped in {name}: " + _message(name, why)
