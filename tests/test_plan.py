@@ -233,6 +233,10 @@ def test_transformer_activations():
     assert act.full == 24 * 34 * sbh and act.checkpointed == 24 * 2 * sbh + 34 * sbh
     heads = estimate(1e9, seq_len=2048, micro_batch=2, hidden=2048, layers=24, heads=16).activations
     assert heads.full == 24 * (34 * sbh + 5 * 16 * 2048 * 2048 * 2)
+    with pytest.raises(ValueError, match="heads=12 does not divide hidden=2048"):
+        estimate(1e9, seq_len=2048, micro_batch=2, hidden=2048, layers=24, heads=12)
+    with pytest.raises(ValueError, match="needs seq_len, micro_batch, hidden and layers together"):
+        estimate(1e9, heads=16)  # the heads of an estimate that was never asked for: not silently dropped
 
 
 def test_model_counting():

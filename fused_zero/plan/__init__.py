@@ -200,14 +200,17 @@ def _activations(given, seq_len, micro_batch, hidden, layers, heads, dtype):
         if any(v is not None for v in shape.values()):
             raise ValueError("give activations (bytes) or seq_len/micro_batch/hidden/layers, not both")
         return _act.given(_size("activations", given))
-    if all(v is None for v in shape.values()):
+    if all(v is None for v in shape.values()) and heads is None:  # layers alone: stage 3 units
         return None
     if any(v is None for v in shape.values()) or layers is None:
         raise ValueError("the transformer activation estimate needs seq_len, micro_batch, hidden and layers "
-                         f"together (got {dict(shape, layers=layers)})")
+                         f"together (got {dict(shape, layers=layers, heads=heads)})")
     sizes = {k: _count(k, v) for k, v in dict(shape, layers=layers).items()}
-    return _act.transformer(**sizes, heads=_count("heads", heads, optional=True),
-                            dtype_bytes=4 if dtype == "fp32" else 2)
+    heads = _count("heads", heads, optional=True)
+    if heads is not None and sizes["hidden"] % heads:
+        raise ValueError(f"heads={heads} does not divide hidden={sizes['hidden']}: each head takes hidden / heads "
+                         "of the width; pass the model's own head count")
+    return _act.transformer(**sizes, heads=heads, dtype_bytes=4 if dtype == "fp32" else 2)
 
 
 def _notes(count: ModelCount, act, layers, job: Job) -> tuple[str, ...]:
