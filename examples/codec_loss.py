@@ -124,7 +124,7 @@ def summarize(args, cfg: GPTConfig, world: int, by_seed: dict, comm: dict) -> di
         diffs = [final(curves[s], args.tail) / final(by_seed[base_name][s], args.tail) - 1 for s in seeds]
         mean = sum(diffs) / len(diffs)
         sem = (math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-               if len(diffs) > 1 else float("nan"))
+               if len(diffs) > 1 else None)  # one seed: no spread to measure (null in the JSON, not NaN)
         paired[name] = {"per_seed": diffs, "mean": mean, "sem": sem}
     return {"config": vars(args), "world_size": world, "params": GPT(cfg).num_params(),
             "seeds": [s for s in args.seeds if s in by_seed[base_name]],
@@ -199,7 +199,8 @@ def main(argv=None) -> int:
             ok = abs(p["mean"]) <= args.tol
             status |= not ok
             seeds = " ".join(f"{d:+.2%}" for d in p["per_seed"])
-            print(f"  {name:20s} {result['final'][name]:.4f}  mean {p['mean']:+.3%} (s.e. {p['sem']:.2%}; "
+            sem = "n/a, one seed" if p["sem"] is None else f"{p['sem']:.2%}"
+            print(f"  {name:20s} {result['final'][name]:.4f}  mean {p['mean']:+.3%} (s.e. {sem}; "
                   f"seeds {seeds})  {'OK' if ok else 'PAST --tol'}  comm {sum(comm[name].values()) / 2**20:.1f} MiB/step")
         if args.plot:
             plot(args.plot, [result])
