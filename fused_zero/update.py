@@ -287,7 +287,12 @@ def run_job(job: PartitionJob) -> None:
                                param_out=chunk.param_out, grad_scale=job.grad_scale, found_inf=job.skip,
                                **job.hyper, **extra)
     if part.pshard is not None:
-        part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
+        try:
+            part.pshard.flush()  # the written narrow params are the shard now (a staged tier writes them out)
+        except OSError as e:
+            if part.store.undoes_failed_steps:
+                raise  # the step is undone: update.rollback
+            part.param_shard_lost(e)  # states in memory: the step is done, the shard rewritten before its use
 
 
 def commit(partitions: list[Partition]) -> None:
@@ -302,6 +307,6 @@ def rollback(partitions: list[Partition], advanced: list[StepCounts]) -> None:
         part.store.rollback()
         if part.pshard is not None:
             part.pshard.discard()
-        part.param_shard_from_master()
+        part.restore_param_shard()
     for counts in advanced:
         counts.rollback()

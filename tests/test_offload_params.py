@@ -8,7 +8,8 @@
 - memory_bytes() counts the param shards under their tier; the scratch files are one per
   partition, private (0600), never shared by two optimizers, removed on close and when collected.
 - a checkpoint saved with offload_params resumes without it, and the reverse, bitwise.
-- bad options refused when built; a failed read names the file.
+- bad options refused when built; a failed read names the file; a failed write of the shard mid-update never
+  leaves a half-written shard to gather (undone with the states on NVMe, else done and rewritten).
 """
 import errno
 import gc
@@ -176,6 +177,95 @@ def test_param_files_are_private_removed_and_errors_name_them(tmp_path, monkeypa
     del opt_b, b
     gc.collect()
     assert os.listdir(tmp_path) == []
+
+
+def _failing_param_writes(real_pwritev, first: int, last: int | None):
+    """``os.pwritev`` that raises EIO on writes ``first``.. ``last`` (None: every one after) of a ``.params`` file."""
+    calls = [0]
+
+    def pwritev(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
+            calls[0] += 1
+            if calls[0] >= first and (last is None or calls[0] <= last):
+                raise OSError(errno.EIO, "Input/output error")
+        return real_pwritev(fd, buffers, offset)
+    return pwritev
+
+
+@pytest.mark.parametrize("states", [None, "cpu", "nvme"])
+@pytest.mark.parametrize("fault", ["one write", "every write until the step returns"])
+def test_a_failed_param_shard_write_never_trains_on_a_half_written_shard(states, fault, tmp_path, monkeypatch):
+    """An I/O error writing the parameter file mid-update. With the states on NVMe the step is undone (an OSError
+    naming the file; parameters, states and counts as before; the retried step trains on exactly), even where
+    the disk also fails the undo's rewrite of the shard (it is rewritten before the next gather). With the
+    states in memory, which a step cannot be undone in, the step is done with a warning naming the file, and the
+    shard is rewritten from the fp32 master before its next gather. Either way training is bitwise the run
+    without offload (before: the step was half undone, or not at all, and training went on from a shard mixing
+    two steps)."""
+    model, ref = TinyNet(dtype=torch.bfloat16), TinyNet(dtype=torch.bfloat16)
+    options = dict(offload_params="nvme", **CHUNK, **({"offload_optimizer": states} if states else {}))
+    opt, ref_opt = _build(model, str(tmp_path), **options), _build(ref)
+    for t in range(2):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    before = _params(model, opt)
+    steps = sorted(float(s["step"]) for s in opt.state.values())
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", _failing_param_writes(real, 2, 2 if fault == "one write" else None))
+    if states == "nvme":
+        with pytest.raises(OSError, match=r"fused_zero-.*\.params failed \(Input/output error"):
+            _step(model, opt, 2, 0)
+        monkeypatch.setattr(os, "pwritev", real)
+        assert all(torch.equal(a, b) for a, b in zip(before, _params(model, opt)))
+        assert sorted(float(s["step"]) for s in opt.state.values()) == steps
+        _step(model, opt, 2, 0)  # retried
+    else:
+        with pytest.warns(RuntimeWarning, match=r"\.params failed \(Input/output error.*the step is done .*"
+                                                r"rewritten from the fp32 master before its next gather"):
+            _step(model, opt, 2, 0)
+        monkeypatch.setattr(os, "pwritev", real)
+    _step(ref, ref_opt, 2, 0)
+    for t in range(3, 5):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    assert all(torch.equal(a, b) for a, b in zip(_params(ref, ref_opt), _params(model, opt)))
+
+
+def test_param_files_reserve_their_space_or_warn_where_the_file_system_cannot(tmp_path, monkeypatch):
+    """As the states' file: the space is taken when built (not sparse); a file system that cannot reserve warns
+    (the file grows as the steps write it) and trains bitwise as the run without offload."""
+    model, ref = TinyNet(dtype=torch.bfloat16), TinyNet(dtype=torch.bfloat16)
+    opt = _build(model, str(tmp_path), **BF16[2])
+    for name in os.listdir(tmp_path):
+        path = os.path.join(tmp_path, name)
+        assert os.stat(path).st_blocks * 512 >= os.path.getsize(path) > 0
+    opt.close()
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with pytest.warns(RuntimeWarning, match=r"could not reserve [0-9.]+ [KM]iB for the NVMe parameter shard "
+                                            r"\S*\.params \(Operation not supported\)"):
+        opt = _build(model, str(tmp_path), **BF16[2])
+    ref_opt = _build(ref)
+    for t in range(3):
+        _step(model, opt, t, 0)
+        _step(ref, ref_opt, t, 0)
+    assert all(torch.equal(a, b) for a, b in zip(_params(ref, ref_opt), _params(model, opt)))
+
+
+def test_a_param_file_that_stays_unwritable_raises_at_the_gather(tmp_path, monkeypatch):
+    """States in memory, and the disk keeps failing: the step is done (warned) and the next forward's gather,
+    which must rewrite the shard first, raises naming the file instead of gathering a half-written shard."""
+    model = TinyNet(dtype=torch.bfloat16)
+    opt = _build(model, str(tmp_path), offload_params="nvme", **CHUNK)
+    _step(model, opt, 0, 0)
+    monkeypatch.setattr(os, "pwritev", _failing_param_writes(os.pwritev, 2, None))
+    with pytest.warns(RuntimeWarning, match="the step is done"):
+        _step(model, opt, 1, 0)
+    x, _ = batch(2, 0)
+    with pytest.raises(OSError, match=r"fused_zero-.*\.params failed \(Input/output error"):
+        model(x.to(torch.bfloat16), **flags(2, 0))
 
 
 def _full_disk_on_rank_1(rank, world_size, folder, options):

@@ -26,6 +26,7 @@ from ..tiers.factory import ON_DEVICE, Tiers
 from ..tiers.param_store import OwnSlices
 from ..tiers.tier import Tier
 from ..tiers.transfer import host_buffer
+from ..user_frames import user_stacklevel
 
 
 class Placeholders:
@@ -98,6 +99,7 @@ class Partition:
         self.pending_master: dict | None = None
         self._versions: list[int] = []
         self._ptrs: list[int] = []
+        self._pshard_lost = False  # a write of the narrow param shard failed: rewritten before its next use
         self._unfit: list[int] = []  # parameters adopt_outside_changes refused (p.data of another shape or dtype)
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
         self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
@@ -407,6 +409,29 @@ class Partition:
             if self.pshard.is_params:
                 self.mark_synced()
 
+    def restore_param_shard(self) -> None:
+        """After a failed step (``update.rollback``): the narrow param shard <- the master as it was before it. If
+        the disk fails this too, the shard is rewritten before its next use (the gather raises if it still
+        cannot), never gathered half-updated."""
+        try:
+            self.param_shard_from_master()
+        except OSError:
+            self._pshard_lost = True
+
+    def param_shard_lost(self, error: OSError) -> None:
+        """A write of the NVMe param shard failed in a step whose states are in memory (``update.run_job``): the
+        step is done (a store in memory cannot undo it) and the shard is rewritten from the master before its
+        next gather, so nothing trains on a half-written shard."""
+        self._pshard_lost = True
+        warnings.warn(f"{error}; the step is done (its optimizer states are in memory, where a step is not undone) "
+                      "and the parameter shard is rewritten from the fp32 master before its next gather (which "
+                      "raises if the disk still fails)", RuntimeWarning, stacklevel=user_stacklevel())
+
+    def _param_shard_whole(self) -> None:
+        if self._pshard_lost:
+            self.param_shard_from_master()
+            self._pshard_lost = False
+
     def update_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` cut where the narrow param shard needs it (``ParamShard.edges``: bucket edges for own
         slices, every chunk for a staged tier), on multiples of ALIGN (config.ALIGN's chunk-edge rule)."""
@@ -429,6 +454,7 @@ class Partition:
     def fetch_params(self) -> None:
         """Stage 3: start bringing the param shard to the device for the next gather (a prefetch)."""
         if self.pshard is not None:
+            self._param_shard_whole()
             self.pshard.fetch()
 
     def drop_fetched(self) -> None:
@@ -448,6 +474,7 @@ class Partition:
         """What this rank contributes to bucket ``b``'s all-gather of params."""
         if self.pshard is None:
             return self.store.gather_source(b.shard_offset, b.shard_offset + b.shard_numel)
+        self._param_shard_whole()
         return self.pshard.source(b.shard_offset, b.shard_offset + b.shard_numel)
 
     def own(self, b: Bucket) -> slice:

@@ -15,8 +15,10 @@ all-gather reads it. Four owners:
   runs), copied to the device when its unit is gathered; on a CPU-only machine the gather
   reads it in place.
 - ``NvmeParamShard`` (``offload_params="nvme"``): a private file under ``nvme_path`` (space
-  reserved when built, so rewriting it never runs out of room), read on a thread when the
-  unit's gather is prefetched; host memory holds a shard only while its unit is gathered.
+  reserved when built, so rewriting it never runs out of room; ``ScratchFile.reserve``), read on a
+  thread when the unit's gather is prefetched; host memory holds a shard only while its unit is
+  gathered. A failed write (an I/O error) raises at ``flush()``; the partition then rewrites the
+  shard from the fp32 master (``Partition.param_shard_lost``, ``update.rollback``).
 
 The verbs: ``sink()`` (what the update writes into: ``sink[a:b]`` is a tensor where the
 kernel runs; ``flush()`` makes what was written the shard), ``fetch()`` (start bringing the
@@ -26,7 +28,6 @@ shard to the device), ``source(a, b)`` (the gather's input, waiting for the fetc
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -255,11 +256,11 @@ class NvmeParamShard(ParamShard):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_zero-nvme-params")
         self._reading: Future | None = None
         self._writes: list[Future] = []
+        self._failed: list[OSError] = []  # writes behind that failed this update (raised by flush)
         self._staged: torch.Tensor | None = None
         self._sink: _Sink | None = None
         try:  # reserve the space now: the update rewrites the shard in place and never needs more
-            if numel:
-                os.posix_fallocate(self.file.fd, 0, numel * self.itemsize)
+            self.file.reserve(numel * self.itemsize, "the parameter shard needs")
         except OSError as e:
             self.close()
             raise self.file.error("reserving space for", e) from None
@@ -275,15 +276,19 @@ class NvmeParamShard(ParamShard):
 
     def _settle(self) -> None:
         """Wait for the writes behind; the first error is raised (naming the file)."""
-        writes, self._writes = self._writes, []
-        errors = []
-        for f in writes:
-            try:
-                f.result()
-            except OSError as e:
-                errors.append(e)
+        while self._writes:
+            self._wait_oldest()
+        errors, self._failed = self._failed, []
         if errors:
             raise errors[0]
+
+    def _wait_oldest(self) -> None:
+        """Wait for the oldest write behind; its error is kept for ``_settle`` (the update it serves never stops
+        midway for it: with the states in memory the step goes on, ``Partition.param_shard_lost``)."""
+        try:
+            self._writes.pop(0).result()
+        except OSError as e:
+            self._failed.append(e)
 
     # the update
     def edges(self):
@@ -299,7 +304,7 @@ class NvmeParamShard(ParamShard):
         host = values if values.device.type == "cpu" else values.to("cpu")
         self._writes.append(self._pool.submit(self._io, True, start, host))
         if len(self._writes) > 2:  # bounded: at most a few chunks in flight
-            self._writes.pop(0).result()
+            self._wait_oldest()
 
     def flush(self):
         if self._sink is not None:

@@ -14,12 +14,16 @@ and turns a failed or short transfer into an OSError naming the file and the fix
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import socket
 import uuid
+import warnings
 import weakref
+
+from ..user_frames import user_stacklevel
 
 #: this host in scratch file names (for people reading the folder; liveness is the lock's)
 _HOST = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
@@ -81,6 +85,11 @@ def _remove(path: str, fds: list, owner: int | None = None) -> None:
         pass
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` in MiB, or KiB below one MiB."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
 class ScratchFile:
     """One private file; ``what`` names it in errors ("NVMe store"), ``label`` and ``hint`` word them."""
 
@@ -113,6 +122,29 @@ class ScratchFile:
     @property
     def direct_fd(self) -> int:
         return self._fds[1]
+
+    def reserve(self, nbytes: int, needs: str, why: str = "") -> None:
+        """Size the file to ``nbytes`` (reads as zeros) with its space reserved, so that nothing written on the
+        disk later (checkpoints, logs) can take the room mid-run. A disk without the room raises (the caller
+        names the file; the build agrees on it, so every rank raises: ``stages._new_partition``). Where the file
+        system cannot reserve (glibc emulates posix_fallocate on most that cannot), the file is sparse and a
+        warning says so: a write that then finds the disk full fails as an I/O error does.
+        ``needs`` and ``why`` word the size in errors ("the states need" 12 MiB "(two slots of each kind)")."""
+        if nbytes == 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+            return
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(e.errno, f"{e.strerror}: {needs} {size_text(nbytes)} there{why}") from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            reason = e.strerror
+        os.ftruncate(self.fd, nbytes)
+        warnings.warn(f"fused_zero {self.label}: could not reserve {size_text(nbytes)} for the {self.what} "
+                      f"{self.path} ({reason}); the file grows as the steps write it, and a write that finds the "
+                      "disk full fails as an I/O error does (README: Failures)", RuntimeWarning, stacklevel=user_stacklevel())
 
     def error(self, doing: str, e: OSError) -> OSError:
         return OSError(e.errno, f"fused_zero {self.label}: {doing} {self.path} failed ({e.strerror}); {self.hint}")

@@ -44,6 +44,10 @@ class ShardStore(ABC):
     """This rank's optimizer states of one partition (``numel`` fp32 elements per kind)."""
 
     tier = Tier.DEVICE
+    #: whether ``rollback`` undoes the updates of a step that failed midway. A store in memory is updated in
+    #: place and cannot: nothing in its own update fails, and a failed write of an NVMe param shard beside it
+    #: leaves its step done (``Partition.param_shard_lost``)
+    undoes_failed_steps = False
 
     def __init__(self, numel: int, amsgrad: bool) -> None:
         self.numel = numel
@@ -78,7 +82,7 @@ class ShardStore(ABC):
         """The step's updates all succeeded: make them the states."""
 
     def rollback(self) -> None:
-        """A step failed midway: the states stay as they were before it."""
+        """A step failed midway: the states stay as they were before it (where ``undoes_failed_steps``)."""
 
     @abstractmethod
     def gather_source(self, start: int, end: int) -> torch.Tensor | None:

@@ -3,7 +3,7 @@
 One file per partition under ``nvme_path`` (named by process id and a random id, so two
 optimizers never share one), holding two slots of every state kind. The shard is cut into
 blocks of ``chunk_numel`` elements; for each block one slot is live (the file's space is reserved as the
-optimizer is built, or the build refused: ``_reserve``). A step reads a block from
+optimizer is built, or the build refused: ``ScratchFile.reserve``). A step reads a block from
 its live slot into a host staging buffer (the next block is read ahead on a thread), the update
 runs on it, and the block is written to its *other* slot behind (on a thread). Only ``commit()``
 -- once every partition of the step succeeded -- makes the written slots live: a full disk or an
@@ -17,17 +17,14 @@ The file is removed on ``close()``, when the store is collected, and at exit.
 """
 from __future__ import annotations
 
-import errno
 import os
 import uuid
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from ..user_frames import user_stacklevel
 from .store import AMSGRAD_KIND, STATE_KINDS, ShardStore, StateChunk
 from .scratch import ScratchFile
 from .staging import DIRECT_ELEMENTS, Staging
@@ -77,39 +74,11 @@ def _probe_direct(probe: str, path: str) -> None:
                          "disk, or nvme_direct=False to go through the page cache") from None
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
-
-
-def _reserve(file: ScratchFile, nbytes: int) -> None:
-    """Size the file to ``nbytes`` (reads as zeros) with its space reserved, so that nothing written on the disk
-    later (checkpoints, logs) can take the room the states need mid-run. A disk without the room raises (the
-    caller names the file; the build agrees on it, so every rank raises: ``stages._new_partition``): the steps
-    would fill both slots within two steps anyway. Where the file system cannot reserve (glibc emulates
-    posix_fallocate on most that cannot), the file is sparse and a warning says so: a step that then runs out of
-    space raises on every rank with the step undone, as any failed write."""
-    if nbytes == 0:
-        return
-    try:
-        os.posix_fallocate(file.fd, 0, nbytes)
-        return
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OSError(e.errno, f"{e.strerror}: the states need {_size(nbytes)} there "
-                          f"(two slots of each state kind)") from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        reason = e.strerror
-    os.ftruncate(file.fd, nbytes)
-    warnings.warn(f"fused_zero NVMe offload: could not reserve {_size(nbytes)} for the optimizer states "
-                  f"in {file.path} ({reason}); the file grows as the steps write it, and a step that finds the disk "
-                  "full raises (undone)", RuntimeWarning, stacklevel=user_stacklevel())
-
-
 class NvmeStore(ShardStore):
     """The states in a file, streamed block by block through a few host staging buffers."""
 
     tier = Tier.NVME
+    undoes_failed_steps = True  # two slots: a step's writes become the states at commit()
 
     def __init__(self, numel: int, device: torch.device, amsgrad: bool = False, *, path: str,
                  chunk_numel: int = 1 << 20, staging: Staging | None = None, direct: bool = False) -> None:
@@ -135,7 +104,8 @@ class NvmeStore(ShardStore):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fused_zero-nvme")
         doing, fix = "reserving space for", "free space there, or pass another nvme_path"
         try:
-            _reserve(self.file, 2 * len(self.kinds) * self.stride * _F32)
+            self.file.reserve(2 * len(self.kinds) * self.stride * _F32, "the states need",
+                              " (two slots of each state kind)")
             # the update's stream bypasses the page cache; read()/write() (checkpoints, loads) keep the buffered
             # descriptor: Linux writes cached pages back before a direct read of the range and drops them on a
             # direct write, so the two views of the file agree
