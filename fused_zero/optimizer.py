@@ -861,16 +861,19 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         ``scaler.unscale_()`` before it or still scaled. ``(the scaler that unscaled them, True)``; ``(None,
         False)``, still as backward left them; ``(None, None)``, not known (``step()`` then takes an ``unscale_`` it
         finds as having come first). ``grad_scaler``: the caller's word that this scaler unscales them. The scaler
-        is known from its first step on (none then: a run without one), before that looked for in the calling
-        frames (``amp.scaler_in_callers``). Called by the clip methods only (the frames above them are counted)."""
+        is known from its first step on, before that looked for in the calling frames (``amp.scaler_in_callers``;
+        about 8 us a clip), also after steps without one (a scaler first used after plain steps, whose first
+        ``unscale_`` would otherwise be taken as not having run). Called by the clip methods only (the frames
+        above them are counted)."""
         if grad_scaler is not None:
             return grad_scaler, True
         if self._scaler_ref is not None:
             scaler = unscaling_scaler(self, self._scaler_ref)
             return scaler, scaler is not None
-        if self._steps_done:  # no scaler stepped the steps that finished: a run without one
-            return None, False
-        return scaler_in_callers(self, skip=1)
+        scaler, unscaled = scaler_in_callers(self, skip=1)
+        if unscaled is None and self._steps_done:  # none there, and none stepped the steps that finished: a run
+            return None, False  # without one (a scaler first used after plain steps is found there, as on the first)
+        return scaler, unscaled
 
     @_reason_left_for_peers("step()")
     @torch.no_grad()

@@ -259,3 +259,52 @@ def test_grad_and_parameters_in_every_clip_order_as_torchs(stage, order, amp):
     for what, want, got in grads:
         assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max())) for g, w in zip(got, want)), \
             (order, amp, what)
+
+
+@pytest.mark.filterwarnings("ignore:torch.nn.utils.clip_grad_norm_")  # (the reference's own clip, in the same loop)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+@pytest.mark.parametrize("order", ["un", "nu"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_grad_scaler_first_used_after_plain_steps_clips_as_torchs(stage, order, clip):
+    """Two plain steps, then a GradScaler from the third step on, with a clip before or after ``scaler.unscale_``:
+    the returned norms and the parameters as torch's fused AdamW with its own clip. Before, a scaler that had not
+    stepped the optimizer by then was looked for on the first step only: later, its ``unscale_`` was taken as not
+    having run (stage 1 unscaled the gradients twice; stages 2-3 returned the scaled norm, 1024x; parameters 1e-2
+    off)."""
+    from fused_zero import ShardedOptimizer
+
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3, fused=True)
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, eps=1e-3, min_unit_numel=0) if stage == 3 else \
+        ShardedOptimizer(model.parameters(), stage=stage, lr=1e-2, eps=1e-3, bucket_numel=64)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    norms = []
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        got = []
+        for m, o, scaler in ((ref, ref_opt, scalers[0]), (model, opt, scalers[1])):
+            o.zero_grad()
+            amp = step >= 2
+            (scaler.scale(m(x)) if amp else m(x)).backward()
+            for what in order if amp else "n":
+                if what == "u":
+                    scaler.unscale_(o)
+                elif clip == "value":
+                    (torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3) if o is ref_opt
+                     else o.clip_grad_value_(1e-3))
+                else:
+                    got.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05) if o is ref_opt
+                               else o.clip_grad_norm_(0.05))
+            if amp:
+                scaler.step(o)
+                scaler.update()
+            else:
+                o.step()
+        if got:
+            norms.append((step, got[0].item(), got[1].item()))
+    for step, want, ours in norms:
+        assert ours == pytest.approx(want, rel=1e-5), norms
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
