@@ -330,13 +330,24 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
             building = False
             try:
                 with self.collective_call("add_param_group()"):
+                    self.topology.agree(self._check_no_gradients_in_shards)
                     self._stage.check_groups(self.param_groups, self._names)
                     building = True
+                    zeroed = self.grad_sync.zeroed_grads()
                     self._build()
+                    self.grad_sync.keep_zeroed_grads(zeroed)
             except (TypeError, ValueError, RuntimeError):
                 if not building:
                     self.param_groups.pop()
                 raise
+
+    def _check_no_gradients_in_shards(self) -> None:
+        """add_param_group at stage 2 between a backward and its step: the rebuild would drop the reduced gradients
+        the shards hold (torch's keeps them on ``.grad``), so it is refused on every rank, naming the fix."""
+        if self.grad_sync.holds_reduced_grads():
+            raise RuntimeError("add_param_group() after a backward and before its step(): at stages 2-3 the reduced "
+                               "gradients live in the optimizer's shards, which adding a group lays out anew. Call "
+                               "add_param_group() after step() (or after zero_grad()), before the next backward")
 
     def _check_disjoint(self) -> None:
         """Parameters that are views of one memory (``nn.Parameter(w.data[:4])`` beside ``w``) are refused: each

@@ -214,6 +214,28 @@ class GradSync:
             if self.frees_grads:  # torch would still hold (now zeroed) .grad tensors for these
                 self.present.update(self._last_present)
 
+    def holds_reduced_grads(self) -> bool:
+        """Whether the shards hold gradients a backward reduced since the last step or zero_grad (stages 2-3; stage
+        1 keeps them on ``.grad``)."""
+        return self.frees_grads and self.state is not RoundState.EMPTY
+
+    def zeroed_grads(self) -> list[tuple[Partition, int]]:
+        """The parameters whose ``.grad`` torch would hold as zeros (``zero_grad(set_to_none=False)``; stages 2-3),
+        for a rebuilt reducer to keep (``keep_zeroed_grads``): the next step gives them a zero-gradient step."""
+        if not self.frees_grads:
+            return []
+        return [(part, i) for part, flags in zip(self.partitions, self.present.flags)
+                for i, flag in enumerate(flags) if flag]
+
+    def keep_zeroed_grads(self, zeroed: list[tuple[Partition, int]]) -> None:
+        """``zeroed_grads`` of the reducer this one replaces (add_param_group keeps the partitions it had)."""
+        where = {id(part): k for k, part in enumerate(self.partitions)}
+        for part, i in zeroed:
+            k = where.get(id(part))
+            if k is not None:
+                self.present.flags[k][i] = True
+                self._last_present.flags[k][i] = True
+
     def _forget(self) -> None:
         """zero_grad: what the shards hold is no longer a gradient to add to."""
 
