@@ -333,9 +333,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     self.topology.agree(self._check_no_gradients_in_shards)
                     self._stage.check_groups(self.param_groups, self._names)
                     building = True
-                    zeroed = self.grad_sync.zeroed_grads()
                     self._build()
-                    self.grad_sync.keep_zeroed_grads(zeroed)
             except (TypeError, ValueError, RuntimeError):
                 if not building:
                     self.param_groups.pop()
@@ -379,6 +377,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
     @torch.inference_mode(False)  # built under inference_mode (a setup helper): its buffers stay trainable
     def _build(self) -> None:
         """Lay out every group, check all ranks agree, broadcast rank 0's values, hook the parameters."""
+        zeroed = []  # parameters holding torch's zero .grad in the reducer this build replaces
         if self.grad_sync is None:  # first build: a previous optimizer over these parameters steps aside
             params = [p for g in self.param_groups for p in g["params"]]
             message = lightning_without_strategy()  # on every rank, before any collective
@@ -400,11 +399,15 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                            "0, as DDP does), or pass broadcast_buffers=False")
             self._stage.precheck(self.module, self._units)
             for previous in claim(self, params):
+                reducer = getattr(previous, "grad_sync", None)  # (a stage-3 model's gatherer has none)
+                if reducer is not None:  # torch's zeros left by its zero_grad(set_to_none=False)
+                    zeroed += reducer.zeroed_grads()
                 previous.close()
             self._reduce_comm = self._reduction_group()
             self._sync_module_buffers()
         else:
             self.grad_sync.wait()
+            zeroed = self.grad_sync.zeroed_grads()  # (add_param_group: the partitions it had are kept)
         if self._hooks is not None:
             self._hooks.remove()
         if self._graph is not None:  # a rebuild (add_param_group): new partitions, a graph over the old ones is stale
@@ -432,6 +435,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         attach_all(self.state, self.partitions)  # new flat states: the moment views follow them
         self.grad_sync = self._stage.reducer(self.partitions, positions, self._reduce_comm, self.config.overlap)
         self.grad_sync.names = self._names
+        self.grad_sync.keep_zeroed_grads(zeroed)
         self.grad_sync.on_unseen = Relay(self._take_swapped)  # (stages 2-3: a .grad no hook saw, before refusing it)
         self.grad_sync.pipe.span(self.topology.replicate, self.topology.world_size)  # HSDP: the replicas too
         self.grad_sync.pipe.quantize(self.config.grad_comm, self.config.quant_block,  # qgZ (comm/codec.py)

@@ -219,20 +219,29 @@ class GradSync:
         1 keeps them on ``.grad``)."""
         return self.frees_grads and self.state is not RoundState.EMPTY
 
-    def zeroed_grads(self) -> list[tuple[Partition, int]]:
+    def zeroed_grads(self) -> list[torch.nn.Parameter]:
         """The parameters whose ``.grad`` torch would hold as zeros (``zero_grad(set_to_none=False)``; stages 2-3),
-        for a rebuilt reducer to keep (``keep_zeroed_grads``): the next step gives them a zero-gradient step."""
+        for a reducer that replaces this one (``keep_zeroed_grads``): the next step gives them a zero-gradient
+        step, as torch's."""
         if not self.frees_grads:
             return []
-        return [(part, i) for part, flags in zip(self.partitions, self.present.flags)
+        return [part.params[i] for part, flags in zip(self.partitions, self.present.flags)
                 for i, flag in enumerate(flags) if flag]
 
-    def keep_zeroed_grads(self, zeroed: list[tuple[Partition, int]]) -> None:
-        """``zeroed_grads`` of the reducer this one replaces (add_param_group keeps the partitions it had)."""
-        where = {id(part): k for k, part in enumerate(self.partitions)}
-        for part, i in zeroed:
-            k = where.get(id(part))
-            if k is not None:
+    def keep_zeroed_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """``zeroed_grads`` of the reducer this one replaces (add_param_group's rebuild; a new optimizer over the
+        parameters of one it closes): they hold zeros here too. Stage 1 keeps ``.grad``: it gets torch's zeros."""
+        if not params:
+            return
+        if not self.frees_grads:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
+        where = {id(p): (k, i) for k, part in enumerate(self.partitions) for i, p in enumerate(part.params)}
+        for p in params:
+            if id(p) in where:
+                k, i = where[id(p)]
                 self.present.flags[k][i] = True
                 self._last_present.flags[k][i] = True
 
