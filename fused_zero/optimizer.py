@@ -783,8 +783,9 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         usual ``scaler.unscale_(opt); opt.clip_grad_norm_(m); scaler.step(opt)``
         clips the unscaled gradients at every stage, as DDP does: the shards
         stay scaled, so the norm is unscaled with the scaler's scale. Before any
-        ``unscale_`` it measures and clips the scaled gradients, as torch's. On
-        the very first step the scaler is not known yet: it is looked for in the
+        ``unscale_`` it measures and clips the scaled gradients, as torch's. Until
+        the scaler first steps this optimizer (the very first step, or the first
+        after plain steps) it is not known yet: it is looked for in the
         calling frames (``amp.scaler_in_callers``); not found there, the returned
         tensor holds the right value from ``scaler.step(opt)`` on (read it after
         the step), taking an ``unscale_`` the step finds as having come first.
