@@ -30,6 +30,15 @@ STAGE1_GRADS_EDITED = (
     "is this rank's, not the global one. Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=")
 
 
+STEP_WITHOUT_ZERO_GRAD = (
+    "ShardedOptimizer stage {stage}: step() again with no zero_grad() since the last step. torch would still "
+    "hold the last step's gradients on .grad and add this step's backward to them (or, with no backward since, step "
+    "on them again); at stages 2-3 the averaged gradients live in the optimizer's shards and each step consumes "
+    "them, as if zero_grad() had run after it. Call optimizer.zero_grad() (or model.zero_grad()) once per step, and "
+    "accumulate micro-batches with optimizer.no_sync(). (A loop that sets p.grad = None itself zeroes them too: "
+    "call optimizer.zero_grad() instead to silence this.) Warned once")
+
+
 def ddp_reduced() -> set[int]:
     """The ids of the parameters a live DistributedDataParallel reduces.
 

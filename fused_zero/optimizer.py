@@ -44,7 +44,7 @@ from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_onl
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (STAGE1_GRADS_EDITED, ddp_reduced, ddp_wrapping, framework_without_integration,
+from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, ddp_reduced, ddp_wrapping, framework_without_integration,
                      group_initialised_after_build, left_unreduced, lightning_without_strategy, stage3_model_wrapped,
                      torch_clip_in_loop)
 from .model_guard import ModelGuard
@@ -59,6 +59,7 @@ from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
+from .user_frames import user_stacklevel
 from .update import REFUSED, mark_written, plan_update, read_hypers, shared_counters, update_all
 
 
@@ -272,6 +273,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._clip_values: tuple = ()  # clip_grad_value_ called since the last step: its values (clip_value.py)
         self._clamped: list = []  # stage 1: the kept .grad a clip_grad_value_ since the last step clamps (weakly)
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
+        self._zero_grad_warned = False  # a step with no zero_grad() since the last one (stages 2-3)
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
@@ -958,6 +960,10 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     # skipped and raises it
                     failed = error
                     self._recover_if_dropped()
+        if self.grad_sync.consumed_unzeroed and not self._zero_grad_warned:  # (after the closure's own zero_grad)
+            self._zero_grad_warned = True
+            warnings.warn(STEP_WITHOUT_ZERO_GRAD.format(stage=self.config.stage), UserWarning,
+                          stacklevel=user_stacklevel())
         if grad_scaler is not None:
             self._scaler_ref = weakref.ref(grad_scaler)
         _, edited = self._refusal(self._check_edits)  # before the step's collectives, as the hyperparameters

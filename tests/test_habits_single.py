@@ -986,6 +986,65 @@ def test_model_zero_grad_drops_what_a_backward_left_after_step_as_torch(stage):
     assert err < TOL, err
 
 
+def _loop(kind, stage):
+    """Three steps of a training loop ``kind``; returns the warnings about a step without zero_grad()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = _build(model, stage)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100)  # overflows at first: a skipped step
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            if kind == "closure":  # zero_grad inside the closure, which step() runs first
+                def closure():
+                    opt.zero_grad()
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+                continue
+            if kind in ("zero_grad first", "no_sync", "scaler"):
+                opt.zero_grad()
+            if kind == "no_sync":
+                with opt.no_sync():
+                    model(x).square().mean().backward()
+            if kind == "step twice":
+                if t == 0:
+                    model(x).square().mean().backward()
+            elif kind == "scaler":
+                scaler.scale(model(x).square().mean()).backward()
+            else:
+                model(x).square().mean().backward()
+            if kind == "scaler":
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if kind == "zero_grad after":
+                opt.zero_grad(set_to_none=False)
+            elif kind == "model.zero_grad":
+                model.zero_grad()
+    return [str(w.message) for w in seen if "no zero_grad() since the last step" in str(w.message)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_with_no_zero_grad_since_the_last_warns_once_at_stages_2_3(stage):
+    """A loop without zero_grad(): torch adds each backward to the last step's .grad (and a step without a backward
+    steps on them again); stages 2-3 consume the gradients at each step, unseen before. Now warned once, naming the
+    fix; stage 1 keeps .grad and behaves as torch (no warning). Loops that zero their gradients never see it: before
+    or after the step, in the closure, through model.zero_grad(), around no_sync() accumulation, under a
+    GradScaler that skips a step (the DCGAN loop: test_model_zero_grad_drops_what_a_backward_left_after_step)."""
+    for kind in ("no zero_grad", "step twice"):
+        got = _loop(kind, stage)
+        if stage == 1:
+            assert got == [], (kind, got)
+        else:
+            assert len(got) == 1 and f"stage {stage}: step() again" in got[0] and "optimizer.no_sync()" in got[0], got
+    for kind in ("zero_grad first", "zero_grad after", "closure", "model.zero_grad", "no_sync", "scaler"):
+        assert _loop(kind, stage) == [], kind
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_submodule_zero_grad_drops_only_its_parameters_gradients(stage, set_to_none):

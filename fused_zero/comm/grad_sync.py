@@ -148,6 +148,9 @@ class GradSync:
         self._empty = [e for e in self.entries.values() if not e.buckets]
         self.present = Presence([len(part.params) for part in partitions])  # whose gradient is not None
         self._last_present = self.present.copy()  # present at the last step
+        # stages 2-3: the last step consumed gradients and no zero_grad() ran since, where torch's .grad would still
+        # hold them (the optimizer warns once: each step consumes its gradients here)
+        self.consumed_unzeroed = False
         self.state = RoundState.EMPTY
         self._accumulated = False  # a backward ran under no_sync() since the last step
         self._runs: dict[int, DirectRun] | None = None  # one rank: buckets packed together (direct_runs.py)
@@ -201,10 +204,12 @@ class GradSync:
         self._accumulated = False
         self._last_present = self.present.copy()
         self.present.clear()
+        self.consumed_unzeroed = self.frees_grads and any(any(f) for f in self._last_present.flags)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The shards' share of ``optimizer.zero_grad``."""
         self.wait()
+        self.consumed_unzeroed = False
         self._forget()
         if set_to_none:
             self.present.clear()
@@ -612,6 +617,7 @@ class ReduceInBackward(GradSync):
         rank's pieces of them in the shards), and they hold a gradient only where torch's zeroed ``.grad`` would
         (``set_to_none=False``, a gradient since the last step)."""
         self.wait()
+        self.consumed_unzeroed = False
         for p in params:
             e = self.entries[p]
             self._late.pop(id(p), None)
