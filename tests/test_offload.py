@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from _dist import run_ranks
-from _faults import full_disk_after
+from _faults import failing_fallocate, full_disk_after
 from _models import HYPER, PlainNet, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
@@ -261,18 +261,14 @@ def test_state_files_reserve_their_space_or_refuse_or_warn_and_train_on(tmp_path
         assert size > 0 and os.stat(part.store.path).st_blocks * 512 >= size  # allocated, not sparse
     opt.close()
 
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "posix_fallocate", failing_fallocate(errno.ENOSPC))
     with pytest.raises(OSError, match=r"reserving space for .*\.states failed \(No space left on device: the states "
                                       r"need [0-9.]+ [KM]iB there .*\); free space there, or pass another nvme_path"):
         _build(model, 2, str(tmp_path), **TIERS[2])
     gc.collect()
     assert os.listdir(tmp_path) == ["reserved"]
 
-    def unsupported(fd, offset, length):
-        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", failing_fallocate(errno.EOPNOTSUPP))
     with pytest.warns(RuntimeWarning, match=r"could not reserve .* [KM]iB .*\.states \(Operation not supported\)"):
         opt = _build(model, 2, str(tmp_path), **TIERS[2])
     ref_opt = _build(ref, 2)

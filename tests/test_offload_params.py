@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
+from _faults import failing_fallocate
 from _models import HYPER, TinyNet, batch, flags, loss_fn
 from fused_zero import ShardedOptimizer
 from fused_zero import checkpoint as ckpt
@@ -241,9 +242,7 @@ def test_param_files_reserve_their_space_or_warn_where_the_file_system_cannot(tm
         assert os.stat(path).st_blocks * 512 >= os.path.getsize(path) > 0
     opt.close()
 
-    def unsupported(fd, offset, length):
-        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", failing_fallocate(errno.EOPNOTSUPP))
     with pytest.warns(RuntimeWarning, match=r"could not reserve [0-9.]+ [KM]iB for the NVMe parameter shard "
                                             r"\S*\.params \(Operation not supported\)"):
         opt = _build(model, str(tmp_path), **BF16[2])
@@ -273,9 +272,7 @@ def _full_disk_on_rank_1(rank, world_size, folder, options):
     own = os.path.join(folder, f"rank{rank}")
     os.makedirs(own)
     if rank == 1:
-        def full(fd, offset, length):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        os.posix_fallocate = full
+        os.posix_fallocate = failing_fallocate(errno.ENOSPC)
     model = TinyNet()
     before = [p.detach().clone() for p in model.parameters()]
     try:
