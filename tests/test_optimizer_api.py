@@ -154,6 +154,35 @@ def test_a_new_optimizer_after_zero_grad_to_zeros_steps_them_as_torch(old, new):
         assert param_error(model, ref) < TOL
 
 
+@pytest.mark.parametrize("which", ["optimizer", "module"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_grad_to_zeros_after_one_to_none_finds_no_gradient_to_zero(stage, which):
+    """zero_grad(set_to_none=True) after each step, then zero_grad(set_to_none=False) before a backward that leaves
+    `branch` out: torch's `branch.grad` is None (set_to_none=False zeroes only what exists), so `branch` takes no
+    step. Also when the first is a module's (`model.branch.zero_grad()`, the rest cleared by the optimizer's).
+    Before, stages 2-3 revived the zeros of the step before and stepped `branch` (5e-3 off, its step count one
+    ahead)."""
+    model, ref = TinyNet(), TinyNet()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=1000)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    for t in (1, 3, 4):  # `branch` is used at odd steps only
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if t == 4:
+                o.zero_grad(set_to_none=False)
+            x, y = batch(t, 0)
+            loss_fn(m(x, **flags(t, 0)), y).backward()
+            o.step()
+            if which == "module":
+                m.branch.zero_grad(set_to_none=True)
+                o.zero_grad(set_to_none=False) if t == 1 else o.zero_grad(set_to_none=True)
+            else:
+                o.zero_grad(set_to_none=True)
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        assert param_error(model, ref) < TOL
+    steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
+    assert steps == [float(s["step"]) for s in ref_opt.state_dict()["state"].values()]
+
+
 def _backward_then_add_group(rank, world_size, stage, ranks):
     model, ref = TinyNet(), TinyNet()
     g, rg = param_groups(model), param_groups(ref)

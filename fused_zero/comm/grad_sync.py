@@ -147,7 +147,9 @@ class GradSync:
         # zero-element parameters: in no bucket; they only count as having a gradient (torch steps them)
         self._empty = [e for e in self.entries.values() if not e.buckets]
         self.present = Presence([len(part.params) for part in partitions])  # whose gradient is not None
-        self._last_present = self.present.copy()  # present at the last step
+        # present at the last step, less what a zero_grad(set_to_none=True) cleared since: where torch's .grad
+        # still exists (stale here: each step consumes the gradients), for zero_grad(set_to_none=False) to zero
+        self._last_present = self.present.copy()
         # stages 2-3: the last step consumed gradients and no zero_grad() ran since, where torch's .grad would still
         # hold them (the optimizer warns once: each step consumes its gradients here)
         self.consumed_unzeroed = False
@@ -213,6 +215,7 @@ class GradSync:
         self._forget()
         if set_to_none:
             self.present.clear()
+            self._last_present.clear()  # torch's .grad are None now: a later zero_grad(set_to_none=False) finds none
         else:
             for part in self.partitions:
                 part.grad_shard.zero_()
@@ -625,6 +628,8 @@ class ReduceInBackward(GradSync):
                 e.part.grad_shard[pc.shard_offset: pc.shard_offset + pc.numel].zero_()
             self.present.flags[e.pi][e.index] = not set_to_none and (
                 self.present.flags[e.pi][e.index] or self._last_present.flags[e.pi][e.index])
+            if set_to_none:
+                self._last_present.flags[e.pi][e.index] = False
 
     def _forget(self) -> None:
         if self.state is RoundState.ADDING:
