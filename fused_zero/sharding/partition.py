@@ -412,11 +412,16 @@ class Partition:
     def restore_param_shard(self) -> None:
         """After a failed step (``update.rollback``): the narrow param shard <- the master as it was before it. If
         the disk fails this too, the shard is rewritten before its next use (the gather raises if it still
-        cannot), never gathered half-updated."""
+        cannot), never gathered half-updated; where the shard is the parameters themselves (stages 1-2), which
+        the next forward reads as they are, an OSError says they hold part of the step."""
         try:
             self.param_shard_from_master()
-        except OSError:
+        except OSError as e:
             self._pshard_lost = True
+            if self.pshard.is_params:  # stages 1-2: the update wrote the parameters themselves, now unrestorable
+                raise OSError(e.errno, f"{e.strerror}: after a failed step the parameters could not be put back "
+                              "(reading the optimizer states failed too), so they hold part of that step: reload a "
+                              "checkpoint before training on") from e
 
     def param_shard_lost(self, error: OSError) -> None:
         """A write of the NVMe param shard failed in a step whose states are in memory (``update.run_job``): the
