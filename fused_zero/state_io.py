@@ -169,14 +169,24 @@ class StateAccess:
             raise ValueError(f"load_shards got {len(staged)} partitions; this optimizer has {len(self.partitions)}")
         self._settle_update()
         self.grad_sync.wait()
-        for part, new in zip(self.partitions, staged):
-            for kind, t in new.items():
-                if t is not None:
-                    part.store.write(kind, 0, t)
-            if part.grad_shard is not None:  # (a trained partition) a state taken away before the next step
-                step_counts_of(part).loaded()  # restarts from zeros, not from what the load wrote
-        for part in self.partitions:
-            part.param_shard_from_master()
+
+        def write() -> None:
+            for part, new in zip(self.partitions, staged):
+                for kind, t in new.items():
+                    if t is not None:
+                        part.store.write(kind, 0, t)
+                if part.grad_shard is not None:  # (a trained partition) a state taken away before the next step
+                    step_counts_of(part).loaded()  # restarts from zeros, not from what the load wrote
+            for part in self.partitions:
+                part.param_shard_from_master()
+        # the writes can fail on one rank (an NVMe file: I/O error): every rank learns it and raises ("rank r
+        # failed: ...", the states partly loaded: load again) before the parameters' collectives below, where
+        # the others would wait for it
+        fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
+        if fallible and self.topology.world_size > 1:
+            self.topology.agree(write)
+        else:
+            write()
         attach_all(self.state, self.partitions)
         self._stage.params_from_shards(self.partitions)
         for k, part in enumerate(self.partitions):

@@ -540,3 +540,31 @@ def test_a_read_error_that_outlasts_the_undo_says_the_parameters_hold_part_of_th
     with pytest.raises(OSError, match=r"\.states failed \(Input/output error.*the parameters could not be put back "
                                       r".*reload a checkpoint"):
         _step(model, opt, 2, 0)
+
+
+def _load_fails_on_rank_1(rank, world_size, stage, folder):
+    own = os.path.join(folder, f"nvme{rank}")
+    os.makedirs(own)
+    model = TinyNet()
+    opt = _build(model, stage, own, **TIERS[2])
+    _step(model, opt, 0, rank)
+    ckpt.save(os.path.join(folder, "ck"), model, opt)
+    real = os.pwritev
+    if rank == 1:
+        os.pwritev = full_disk_after(real, 0)
+    try:
+        ckpt.load(os.path.join(folder, "ck"), model, opt)
+    except OSError as e:
+        return str(e)
+    finally:
+        os.pwritev = real
+    return None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_load_whose_writes_fail_on_one_rank_raises_on_every_rank(stage, tmp_path):
+    """checkpoint.load writing the loaded states into rank 1's NVMe files fails there: every rank raises (before, at
+    stages 1-2 rank 0 waited in the load's all-gather until the timeout, and at stage 3 it returned as if loaded)."""
+    mine, theirs = run_ranks(_load_fails_on_rank_1, 2, stage, str(tmp_path), timeout=180)
+    assert theirs is not None and "No space left" in theirs, theirs
+    assert mine == f"rank 1 failed: {theirs}", (mine, theirs)
