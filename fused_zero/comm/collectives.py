@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import rendezvous
+from . import group_pool, rendezvous
 from .agreement import Agreement
 from .group_meeting import digest
 from .pins import _PINS, _Pin, _alias, _reap
@@ -132,21 +132,14 @@ def is_device_mesh(obj: object) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
-def _owning(group) -> "Comm":
-    """A Comm over ``group``, a process group this package made (``Comm.spanning``, ``Comm.split``): the group is
-    destroyed when the Comm is collected (its optimizer dropped, or rebuilt in a sweep), as torch keeps every group
-    registered, with its sockets and threads, until destroy_process_group. Not at interpreter exit: torch's own
-    teardown takes them then."""
+def _owning(group, key, number: int) -> "Comm":
+    """A Comm over ``group``, a process group this package made (``Comm.spanning``, ``Comm.split``; request
+    ``number`` of ``key``): when the Comm is collected (its optimizer dropped, or rebuilt in a sweep) the group
+    goes back to ``group_pool`` for the next Comm over the same ranks, never destroyed (why: group_pool.py), so
+    a sweep holds as many groups as the optimizers alive at once need."""
     comm = Comm(group)
-    weakref.finalize(comm, _destroy_made, group).atexit = False
+    weakref.finalize(comm, group_pool.give_back, key, number, group).atexit = False
     return comm
-
-
-def _destroy_made(group) -> None:
-    """Destroy ``group`` unless torch.distributed went first (destroy_process_group() of every group, or a new
-    default group since): local, no collective."""
-    if dist.is_available() and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-        dist.destroy_process_group(group)
 
 
 class Comm(TensorChecks, TrafficCount, Agreement):
@@ -193,9 +186,14 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         return self.spanning(ranks, backend, local=self.group is not None)
 
     def spanning(self, ranks: list[int], backend: str | None = None, local: bool = True) -> "Comm":
-        """A Comm over a new group of ``ranks`` (global ranks; every rank of them must call it, and with
-        ``local=False`` every rank of the default group), with this group's timeout."""
-        return _owning(self._new_group(ranks, backend, local))
+        """A Comm over a group of ``ranks`` of its own (global ranks; every rank of them must call it, and with
+        ``local=False`` every rank of the default group), with this group's timeout: one that a collected Comm
+        left (``group_pool``), or a new one."""
+        ranks, backend = sorted(ranks), backend or self.backend
+        key = ("span", tuple(ranks), backend, _group_timeout(self.group))
+        group, number = group_pool.take(key, ranks, lambda: self._new_group(ranks, backend, local), default_store(),
+                                        digest(key))
+        return _owning(group, key, number)
 
     def _new_group(self, ranks: list[int], backend: str | None, local: bool):
         """dist.new_group over ``ranks`` with this group's timeout (None on a rank outside them with ``local``)."""
@@ -212,13 +210,17 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         if self._local or size == self.world_size:
             return self.duplicate()
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        mine = None
-        for start in range(0, self.world_size, size):
-            block = ranks[start:start + size]
-            made = self._new_group(block, None, local=self.group is not None)
-            if self.rank // size == start // size:
-                mine = _owning(made)
-        return mine
+
+        def make():
+            mine = None
+            for start in range(0, self.world_size, size):
+                made = self._new_group(ranks[start:start + size], None, local=self.group is not None)
+                if self.rank // size == start // size:
+                    mine = made
+            return mine
+        key = ("split", tuple(ranks), size, self.backend, _group_timeout(self.group))
+        group, number = group_pool.take(key, sorted(ranks), make, default_store(), digest(key))
+        return _owning(group, key, number)
 
     def any_rank(self, flag: bool, site: str) -> bool:
         """Whether ``flag`` is set on some rank: a blocking all-reduce of one host number (a gloo group).
