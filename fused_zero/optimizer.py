@@ -44,9 +44,9 @@ from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_onl
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, ddp_reduced, ddp_wrapping, framework_without_integration,
-                     group_initialised_after_build, left_unreduced, lightning_without_strategy, stage3_model_wrapped,
-                     torch_clip_in_loop)
+from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, ddp_reduced, ddp_wrapping,
+                     framework_without_integration, group_initialised_after_build, left_unreduced,
+                     lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
 from .model_guard import ModelGuard
 from . import module_zero_grad
 from .ownership import claim, others_on_group, release

@@ -144,7 +144,8 @@ class ScratchFile:
         os.ftruncate(self.fd, nbytes)
         warnings.warn(f"fused_zero {self.label}: could not reserve {size_text(nbytes)} for the {self.what} "
                       f"{self.path} ({reason}); the file grows as the steps write it, and a write that finds the "
-                      "disk full fails as an I/O error does (README: Failures)", RuntimeWarning, stacklevel=user_stacklevel())
+                      "disk full fails as an I/O error does (README: Failures)", RuntimeWarning,
+                      stacklevel=user_stacklevel())
 
     def error(self, doing: str, e: OSError) -> OSError:
         return OSError(e.errno, f"fused_zero {self.label}: {doing} {self.path} failed ({e.strerror}); {self.hint}")
