@@ -142,6 +142,11 @@ def _owning(group, key, number: int) -> "Comm":
     return comm
 
 
+def _registered(group) -> bool:
+    """Whether torch.distributed still holds ``group`` (not taken by destroy_process_group())."""
+    return dist.is_available() and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
 class Comm(TensorChecks, TrafficCount, Agreement):
     """A communicator over ``group`` (a ProcessGroup, or None for the default group)."""
 
@@ -191,8 +196,8 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         left (``group_pool``), or a new one."""
         ranks, backend = sorted(ranks), backend or self.backend
         key = ("span", tuple(ranks), backend, _group_timeout(self.group))
-        group, number = group_pool.take(key, ranks, lambda: self._new_group(ranks, backend, local), default_store(),
-                                        digest(key))
+        group, number = group_pool.take(key, ranks, dist.get_rank(), lambda: self._new_group(ranks, backend, local),
+                                        default_store(), digest(key), _registered)
         return _owning(group, key, number)
 
     def _new_group(self, ranks: list[int], backend: str | None, local: bool):
@@ -219,7 +224,8 @@ class Comm(TensorChecks, TrafficCount, Agreement):
                     mine = made
             return mine
         key = ("split", tuple(ranks), size, self.backend, _group_timeout(self.group))
-        group, number = group_pool.take(key, sorted(ranks), make, default_store(), digest(key))
+        group, number = group_pool.take(key, sorted(ranks), dist.get_rank(), make, default_store(), digest(key),
+                                        _registered)
         return _owning(group, key, number)
 
     def any_rank(self, flag: bool, site: str) -> bool:

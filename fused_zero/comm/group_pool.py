@@ -21,23 +21,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Hashable
 
-import torch.distributed as dist
-
 _free: dict[Hashable, dict[int, object]] = {}  # key -> {request number that made it: group}, idle on this rank
 _requests: dict[Hashable, int] = {}  # requests made per key (the same count on every rank of the key)
 
 
-def take(key: Hashable, ranks: list[int], make: Callable[[], object], store, digest: str):
+def take(key: Hashable, ranks: list[int], rank: int, make: Callable[[], object], store, digest: str,
+         registered: Callable[[object], bool]):
     """``(group, number)``: a group for ``key`` free on every rank of ``ranks`` (the global ranks that all make
-    this request), or ``make()``'s (every rank of ``ranks`` calls it then) numbered by this request. ``digest``
-    names the key in the store."""
+    this request; ``rank``: this one's), or ``make()``'s (every rank of ``ranks`` calls it then) numbered by this
+    request. ``digest`` names the key in the store; ``registered(group)``: whether torch.distributed still holds
+    it (no torch.distributed here: comm/collectives.py hands these in)."""
     number = _requests[key] = _requests.get(key, 0) + 1
     free = _free.setdefault(key, {})
-    for n in [n for n, g in free.items() if g is not None and not _registered(g)]:
+    for n in [n for n, g in free.items() if g is not None and not registered(g)]:
         del free[n]  # destroy_process_group() took it
     if store is None or len(ranks) < 2:
         return make(), number
-    rank = dist.get_rank()
     prefix = f"fused_zero/groups/{digest}/{number}"
     store.set(f"{prefix}/{rank}", json.dumps(sorted(free)))
     common = set(free)
@@ -53,7 +52,3 @@ def take(key: Hashable, ranks: list[int], make: Callable[[], object], store, dig
 def give_back(key: Hashable, number: int, group) -> None:
     """``group`` (made by request ``number`` of ``key``) is idle on this rank: a later request may take it."""
     _free.setdefault(key, {})[number] = group
-
-
-def _registered(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
