@@ -160,6 +160,12 @@ class ZeroConfig:
         """Whether the optimizer must be given the model itself (stage 3 shards its parameters)."""
         return STAGE_TRAITS[self.stage].shards_params
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether a tier lives in NVMe files, whose writes can fail on one rank (an I/O error): the update and a
+        load then agree across ranks before anything commits."""
+        return "nvme" in (self.offload_optimizer, self.offload_params)
+
     @staticmethod
     def resolve(config: "ZeroConfig | None", given: dict) -> "ZeroConfig":
         """ShardedOptimizer's ``config=`` or its keyword options ``given`` (never both, so they cannot mix silently)."""

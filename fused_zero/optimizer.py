@@ -960,7 +960,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     # skipped and raises it
                     failed = error
                     self._recover_if_dropped()
-        if self.grad_sync.consumed_unzeroed and not self._zero_grad_warned:  # (after the closure's own zero_grad)
+        if not self._zero_grad_warned and self.grad_sync.consumed_unzeroed():  # (after the closure's own zero_grad)
             self._zero_grad_warned = True
             warnings.warn(STEP_WITHOUT_ZERO_GRAD.format(stage=self.config.stage), UserWarning,
                           stacklevel=user_stacklevel())
@@ -1186,8 +1186,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         behind = self._stage.behind
         if behind is None or behind.gathers_only:
             # a store that can fail (a disk): every rank learns whether every rank's update succeeded before any commits
-            fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
-            agree = self.topology.agree if fallible and self.topology.world_size > 1 else None
+            agree = self.topology.agree if self.config.on_disk and self.topology.world_size > 1 else None
             with label(UPDATE):
                 update_all(self.partitions, self.state, has_grad, grad_scale, skip, hypers, agree,
                            read_skip=self._graph is None)

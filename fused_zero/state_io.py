@@ -182,8 +182,7 @@ class StateAccess:
         # the writes can fail on one rank (an NVMe file: I/O error): every rank learns it and raises ("rank r
         # failed: ...", the states partly loaded: load again) before the parameters' collectives below, where
         # the others would wait for it
-        fallible = "nvme" in (self.config.offload_optimizer, self.config.offload_params)
-        if fallible and self.topology.world_size > 1:
+        if self.config.on_disk and self.topology.world_size > 1:
             self.topology.agree(write)
         else:
             write()

@@ -150,9 +150,7 @@ class GradSync:
         # present at the last step, less what a zero_grad(set_to_none=True) cleared since: where torch's .grad
         # still exists (stale here: each step consumes the gradients), for zero_grad(set_to_none=False) to zero
         self._last_present = self.present.copy()
-        # stages 2-3: the last step consumed gradients and no zero_grad() ran since, where torch's .grad would still
-        # hold them (the optimizer warns once: each step consumes its gradients here)
-        self.consumed_unzeroed = False
+        self._zeroed_since_step = True  # a zero_grad() (the optimizer's or a module's) since the last step
         self.state = RoundState.EMPTY
         self._accumulated = False  # a backward ran under no_sync() since the last step
         self._runs: dict[int, DirectRun] | None = None  # one rank: buckets packed together (direct_runs.py)
@@ -206,12 +204,12 @@ class GradSync:
         self._accumulated = False
         self._last_present = self.present.copy()
         self.present.clear()
-        self.consumed_unzeroed = self.frees_grads and any(any(f) for f in self._last_present.flags)
+        self._zeroed_since_step = False
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The shards' share of ``optimizer.zero_grad``."""
         self.wait()
-        self.consumed_unzeroed = False
+        self._zeroed_since_step = True
         self._forget()
         if set_to_none:
             self.present.clear()
@@ -221,6 +219,11 @@ class GradSync:
                 part.grad_shard.zero_()
             if self.frees_grads:  # torch would still hold (now zeroed) .grad tensors for these
                 self.present.update(self._last_present)
+
+    def consumed_unzeroed(self) -> bool:
+        """Stages 2-3: the last step consumed gradients and no zero_grad() ran since, where torch's .grad would still
+        hold them (the optimizer warns once: each step consumes its gradients here). Scans the flags only then."""
+        return self.frees_grads and not self._zeroed_since_step and any(any(f) for f in self._last_present.flags)
 
     def holds_reduced_grads(self) -> bool:
         """Whether the shards hold gradients a backward reduced since the last step or zero_grad (stages 2-3; stage
@@ -620,7 +623,7 @@ class ReduceInBackward(GradSync):
         rank's pieces of them in the shards), and they hold a gradient only where torch's zeroed ``.grad`` would
         (``set_to_none=False``, a gradient since the last step)."""
         self.wait()
-        self.consumed_unzeroed = False
+        self._zeroed_since_step = True
         for p in params:
             e = self.entries[p]
             self._late.pop(id(p), None)
