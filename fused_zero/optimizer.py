@@ -17,8 +17,6 @@ GradScaler finds non-finite is skipped on every rank and does not count.
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -28,25 +26,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from .amp import (PendingClip, ScalerInputs, calling_scaler, kept_factor, scaler_in_callers, scaler_inputs,
-                  scaler_unscaled, unscaling_scaler, update_scalars)
+from .amp import PendingClip, ScalerInputs, calling_scaler, kept_factor, scaler_inputs, scaler_unscaled, update_scalars
+from .backward_events import BackwardEvents
+from .call_guards import reason_left_for_peers, refused_on_every_rank
 from .checkpoint.save_load import ShardOwner
 from .comm.collectives import Comm, collectives_checked_on_host, default_world_size
 from .comm.rendezvous import EVAL_FORWARD
-from .comm.topology import Topology, refuse_build
-from .clip_value import BACKWARD_AFTER, INSIDE_NO_SYNC, check_clip_value, check_no_value_clip, clamp_, clamp_bounds
+from .comm.topology import Topology
+from .clip_value import clamp_, clamp_bounds
+from .clipping import ClipMethods
 from .config import ZeroConfig
 from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .grad_readers import grad_reader_around_step
-from .hooks import (EndOfBackward, HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_compile,
-                    queue_end_of_backward)
+from .hooks import HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_compile
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, ddp_reduced, ddp_wrapping,
-                     framework_without_integration, group_initialised_after_build, left_unreduced,
-                     lightning_without_strategy, stage3_model_wrapped, torch_clip_in_loop)
+from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, framework_without_integration,
+                     group_initialised_after_build, lightning_without_strategy, stage3_model_wrapped,
+                     torch_clip_in_loop)
 from .model_guard import ModelGuard
 from . import module_zero_grad
 from .ownership import claim, others_on_group, release
@@ -55,30 +54,11 @@ from .profiling import UPDATE, label
 from .stages import make_stage
 from .state_io import StateAccess
 from .state_views import OptimizerState, attach_all, check_state_edits
-from .host_read import to_host
 from .stats import StepStats, checksum, reduce_stats, stats_vector
 from .step_graph import StepGraph, check_not_capturing, refusal as capturable_refusal
 from .tiers.tier import Tier
 from .user_frames import user_stacklevel
 from .update import REFUSED, mark_written, plan_update, read_hypers, shared_counters, update_all
-
-
-def _norm_key(max_norm) -> object:
-    """What ranks compare of a clip's max_norm: its value (1 and 1.0 alike; a tensor's read once)."""
-    return float(max_norm) if isinstance(max_norm, numbers.Real) else agreement_key(max_norm)
-
-
-def _check_clip_args(max_norm, norm_type) -> None:
-    """clip_grad_norm_'s max_norm is a number (torch would fail dividing by it) and norm_type the 2-norm."""
-    if isinstance(max_norm, bool) or not (isinstance(max_norm, numbers.Real) or (
-            isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and not max_norm.is_complex())):
-        raise TypeError(f"max_norm must be a real number, got {type(max_norm).__name__} {max_norm!r}: pass the norm "
-                        "to clip to, e.g. clip_grad_norm_(1.0)")
-    if norm_type != 2.0:
-        raise ValueError(f"only the 2-norm is supported (norm_type=2.0, the default), got norm_type={norm_type}: "
-                         "the global norm is summed from every rank's shard in the step's one all-reduce. Clip "
-                         "with the 2-norm, or, for another norm at stage 1 (which keeps the local .grad), reduce "
-                         "and measure it yourself")
 
 
 class _Body(NamedTuple):
@@ -101,42 +81,7 @@ class _Unset:
 _UNSET = _Unset()
 
 
-def _reason_left_for_peers(call: str):
-    """ShardedOptimizer's calls that every rank makes (``step()``, ``add_param_group()``, ...): an exception out of
-    one is left in the store (``Rendezvous.raised``), so that if it ends this process, the peers' next collective
-    fails with its reason rather than gloo's "Connection closed by peer"; a call that goes through takes it back."""
-    def decorate(method):
-        @functools.wraps(method)
-        def calling(self, *args, **kwargs):
-            rendezvous = self.__dict__.get("_rendezvous")
-            try:
-                out = method(self, *args, **kwargs)
-            except BaseException as e:  # a KeyboardInterrupt ends the process as well
-                if rendezvous is not None:
-                    rendezvous.raised(f"{type(e).__name__} out of {call}: {e}")
-                raise
-            if rendezvous is not None:
-                rendezvous.recovered()
-            return out
-        return calling
-    return decorate
-
-
-def _refused_on_every_rank(init):
-    """ShardedOptimizer's constructor: an argument refused on this rank alone, before the build met the other ranks
-    (``lr=-1`` on one rank), is raised on every rank (``topology.refuse_build``), not left to the others' wait."""
-    @functools.wraps(init)
-    def checked(self, params, *args, **kwargs):
-        try:
-            init(self, params, *args, **kwargs)
-        except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
-            if not self.__dict__.get("_met"):
-                refuse_build(e, kwargs.get("process_group"), kwargs.get("mesh"))
-            raise
-    return checked
-
-
-class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
+class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Optimizer):
     """AdamW (or Adam) with ZeRO-sharded states, grads and fused kernels.
 
     Replace ``torch.optim.AdamW(model.parameters(), ...)`` with
@@ -198,7 +143,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         if stage is not None and stage.behind is not None:
             stage.settle()
 
-    @_refused_on_every_rank
+    @refused_on_every_rank
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=None, config: ZeroConfig | None = None, process_group=None, mesh=None,
@@ -305,7 +250,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                                                            else []))
 
     # -- construction -----------------------------------------------------
-    @_reason_left_for_peers("add_param_group()")
+    @reason_left_for_peers("add_param_group()")
     @eager_under_compile
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -578,116 +523,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                            "peers never make). Give every rank the same number of batches: a DistributedSampler with "
                            "drop_last=True, or pad the last batches")
 
-    # -- backward: one hook per parameter, one callback per backward ---------
-    def _on_grad(self, p: nn.Parameter, entry) -> None:
-        """The gradient hook of every trainable parameter (``entry``: its ``grad_sync.GradEntry``)."""
-        if self._backward_dropped:  # (the attribute read inline: this hook runs once per parameter)
-            self._recover_if_dropped()
-        if not self._in_backward:
-            if not self._habits_checked:
-                self._check_habits()
-            self._begin_backward()
-        self._reduce_grad(p, entry)  # reduce first: the gatherer may then release p's unit
-        stage_on_grad = self._stage_on_grad
-        if stage_on_grad is not None:
-            stage_on_grad(p)
-
-    def _begin_backward(self) -> None:
-        if not self._in_backward:
-            self._settle_update()  # the reductions land in the gradient shards the update reads
-            # the callback first: a backward marked begun always has its end queued (a KeyboardInterrupt landing
-            # between the two left it 'in backward' for good); queue_end_of_backward raises outside a backward
-            queue_end_of_backward(EndOfBackward(self._hooks.relay(self._end_backward),
-                                                self._hooks.relay(self._note_dropped_backward)))
-            self._in_backward = True
-            self._backwards_begun += 1
-            if self._clip is not None:  # clip_grad_norm_ came before this backward: torch clipped .grad then
-                self._apply_clip(during_backward=True)
-            if self._clip_values:  # clip_grad_value_ came before it: refused by the step (clip_value.py), unless
-                # what it clamped is gone (stage 1's model.zero_grad() sets .grad None; stages 2-3's forgets the clip)
-                clamped = self._clamped
-                if self.grad_sync.frees_grads or any(p.grad is not None and p.grad is g() for p, g in clamped):
-                    self._clip_refused = self._clip_refused or RuntimeError(BACKWARD_AFTER)
-                self._clip_values = ()
-
-    def _apply_clip(self, during_backward: bool) -> tuple[PendingClip, torch.Tensor]:
-        """The pending clip_grad_norm_, applied to the gradients now rather than by the update: a backward
-        begins, or another clip_grad_norm_ reads the norm (torch clips ``.grad`` in place at once, so a backward
-        after it adds unclipped gradients to clipped ones, and a second clip sees the first one's result).
-        Device work, no host read; the usual clip-then-step pays nothing (the update applies the factor)."""
-        clip, self._clip = self._clip, None
-        coef = clip.coef(ScalerInputs(None, None, None))
-        if not clip.applied:  # (stage 1's final clips are in .grad and the shards since the call)
-            self.grad_sync.apply_clip(coef, during_backward)
-        return clip, coef
-
-    def _take_swapped(self, stale: list) -> None:
-        """Stages 2-3, at the step or clip, ``stale`` holding a .grad no hook saw: those whose tensor user code
-        swapped for another (``HookSet.rehook_swapped``) are hooked again and what their gradient got unseen is
-        reduced now, as a frozen parameter's that trains again (among ranks: refused). Their values are taken in
-        as any assigned tensor's (``before_update``); the others are refused as set by hand."""
-        swapped = {id(p) for p in self._hooks.rehook_swapped()}
-        unseen = [p for p in stale if id(p) in swapped]
-        # the others are refused as set by hand; their hooks are attached again all the same, so that a swap the
-        # comparison missed (two between checks, an address reused) costs this one step, not every step after
-        self._hooks.reattach([p for p in stale if id(p) not in swapped])
-        if not unseen:
-            return
-        if self.topology.world_size == 1:
-            self._reduce_unseen(unseen)
-            return
-        # among ranks, reducing them now would launch collectives the ranks that swapped nothing do not make:
-        # this step is refused (on every rank, through the step's checksum), nothing changed
-        for p in unseen:
-            p.grad = None
-        self.grad_sync.refused = self.grad_sync.refused or RuntimeError(
-            f"{len(unseen)} parameters were swapped for other tensors (torch.utils.swap_tensors: load_state_dict "
-            "under torch.__future__.set_swap_module_params_on_conversion(True)) after zero_grad(), so the backward "
-            "since reached them without the optimizer's gradient hooks and their gradients were not reduced: this "
-            "step is skipped on every rank. They are hooked again from now on; load (or swap) before zero_grad()")
-
-    def _take_unfrozen(self) -> None:
-        """Parameters laid out while frozen (a rebuild by add_param_group after peft's set_adapter froze them) that
-        require a gradient again: hooked from now on, and what they got in the last backward reduced now."""
-        now = [p for p in self._unhooked if p.requires_grad]
-        if not now:
-            return
-        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
-        if self.grad_sync.frees_grads:  # (stage 1 hooks one parameter per bucket only to see a backward)
-            for p in now:
-                self._hooks.grad(p, self._on_grad, self.grad_sync.entries[p])
-            self._reduce_unseen(now)
-
-    def _reduce_unseen(self, params: list) -> None:
-        """Stages 2-3: the .grad of ``params`` that no hook saw, reduced now as late gradients of this round."""
-        scaler = unscaling_scaler(self, self._scaler_ref)
-        if scaler is not None:  # its unscale_ divided their kept .grad in place; the shards it never saw are
-            kept = [p.grad for p in params if p.grad is not None]  # still scaled, and step() unscales them all
-            if kept:
-                torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
-        self.grad_sync.reduce_unhooked(params)
-
-    @torch.no_grad()  # (a backward(create_graph=True) runs its callbacks and hooks with grad mode on)
-    def _end_backward(self) -> None:
-        self._in_backward = False
-        self._stage.end_backward()  # every gather this rank owes is issued before GradSync may wait
-        self.grad_sync.close_round()
-
-    def _note_dropped_backward(self) -> None:
-        """The backward raised (its end-of-backward callback was dropped unrun): noted, finished at the next call."""
-        self._backward_dropped = True
-
-    def _recover_if_dropped(self) -> None:
-        """A backward raised, and a loop caught it and goes on (as torch.optim allows): end that backward as
-        its callback would have, so what it produced stays as torch leaves it (the gradients that came in are
-        reduced as a finished backward's: ``zero_grad()`` drops them) and the next backward opens a round. On
-        every rank that raised alike; a rank raising alone leaves the others in their collectives, as DDP. A
-        no-op unless the last backward raised."""
-        if not self._backward_dropped:
-            return
-        self._backward_dropped = False
-        self._end_backward()  # (each part ends only what is still open: also where the callback itself was cut short)
-
     def _meet_eval(self) -> None:
         """Stage 3, an evaluation forward (without gradients, or in eval mode): every rank runs it, so they meet
         first."""
@@ -699,20 +534,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         message = stage3_model_wrapped(self, self.module)
         if message is not None:
             raise RuntimeError(message)
-
-    def _check_habits(self) -> None:
-        """Once, at the first gradient: refuse a model that DDP wraps (every rank wraps it alike)."""
-        self._habits_checked = True
-        if self.topology.world_size == 1:
-            return
-        reduced = ddp_reduced()
-        message = ddp_wrapping(list(self._params), reduced)
-        if message is not None:
-            raise RuntimeError(message)
-        if self.module is not None and not self.config.needs_module:  # (stage 3 refuses them when built)
-            left = left_unreduced(self.module, reduced)
-            if left is not None:
-                warnings.warn(left, UserWarning, stacklevel=2)
 
     # -- the training-loop API --------------------------------------------
     @contextmanager
@@ -761,7 +582,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         with self.grad_sync.no_sync():
             yield
 
-    @_reason_left_for_peers("zero_grad()")
+    @reason_left_for_peers("zero_grad()")
     @eager_under_compile
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._recover_if_dropped()
@@ -773,127 +594,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         self._forget_clips()
         super().zero_grad(set_to_none=set_to_none)
 
-    @_reason_left_for_peers("clip_grad_norm_()")
-    @eager_under_compile
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-        """Clip the global gradient norm in the next step(); return the norm.
-
-        Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged
-        gradients (every rank calls it). With a ``torch.amp.GradScaler``, the
-        usual ``scaler.unscale_(opt); opt.clip_grad_norm_(m); scaler.step(opt)``
-        clips the unscaled gradients at every stage, as DDP does: the shards
-        stay scaled, so the norm is unscaled with the scaler's scale. Before any
-        ``unscale_`` it measures and clips the scaled gradients, as torch's. Until
-        the scaler first steps this optimizer (the very first step, or the first
-        after plain steps) it is not known yet: it is looked for in the
-        calling frames (``amp.scaler_in_callers``); not found there, the returned
-        tensor holds the right value from ``scaler.step(opt)`` on (read it after
-        the step), taking an ``unscale_`` the step finds as having come first.
-        At stage 1, once the norm is final, the kept ``.grad`` (and the shards
-        reduced from it) are clipped at the call, as torch's clips ``.grad``.
-
-        Called again before ``step()``, it measures what the first call left, and a backward after it adds
-        unclipped gradients to clipped ones, as torch's. ``error_if_nonfinite=True`` reads the norm on the
-        host (one sync) and raises on every rank, as torch's; ``foreach`` is accepted and has no effect (one
-        fused pass either way). Only the 2-norm is served.
-        """
-        self._check_open()
-        self._settle_update()
-        # a bad max_norm or norm_type may be on one rank only: raised by the step() that follows, after its
-        # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
-        # would each scale their own shard), so the others skip that step too and raise at their next call
-        _, bad_clip = self._refusal(lambda: (_check_clip_args(max_norm, norm_type),
-                                             check_no_value_clip(self._clip_values)))
-        # (step() raises these: it refuses again there; the clip's checksum carries them to the step that follows,
-        # which makes no all-reduce of its own)
-        _, edited = self._refusal(self._check_edits)
-        _, unfit = self._refusal(lambda: self._stage.check_fit(self.partitions))  # (p.data = t of another shape)
-        if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
-            raise RuntimeError(
-                "clip_grad_norm_() inside optimizer.no_sync(), while gradients still accumulate: it clips the global "
-                "norm of the whole step's averaged gradients, which exist only after the last micro-batch's "
-                "backward. Clip once, after that backward and before step() (with Accelerate: under `if "
-                "accelerator.sync_gradients:`); DDP would clip each rank's partial local gradient instead")
-        if self._unhooked:
-            self._take_unfrozen()
-        hand_set = self._reduce_grads()
-        refusing = edited is not None or hand_set is not None or bad_clip is not None or unfit is not None
-        self._raise_if_disagreed()
-        bad_clip = bad_clip or self._clip_refused  # (an earlier clip's this step, applied by a backward since too)
-        previous = None
-        if self._clip is not None:  # a second clip in this step: it measures what the first one left
-            previous = self._apply_clip(during_backward=False)
-        grad_scaler, unscaled = self._clip_units(grad_scaler)
-        final = unscaled is not None
-        if final and grad_scaler is None and not self.grad_sync.frees_grads:
-            self.grad_sync.reduced_scaled = True  # stage 1 reduced the scaled .grad: an unscale_ after misses them
-        inv_scale = self._scaler(grad_scaler).inv_scale if grad_scaler is not None else None
-        clipped = self._clipped + (None if bad_clip else _norm_key(max_norm),)
-        stats = self._stats(with_norm=True, site=("clip_grad_norm_", clipped), refusing=refusing)
-        total = stats.total_norm(inv_scale)
-        if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
-            raise RuntimeError(  # torch's words; the same on every rank (the global norm)
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`")
-        self._clip = PendingClip(math.inf if bad_clip else max_norm, stats, total, resolved=final,
-                                 previous=None if previous is None or previous[0].resolved else previous)
-        self._clipped, self._clip_refused = clipped, bad_clip  # (bad_clip: step() raises it after its collectives)
-        if final and not bad_clip and not self.grad_sync.frees_grads:
-            # stage 1 keeps .grad: clipped now, as torch's clip writes .grad at once (a read before step() sees it, a
-            # further backward adds to it, an unscale_ after divides it), and the shards reduced from it with it
-            self.grad_sync.apply_clip(self._clip.coef(ScalerInputs(None, None, None)), during_backward=False)
-            self._clip = self._clip._replace(applied=True)
-        return total
-
-    @eager_under_compile
-    def clip_grad_value_(self, clip_value: float, foreach: bool | None = None, *, grad_scaler=None) -> None:
-        """Clamp every element of the averaged gradients to ``[-clip_value, clip_value]`` in the next step(), as
-        ``torch.nn.utils.clip_grad_value_`` over DDP's gradients (every rank calls it, after the step's last
-        backward). No collective: each rank clamps its own shard, after the step's overflow check (a GradScaler
-        still skips a step with an inf). Called twice, both clamps apply in turn. Not with a norm clip in the same
-        step, nor before a further backward (refused by the step on every rank: ``clip_value.py``). At stage 1 the
-        kept ``.grad`` are clamped after the step, as torch's clip left them. ``foreach`` has no effect.
-
-        Under a GradScaler it clamps what torch's would: the unscaled gradients after ``scaler.unscale_(opt)``,
-        the scaled ones before it. ``grad_scaler``: the clamp is of the gradients unscaled by this scaler (what a
-        framework that lets the optimizer unscale means, as Lightning's 16-mixed: ``clip_grad_norm_`` takes it
-        alike)."""
-        self._check_open()
-        if not self.grad_sync.sync:  # every rank accumulates alike: raised on all, before any collective
-            raise RuntimeError(INSIDE_NO_SYNC)
-        norm_clip = self._clip is not None or self.config.max_grad_norm is not None
-        value, bad = self._refusal(lambda: check_clip_value(clip_value, norm_clip))
-        if bad is not None:
-            self._clip_refused = self._clip_refused or bad  # (the step raises it after its collectives)
-            return
-        unscaled = self._clip_units(grad_scaler)[1]
-        self._clip_values += ((value, unscaled),)
-        if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
-            self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]
-
-    def _clip_units(self, grad_scaler) -> tuple:
-        """In which units a clip called now finds the gradients: torch's measures ``.grad`` as it is, unscaled by a
-        ``scaler.unscale_()`` before it or still scaled. ``(the scaler that unscaled them, True)``; ``(None,
-        False)``, still as backward left them; ``(None, None)``, not known (``step()`` then takes an ``unscale_`` it
-        finds as having come first). ``grad_scaler``: the caller's word that this scaler unscales them. The scaler
-        is known from its first step on, before that looked for in the calling frames (``amp.scaler_in_callers``;
-        about 8 us a clip), also after steps without one (a scaler first used after plain steps, whose first
-        ``unscale_`` would otherwise be taken as not having run). Called by the clip methods only (the frames
-        above them are counted)."""
-        if grad_scaler is not None:
-            return grad_scaler, True
-        if self._scaler_ref is not None:
-            scaler = unscaling_scaler(self, self._scaler_ref)
-            return scaler, scaler is not None
-        scaler, unscaled = scaler_in_callers(self, skip=1)
-        if unscaled is None and self._steps_done:  # none there, and none stepped the steps that finished: a run
-            return None, False  # without one (a scaler first used after plain steps is found there, as on the first)
-        return scaler, unscaled
-
-    @_reason_left_for_peers("step()")
+    @reason_left_for_peers("step()")
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step of every parameter that got a gradient on some rank (every rank calls it).
@@ -954,7 +655,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                     if self.topology.world_size == 1 or self._backwards_begun == begun:
                         # before its backward reached a gradient (in its forward): this rank made none of the
                         # backward's collectives, so it raises at once, as torch and DDP (the others wait in theirs
-                        # and fail with this reason if this process ends: _reason_left_for_peers)
+                        # and fail with this reason if this process ends: reason_left_for_peers)
                         raise
                     # perhaps on this rank alone, after its backward: the step goes through its collectives
                     # skipped and raises it
@@ -1170,7 +871,7 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
                 "step()); set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank, "
                 "and to skip a batch, agree on it across ranks first (all_reduce the flag) so that every rank skips")
 
-    @_reason_left_for_peers("check_agreement()")
+    @reason_left_for_peers("check_agreement()")
     @eager_under_compile
     def check_agreement(self) -> None:
         """Raise on every rank if the ranks disagreed on a step whose verdict is still on its way (``step()``)."""
@@ -1221,10 +922,6 @@ class ShardedOptimizer(StateAccess, torch.optim.Optimizer):
         for kind, n in (*self._stage.traffic().items(), *own.items()):
             self._last_traffic[kind] = self._last_traffic.get(kind, 0) + n
 
-
-    def _forget_clips(self) -> None:
-        self._clip, self._clipped, self._clip_refused, self._clip_values = None, (), None, ()
-        self._clamped = []
 
     def _order_state(self) -> None:
         """``self.state`` in param_groups order, as torch.optim's first step creates it (the partitions create the
