@@ -41,16 +41,29 @@ def scaler_inputs(optimizer, grad_scaler, device: torch.device, grads_unscaled_i
     reduced them while still scaled (the shards then still need the inverse scale).
     """
     if grad_scaler is None or not grad_scaler.is_enabled():
-        scale = getattr(optimizer, "grad_scale", None)
+        scale = _one_element(optimizer, "grad_scale")
         inv = None if scale is None else scale.double().reciprocal().float()
-        return ScalerInputs(inv, getattr(optimizer, "found_inf", None), None)
+        return ScalerInputs(inv, _one_element(optimizer, "found_inf"), None)
     from torch.amp.grad_scaler import OptState
 
     state = grad_scaler._per_optimizer_states[id(optimizer)]
-    inv = grad_scaler._scale.double().reciprocal().float().to(device)
+    inv = grad_scaler._scale.double().reciprocal().float().to(device).reshape(())  # (a scale of shape (1,) too)
     if state["stage"] is OptState.UNSCALED and grads_unscaled_in_place:
         return ScalerInputs(inv if reduced_before_unscale else None, None, state, inv)
     return ScalerInputs(inv, None, state)
+
+
+def _one_element(optimizer, name: str) -> torch.Tensor | None:
+    """``optimizer.<name>`` (``grad_scale`` or ``found_inf``, torch's fused-optimizer AMP attributes) as a 0-dim tensor:
+    torch's fused AdamW takes one element of any shape (an older GradScaler's scale had shape (1,))."""
+    t = getattr(optimizer, name, None)
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise TypeError(f"optimizer.{name} must be a one-element tensor (what torch.amp.GradScaler sets), got "
+                        f"{type(t).__name__}{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}: set it to the "
+                        "scale's (or the overflow flag's) tensor, or None")
+    return t.reshape(())
 
 
 _CALLER_DEPTH = 12  # frames above calling_scaler: _step, step, its no_grad and torch.optim wrappers (a subclass's

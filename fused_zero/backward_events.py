@@ -98,7 +98,7 @@ class BackwardEvents:
         if scaler is not None:  # its unscale_ divided their kept .grad in place; the shards it never saw are
             kept = [p.grad for p in params if p.grad is not None]  # still scaled, and step() unscales them all
             if kept:
-                torch._foreach_mul_(kept, scaler._scale.to(kept[0].device))  # (a power of 2: exact)
+                torch._foreach_mul_(kept, scaler._scale.to(kept[0].device).reshape(()))  # (a power of 2: exact)
         self.grad_sync.reduce_unhooked(params)
 
     @torch.no_grad()  # (a backward(create_graph=True) runs its callbacks and hooks with grad mode on)

@@ -575,3 +575,75 @@ def test_a_state_dict_saved_between_loading_and_the_next_step_holds_the_loaded_m
     opt3.load_state_dict(resaved)
     train(model3, opt3, range(3, 5))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model3.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("found_inf", [0.0, 1.0])
+def test_fused_amp_attributes_of_one_element_of_any_shape_as_torchs(stage, shape, found_inf):
+    """optimizer.grad_scale / found_inf (torch's fused-optimizer AMP attributes, which a GradScaler sets): one
+    element of any shape, as torch's fused AdamW takes them (an older GradScaler's scale had shape (1,); stage 1
+    multiplied its kept .grad by it and raised after the update)."""
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make(model)
+        for t in range(2):
+            opt.zero_grad()
+            (model(torch.randn(5, 4)).square().mean() * 4).backward()
+            opt.grad_scale = torch.full(shape, 4.0)
+            opt.found_inf = torch.tensor(found_inf if t else 0.0)
+            opt.step()
+        return model, opt
+
+    ref, ref_opt = run(lambda m: torch.optim.AdamW(m.parameters(), fused=True))
+    model, opt = run(lambda m: ShardedOptimizer(m if stage == 3 else m.parameters(), stage=stage))
+    with opt.full_parameters() if stage == 3 else contextlib.nullcontext():
+        assert _max_err(model, ref) <= TOL
+    if stage == 1:  # torch's fused step unscales the kept .grad in place, and leaves them scaled when skipped
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=TOL, atol=0)
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == \
+        [float(ref_opt.state[q]["step"]) for q in ref.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fused_amp_attribute_of_several_elements_is_refused_naming_it(stage):
+    model = torch.nn.Linear(4, 3)
+    opt = ShardedOptimizer(model.parameters(), stage=stage)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.grad_scale = torch.ones(2)
+    with pytest.raises(TypeError, match=r"optimizer.grad_scale must be a one-element tensor"):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("as_float", [False, True])
+def test_a_step_count_read_after_load_state_dict_follows_later_steps_as_torchs(stage, as_float):
+    """state[p]["step"] read right after load_state_dict is the tensor later steps advance, as torch's load leaves
+    its own tensor there and advances it in place (it was the loaded copy, left behind by the first step)."""
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make(model)
+
+        def train(steps):
+            for t in steps:
+                opt.zero_grad()
+                model(torch.randn(5, 4, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+                opt.step()
+        train(range(2))
+        sd = copy.deepcopy(opt.state_dict())
+        if as_float:
+            for s in sd["state"].values():
+                s["step"] = float(s["step"])
+        opt.load_state_dict(sd)
+        held = {name: opt.state[p]["step"] for name, p in model.named_parameters()}
+        train(range(2, 3))
+        return model, {name: (float(t), t is opt.state[p]["step"]) for (name, t), p in
+                       zip(held.items(), model.parameters())}
+
+    ref, ref_held = run(lambda m: torch.optim.AdamW(m.parameters()))
+    model, held = run(lambda m: ShardedOptimizer(m.parameters(), stage=stage))
+    assert held == ref_held == {"weight": (3.0, True), "bias": (3.0, True)}
+    assert _max_err(model, ref) <= TOL
