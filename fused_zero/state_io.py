@@ -187,6 +187,9 @@ class StateAccess:
         else:
             write()
         attach_all(self.state, self.partitions)
+        for part in self.partitions:
+            if part.grad_shard is not None:  # the loaded counts: the views later steps advance, from now on
+                step_counts_of(part).take_in_loaded(self.state, part)
         self._stage.params_from_shards(self.partitions)
         for k, part in enumerate(self.partitions):
             part.pending_master = (pending or {}).get(k)

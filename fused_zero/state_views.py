@@ -348,6 +348,27 @@ class StepCounts:
         self.started = [True] * len(self.started)
         self._steady = None
 
+    def take_in_loaded(self, state: dict, part) -> None:
+        """After a load: the counts it put in ``state`` (host tensors) become this partition's views now, holding
+        their values, as the next ``advance`` would take them in, so that ``state[p]["step"]`` read after the load
+        is the tensor later steps advance in place (torch's load leaves its own there, advanced in place)."""
+        new_keys = None
+        for i, p in enumerate(part.params):
+            count = state[p].get("step") if p in state else None
+            if count is None or count is self.views[i]:
+                continue
+            new_keys = new_keys or list(self.keys)
+            self.views[i].fill_(float(count))
+            dict.__setitem__(own_state(state, part, p), "step", self.views[i])
+            new_keys[i] = ("set", float(count))
+            self.started[i] = True
+        if new_keys is not None:
+            numbers: dict = {}
+            self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
+            self._runs.clear()
+            self._steady = None
+            self._version = self.flat._version  # (this class's own write, not user code's)
+
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None, edits: bool = True) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
         device tensor, is set), giving new states their moment views; returns the advanced positions.
