@@ -14,7 +14,7 @@ from .checkpoint.optim_state import gather_state_dict, load_state_dict as load_o
 from .comm.collectives import Comm
 from .hooks import eager_under_compile
 from .sharding.partition import PartitionIndex, unalias
-from .state_views import attach_all
+from .state_views import attach_all, take_in_edited_moments
 from .tiers.tier import Tier
 from .update import step_counts_of
 
@@ -46,6 +46,7 @@ class StateAccess:
         self._settle_update()  # stage 3 with offloaded states: the update behind the last step ends first
         self.check_states_kept()
         self._take_in_loaded_weights()
+        self.take_in_state_edits()
         self.check_agreement()  # a step whose ranks disagreed raises here, on every rank, before any gather
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             pre_hook(self)
@@ -132,6 +133,14 @@ class StateAccess:
         if settle:
             self.grad_sync.wait()
         return self.partitions[partition].store.read(kind, start, end)
+
+    def take_in_state_edits(self) -> None:
+        """Moments user code put in ``optimizer.state[p]`` since the last step (``state[p]["exp_avg"] = t``, a whole
+        state put in) go into the shards now, as that step would take them in, so that a ``state_dict()`` or
+        checkpoint saved before it holds them (both read the shards; the step counts they read from ``state``). An
+        edit the step would refuse is left to it. Local, no collective."""
+        for part in self.partitions:
+            take_in_edited_moments(self.state, part)
 
     def _take_in_loaded_weights(self) -> None:
         """Stages 1-2, between ``load_state_dict`` and the model's weights loaded after it and the next step: the

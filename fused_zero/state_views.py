@@ -232,6 +232,25 @@ def take_in_moments(state: dict, part, index: int) -> None:
             dict.__setitem__(s, kind, view)
 
 
+def take_in_edited_moments(state: dict, part) -> None:
+    """Between steps: ``take_in_moments`` of every parameter of ``part`` whose moments the next advance takes in (a
+    started parameter's, or one whose count user code put in), so that what reads the store (``state_dict()``, a
+    checkpoint's save) sees them; one the step would refuse is left to it (refused there, before its collectives).
+    ``part.state_edited`` stays set: the step still looks at the counts."""
+    if not part.state_edited[0]:
+        return
+    counts = getattr(part, "step_counts", None)
+    for i, p in enumerate(part.params):
+        s = state.get(p)  # (no entry made: get() is not defaultdict's [])
+        if not s or "step" not in s:
+            continue
+        if counts is None or counts.started[i] or s["step"] is not counts.views[i]:
+            try:
+                take_in_moments(state, part, i)
+            except (TypeError, ValueError, RuntimeError):
+                pass
+
+
 def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(kind, the values flat, the store's view) of each moment user code replaced in ``s`` (``state[p]`` of
     parameter ``index`` of ``part``); raises what cannot be taken in."""

@@ -156,6 +156,50 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("save", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("edit", ["moment", "whole state"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_moments_put_in_are_saved_before_the_next_step_and_resume_as_torch(stage, edit, save, tmp_path):
+    """A moment replaced (``state[p]["exp_avg"] = t``, DeepSpeed's safe_set_full_optimizer_state) or a whole state
+    put in, then ``state_dict()`` or ``checkpoint.save`` before the next step: the save holds the new moments, and a
+    run resumed from it trains as torch's (before: the old moments were saved beside the new step count)."""
+    from fused_zero import checkpoint
+
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    shape = ref.layers[0].weight.shape  # (stage 3 between steps: the parameter is an empty placeholder)
+    for o, m in ((opt, model), (ref_opt, ref)):
+        w = m.layers[0].weight
+        if edit == "moment":
+            o.state[w]["exp_avg"] = torch.full(shape, 0.5)
+        else:
+            o.state[w] = {"step": torch.tensor(7.0), "exp_avg": torch.full(shape, 1e-3),
+                          "exp_avg_sq": torch.full(shape, 1e-4)}
+    expected = ref_opt.state_dict()
+    if save == "state_dict":
+        saved = opt.state_dict()
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["state"][0][k], expected["state"][0][k]), k
+    else:
+        checkpoint.save(tmp_path, model, opt, tag="edited")
+    resumed = PlainNet()
+    with opt.full_parameters() if stage == 3 else torch.no_grad():
+        resumed.load_state_dict(model.state_dict())
+    resumed_opt = _build(resumed, stage, lr=1e-2)
+    if save == "state_dict":
+        resumed_opt.load_state_dict(saved)
+    else:
+        checkpoint.load(tmp_path / "edited", resumed, resumed_opt)
+    for t in range(2, 4):
+        for m, o in ((resumed, resumed_opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(resumed, resumed_opt, ref, stage)
+
+
 @pytest.mark.parametrize("edit", ["fill_", "+=", "assign"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_step_count_written_in_place_or_replaced_is_followed(stage, edit):

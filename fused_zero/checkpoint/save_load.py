@@ -28,8 +28,8 @@ from ..state_views import MOMENT_KINDS
 class ShardOwner(abc.ABC):
     """What checkpoints save and load: ``ShardedOptimizer`` registers itself (optimizer.py), so that this
     package never imports the optimizer (which imports ``optim_state`` for its state_dict()). Checkpoints
-    use only its public shard interface: ``comm``, ``collective_call``, ``check_states_kept``, ``shard_index``,
-    ``read_shard``, ``load_shards``, ``state``, ``param_groups``, ``config``."""
+    use only its public shard interface: ``comm``, ``collective_call``, ``check_states_kept``, ``take_in_state_edits``,
+    ``shard_index``, ``read_shard``, ``load_shards``, ``state``, ``param_groups``, ``config``."""
 
 
 def comm_of(optimizer):
@@ -96,6 +96,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
             raise FileExistsError(f"{folder} is a file, not a folder: fused_zero.checkpoint.save() writes a folder of "
                                   "shards there; pass a folder path (it is made if missing)")
         optimizer.check_states_kept()  # (closed with its states in NVMe files: nothing to save)
+        optimizer.take_in_state_edits()  # moments put in optimizer.state since the last step: saved
         view = ModelView(model, optimizer)
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
