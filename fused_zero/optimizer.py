@@ -336,9 +336,11 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
             # (a refused constructor leaves it as it was)
             self.__dict__["_met"] = True  # a refusal from here on reaches every rank (the meeting, then collectives)
             self.topology.meet()  # the ranks were given the same groups (a store check: no collective yet)
-            self.topology.check_same(self._agreed(), "optimizer options and hyperparameters",
-                                 hint="build the optimizer with the same options and param group "
-                                      "hyperparameters on every rank")
+            # (whether a module was given decides the collectives below: its buffers' check and broadcast)
+            given = agreement_key({"module= (or the model in place of its parameters)": self.module is not None})
+            self.topology.check_same(self._agreed() + given, "optimizer options and hyperparameters",
+                                     hint="build the optimizer with the same options, param group "
+                                          "hyperparameters and module= (or the model) on every rank")
             if self.module is not None and self.config.broadcast_buffers:  # rank 0's are broadcast below
                 self.topology.check_same(
                     [(name, tuple(b.shape), str(b.dtype)) for name, b in self.module.named_buffers()],

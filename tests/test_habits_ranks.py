@@ -215,6 +215,27 @@ def _buffers_differing(rank, world_size, how, stage):
     return None
 
 
+def _module_on_one_rank(rank, world_size, stage, buffers):
+    from fused_zero import ShardedOptimizer
+
+    model = BNNet() if buffers else PlainNet()
+    try:
+        ShardedOptimizer(model.parameters(), **HYPER, stage=stage, module=model if rank == 1 else None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("buffers", [False, True])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_module_given_on_one_rank_only_is_refused_on_every_rank(stage, buffers):
+    """module= on rank 1 alone (stages 1-2): the module's buffers are checked and broadcast with collectives the
+    other ranks never make, so it is refused on every rank when built, naming module=. Before, rank 1 raised a
+    misleading "module buffers differ" and rank 0 waited in the build until killed."""
+    for message in run_ranks(_module_on_one_rank, 2, stage, buffers, timeout=TIMEOUT):
+        assert message is not None and "differ across ranks" in message and "module=" in message, message
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("how", ["an extra buffer on rank 1", "another dtype on rank 1", "another shape on rank 0"])
 def test_module_buffers_differing_across_ranks_are_refused_on_every_rank(how, stage):
