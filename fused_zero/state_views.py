@@ -241,8 +241,8 @@ def take_in_edited_moments(state: dict, part) -> None:
         return
     counts = getattr(part, "step_counts", None)
     for i, p in enumerate(part.params):
-        s = state.get(p)  # (no entry made: get() is not defaultdict's [])
-        if not s or "step" not in s:
+        s = _entry(state, p)
+        if "step" not in s:
             continue
         if counts is None or counts.started[i] or s["step"] is not counts.views[i]:
             try:
@@ -296,6 +296,16 @@ def check_step_count(step, what: str) -> float:
     return value
 
 
+_ABSENT = object()
+
+
+def _entry(state: dict, p) -> dict | tuple:
+    """``state[p]`` where it is a dict (torch's state of a parameter), else ``()`` (none, or what user code put in
+    that check_state_edits refuses)."""
+    s = state.get(p, ())
+    return s if isinstance(s, dict) else ()
+
+
 def check_state_edits(state: dict, part) -> None:
     """What the next step would refuse taking in user code's edits of ``part``'s ``optimizer.state[p]`` (a moment
     that is no tensor or of another size, a step count that is no whole number >= 0), raised before the step's
@@ -304,8 +314,12 @@ def check_state_edits(state: dict, part) -> None:
         return
     counts = getattr(part, "step_counts", None)
     for i, p in enumerate(part.params):
-        s = state.get(p)  # (no entry made: get() is not defaultdict's [])
-        if not s:
+        s = state.get(p, _ABSENT)  # (no entry made: get() is not defaultdict's [])
+        if s is not _ABSENT and not isinstance(s, dict):
+            raise TypeError(f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])} is a "
+                            f"{type(s).__name__}, not a dict: a parameter's state is a dict (step, exp_avg, "
+                            "exp_avg_sq). Put back a dict, or del optimizer.state[p] to restart it from zeros")
+        if not s or s is _ABSENT:
             continue
         count = s.get("step")
         if count is not None and (counts is None or count is not counts.views[i]):  # (advance reads it anyway)
@@ -399,7 +413,7 @@ class StepCounts:
             return []
         steady = edits and self._steady is not None and self._steady[0] is state and self._steady[1] == flags \
             and not part.state_edited[0] and self.flat._version == self._version
-        if not steady and skip is not None and any("step" not in state.get(part.params[i], ()) for i in active) \
+        if not steady and skip is not None and any("step" not in _entry(state, part.params[i]) for i in active) \
                 and to_host(skip, "verdict before new states"):
             return []  # as torch.optim.AdamW under a GradScaler: a skipped step creates no state
         new_keys = None
@@ -407,6 +421,8 @@ class StepCounts:
             new_keys = [("set", v) for v in to_host(self.flat, "step counts written in place")]
         for i in () if steady else active:
             s = state[part.params[i]]
+            if not isinstance(s, dict):  # (a refused step: check_state_edits refused it before the collectives)
+                continue
             count = s.get("step")
             if count is not views[i]:
                 if not edits:

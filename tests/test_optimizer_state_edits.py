@@ -156,6 +156,31 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("value", [None, 5, [1.0]])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_state_that_is_no_dict_is_refused_before_anything_changes(stage, value):
+    """``optimizer.state[p] = None`` (or a number): refused with a TypeError naming the fix, before the step's
+    collectives (among ranks the step is skipped on every rank); ``del optimizer.state[p]`` mends it, restarting
+    that parameter as torch's would. Before: an AttributeError inside the update, after the ranks agreed to step."""
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    w = model.layers[0].weight
+    opt.state[w] = value
+    with pytest.raises(TypeError, match=r"optimizer.state\[p\] of a parameter of shape .* is a .*, not a dict"):
+        _step(model, opt, 2)
+    assert _equal(model, opt, ref, stage)  # nothing changed
+    del opt.state[w]
+    del ref_opt.state[ref.layers[0].weight]
+    for t in range(2, 4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    assert _equal(model, opt, ref, stage)
+
+
 @pytest.mark.parametrize("save", ["state_dict", "checkpoint"])
 @pytest.mark.parametrize("edit", ["moment", "whole state"])
 @pytest.mark.parametrize("stage", STAGES)
