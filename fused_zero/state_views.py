@@ -271,16 +271,23 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
                 f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
                 f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back a tensor (zeros to "
                 "restart it), or take away the parameter's whole state (del optimizer.state[p]) to restart it")
-        flat = t.detach().reshape(-1)
-        if not (flat.numel() == full or (flat.numel() == mine and pieces)):
+        if not t.is_floating_point():
+            raise TypeError(f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
+                            f"given a {t.dtype} tensor: a moment is a floating-point tensor (fp32 here)")
+        shape = tuple(t.shape)
+        # shaped like the parameter, or like the view it replaced (this rank's elements, 1-D, among ranks); with the
+        # states on NVMe (no views) this rank's elements as a 1-D tensor. Another shape of as many elements (a
+        # transposed copy) would be read in the wrong order: torch's update refuses it in its shape checks too
+        if not (shape == tuple(part.shapes[index]) or (view is not None and shape == tuple(view.shape))
+                or (view is None and t.dim() == 1 and t.numel() == mine and pieces)):
             raise ValueError(
-                f"optimizer.state[p][{kind!r}] was given {flat.numel()} elements; the parameter has {full} "
-                f"({tuple(part.shapes[index])}) and this rank holds {mine} of them: give a tensor shaped like "
-                "the parameter (or like the view it replaced)" + (
+                f"optimizer.state[p][{kind!r}] was given a tensor of shape {shape}; the parameter has shape "
+                f"{tuple(part.shapes[index])} and this rank holds {mine} of its {full} elements: give a tensor "
+                "shaped like the parameter (or like the view it replaced)" + (
                     "; at stage 3 a parameter is an empty placeholder between steps, so a tensor made like it "
                     f"(torch.zeros_like(p)) is empty: use torch.zeros({tuple(part.shapes[index])})"
-                    if flat.numel() == 0 else ""))
-        out.append((kind, flat, view))
+                    if t.numel() == 0 else ""))
+        out.append((kind, t.detach().reshape(-1), view))
     return out
 
 

@@ -156,6 +156,26 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("given,error", [("transposed", ValueError), ("flat", ValueError), ("int64", TypeError)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_moment_of_another_shape_or_an_integer_dtype_is_refused(stage, given, error):
+    """A moment put in with as many elements but another shape (a transposed copy, a flat one) would be read in the
+    wrong order (torch's update refuses it in its shape checks): refused naming both shapes, before anything
+    changes; an integer tensor too. Before: taken in flat, silently reordered."""
+    model = PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    for t in range(2):
+        _step(model, opt, t)
+    w = model.layers[0].weight
+    shape = tuple(w.shape)
+    opt.state[w]["exp_avg"] = {"transposed": torch.ones(shape[::-1]), "flat": torch.ones(w.numel()),
+                               "int64": torch.ones(shape, dtype=torch.int64)}[given]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=r"optimizer.state\[p\]\['exp_avg'\]"):
+        _step(model, opt, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 @pytest.mark.parametrize("value", [None, 5, [1.0]])
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_state_that_is_no_dict_is_refused_before_anything_changes(stage, value):
