@@ -319,6 +319,32 @@ def test_stage_3_checkpoint_consolidates_and_reshards(reshard3, root):
     assert max(abs(a - b) / b for a, b in zip(*losses)) < TOL, losses
 
 
+def test_weights_only_load_for_a_new_optimizer(reshard3, root):
+    """load(directory, model, None): the model's weights alone (fine-tuning with a new optimizer, Megatron's
+    --no-load-optim): fp32 masters into a plain model in one process, a bf16 model rounded from them; a model sharded
+    at stage 3 is refused naming full_parameters(writeback=True), where the load works; a scheduler is refused."""
+    path = os.path.join(root, "C3")  # stage 3 at 3 ranks
+    model_sd, _ = ckpt.consolidate(path)
+    model = TinyNet()
+    assert ckpt.load(path, model, None) is None  # (saved without extra)
+    assert all(torch.equal(v, model_sd[k]) for k, v in model.state_dict().items())
+    half = TinyNet().bfloat16()
+    ckpt.load(path, half, None)
+    assert all(torch.equal(v, model_sd[k].to(v.dtype)) for k, v in half.state_dict().items())
+    fresh = TinyNet()
+    opt = ShardedOptimizer(fresh, stage=3, lr=1e-3, min_unit_numel=0)  # new hyperparameters, no saved state
+    with pytest.raises(RuntimeError, match=r"full_parameters\(writeback=True\)"):
+        ckpt.load(path, fresh, None)
+    with opt.full_parameters(writeback=True):
+        ckpt.load(path, fresh, None)
+    with opt.full_parameters():
+        assert all(torch.equal(v, model_sd[k]) for k, v in fresh.state_dict().items())
+    assert not opt.state  # nothing of the saved optimizer came in
+    with pytest.raises(ValueError, match="weights only"):
+        ckpt.load(path, TinyNet(), None, StepLR(torch.optim.SGD(TinyNet().parameters()), 1))
+    opt.close()
+
+
 def test_corruption_found_by_one_rank_raises_on_all(reshard3):
     for rank, res in enumerate(reshard3):
         kind, msg = res["stage2"]["corrupted"]

@@ -2,6 +2,7 @@
 
     tag = save(directory, model, optimizer, scheduler=None, *, tag=None, extra=None)  # every rank
     extra = load(directory, model, optimizer, scheduler=None, *, tag=None)             # every rank
+    extra = load(directory, model, None)     # the model's weights only (a new optimizer), any process
     model_sd, optim_sd = consolidate(directory, tag=None)     # one process: plain PyTorch
     load_torch_state(model, optimizer, optim_sd, model_state_dict=None)  # a torch.optim.AdamW state in
     python -m fused_zero.checkpoint consolidate DIR OUT [--tag TAG]

@@ -35,7 +35,8 @@ class ShardOwner(abc.ABC):
 def comm_of(optimizer):
     if not isinstance(optimizer, ShardOwner):
         raise TypeError(f"optimizer must be a fused_zero.ShardedOptimizer, got {type(optimizer).__name__}; "
-                        "save a torch.optim optimizer with torch.save(optimizer.state_dict())")
+                        "save a torch.optim optimizer with torch.save(optimizer.state_dict()), and load a "
+                        "checkpoint's weights alone (a new optimizer) with checkpoint.load(directory, model, None)")
     return optimizer.comm
 
 
@@ -190,7 +191,14 @@ def load(directory, model: nn.Module, optimizer, scheduler=None, *, tag: str | N
 
     ``tag`` defaults to the one ``directory/latest`` names (``directory`` may also be a tag's
     folder). The scheduler's state is restored when one is passed.
+
+    ``optimizer=None`` loads the model's weights only (fine-tuning with a new optimizer, as Megatron's
+    ``--no-load-optim`` or DeepSpeed's ``load_optimizer_states=False``): each process reads the fp32
+    masters, no collective, into a model not sharded at stage 3 (build the optimizer after, or load
+    inside ``with optimizer.full_parameters(writeback=True):``); its dtype is the model's own.
     """
+    if optimizer is None:
+        return _load_weights(directory, model, scheduler, tag)
     comm_of(optimizer)
     with optimizer.collective_call("checkpoint.load()"):
         return _load(directory, model, optimizer, scheduler, tag)
@@ -231,6 +239,28 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
     commit(view, staged, steps, hypers, tensors, scheduler, extras["scheduler"], extras["optim_extra"])
     optimizer.load_codec_state(meta.get("codec_state") or {})
     return extras["extra"]
+
+
+def _load_weights(directory, model, scheduler, tag) -> Any:
+    """``load(directory, model, None)``: the parameters and buffers only, in this process."""
+    from .torch_format import model_state
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if scheduler is not None:
+        raise ValueError("load(directory, model, None, scheduler) loads the model's weights only: a scheduler's "
+                         "state belongs with its optimizer's; pass the optimizer too, or no scheduler")
+    path = files.resolve(_folder(directory, "load"), tag)
+    meta, _ = read_metadata(path)
+    sd = model_state(path, meta)
+    empty = [k for k, p in model.named_parameters() if p.numel() == 0 and k in sd and sd[k].numel() > 0]
+    if empty:
+        raise RuntimeError(f"{empty[0]} is an empty placeholder: the model is sharded at stage 3 by a "
+                           "ShardedOptimizer. Load its weights inside `with optimizer.full_parameters(writeback=True):` "
+                           "(every rank), or with the optimizer: checkpoint.load(directory, model, optimizer)")
+    with torch.no_grad():
+        model.load_state_dict(sd)  # (torch's strict load: missing, unexpected and mis-shaped keys named)
+    return unblob(path, meta, meta.get("extra"))
 
 
 #: what optimizer.state[p] holds of the optimizer's own (the moments are views of the shards, saved from them)

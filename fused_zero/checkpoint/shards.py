@@ -104,12 +104,14 @@ class Reader:
             raise CheckpointError(f"{file} cannot be read ({str(e).splitlines()[0]}) for parameter {name!r}: "
                                   f"{CORRUPTED}") from None
 
-    def full(self, name: str) -> dict[str, torch.Tensor]:
-        """Every saved kind of parameter ``name``, full-shape."""
+    def full(self, name: str, kinds: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Every saved kind of parameter ``name`` (or those of ``kinds``), full-shape."""
         rec = self.meta["params"][name]
-        out = {kind: torch.zeros(numel_of(rec["shape"]), dtype=torch.float32) for kind in rec["kinds"]}
+        out = {kind: torch.zeros(numel_of(rec["shape"]), dtype=torch.float32) for kind in rec["kinds"]
+               if kinds is None or kind in kinds}
         for row in rec["chunks"]:
             c = Chunk.parse(row)
             for kind, src in self.chunk(name, c).items():
-                out[kind][c.start:c.start + c.numel] = src
+                if kind in out:
+                    out[kind][c.start:c.start + c.numel] = src
         return {kind: t.view(rec["shape"]) for kind, t in out.items()}
