@@ -274,6 +274,16 @@ def _two_rank_case(rank, ws, root, case):
             except Exception as e:  # noqa: BLE001
                 out.append((type(e).__name__, str(e)))
         return out
+    if case == "scheduler on rank 1 only":  # rank 0's save dropped it silently; a load set rank 1's lr alone
+        model, opt, sched = _make()
+        out = []
+        for call in (ckpt.save, ckpt.load):
+            try:
+                call(root, model, opt, sched if rank == 1 else None)
+                out.append(None)
+            except Exception as e:  # noqa: BLE001
+                out.append((type(e).__name__, str(e)))
+        return out, sched.step_size
     model, opt, sched = _make()
     try:
         ckpt.load(root, model, opt, sched)
@@ -310,6 +320,16 @@ def test_save_given_a_folder_on_rank_0_only_raises_on_every_rank_and_saves_after
                                                    timeout=60)):
         assert first is not None and first[0] == "TypeError" and "every rank calls it" in first[1], (rank, first)
         assert then is None, (rank, then)
+
+
+def test_a_scheduler_given_on_one_rank_only_is_refused_on_every_rank(two_rank_root):
+    """save or load with scheduler= on rank 1 alone: refused on every rank, nothing loaded (before: the save kept no
+    scheduler state and the load restored rank 1's scheduler alone, silently)."""
+    for rank, (out, step_size) in enumerate(run_ranks(_two_rank_case, 2, two_rank_root, "scheduler on rank 1 only",
+                                                      timeout=60)):
+        for res in out:
+            assert res is not None and res[0] == "ValueError" and "on ranks [1] only" in res[1], (rank, res)
+        assert step_size == 2, rank
 
 
 @pytest.mark.parametrize("bad", ["out is a folder", "out's folder is missing", "dir is missing"])

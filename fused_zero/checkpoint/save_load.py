@@ -116,9 +116,11 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
                                                "and steps (under keys that are no parameter, or keys of its own)")
         return view, name, blobs, folder
 
-    (view, name, blobs, directory), tags = agree(comm, prepare, share=lambda r: r[1])
+    (view, name, blobs, directory), shared = agree(comm, prepare, share=lambda r: (r[1], scheduler is not None))
+    tags = [t for t, _ in shared]
     if len(set(tags)) != 1:
         raise ValueError(f"ranks passed different tags {tags}: pass the same tag (or none) on every rank")
+    _check_scheduler_everywhere([given for _, given in shared], "save")
 
     def make_tmp():
         if comm.rank != 0:
@@ -176,6 +178,14 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
     return name
 
 
+def _check_scheduler_everywhere(given: list[bool], call: str) -> None:
+    """The scheduler passed on every rank or on none (rank 0 saves it; each rank loads its own)."""
+    if len(set(given)) != 1:
+        ranks = [r for r, g in enumerate(given) if g]
+        raise ValueError(f"a scheduler was passed to checkpoint.{call}() on ranks {ranks} only: pass it on every rank "
+                         "(each rank's scheduler sets its own optimizer's lr), or on none")
+
+
 def _check_scheduler(scheduler, opt) -> None:
     if scheduler is None:
         return
@@ -219,7 +229,9 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
                              "without scheduler=")
         return view, path, meta, digest
 
-    (view, path, meta, _), digests = agree(comm, prepare, share=lambda r: r[3])
+    (view, path, meta, _), shared = agree(comm, prepare, share=lambda r: (r[3], scheduler is not None))
+    digests = [d for d, _ in shared]
+    _check_scheduler_everywhere([given for _, given in shared], "load")
     if len(set(digests)) != 1:
         raise CheckpointError(f"ranks read different {METADATA} files for {directory}: every rank must load the "
                               "same checkpoint, from a filesystem that all ranks share")
