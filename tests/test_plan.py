@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -371,11 +372,24 @@ def test_codecs_closed_forms():
     (dict(params=1e9, model=torch.nn.Linear(2, 2)), ValueError, "exactly one"),
     (dict(model="gpt"), TypeError, "model must be a torch.nn.Module"),
     (dict(model=torch.nn.Embedding(4, 4).to(torch.float64)), TypeError, "supports float32, bfloat16 and float16"),
+    (dict(params=1e9, activation_checkpointing="False"), TypeError, "activation_checkpointing must be True or False"),
+    (dict(params=1e9, reshard_after_forward="False"), TypeError, "reshard_after_forward must be True or False"),
+    (dict(params=1e9, world_size=8, secondary_shard=8, reshard_after_forward=False), ValueError,
+     "secondary_shard=8 with reshard_after_forward=False"),
+    (dict(params=1e9, units=[torch.nn.Linear]), ValueError, "units= names the model's stage 3 units"),
 ])
 def test_errors_say_what_to_change(kwargs, error, words):
     params = kwargs.pop("params", None)
     with pytest.raises(error, match=words.replace("(", r"\(")):
         estimate(params, **kwargs)
+
+
+def test_numpy_counts_are_taken_and_a_bool_is_no_stage():
+    """numpy integers (as ZeroConfig takes them) plan as ints; Plan.stage(True) is no stage 1 (True == 1)."""
+    plan = estimate(np.int64(10**9), world_size=np.int64(8))
+    assert plan.job.world_size == 8 and isinstance(plan.job.world_size, int)
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got True"):
+        plan.stage(True)
 
 
 def test_a_plan_of_too_many_buckets_is_refused_at_once():

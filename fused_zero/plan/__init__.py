@@ -13,6 +13,7 @@ torch AdamW with an fp32 master for 16-bit params.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from fused_zero.config import STAGE_TRAITS, ZeroConfig
@@ -61,7 +62,7 @@ class Plan:
                              f"{offload!r} is planned at stage 3 only")
         if traits is not None and not traits.shards_states and (opt, par) != (None, None):
             raise ValueError("stage 0 (DDP) has no offload tiers: they are planned at stages 1-3")
-        found = find(self.stages, n, tier(opt, par))
+        found = None if isinstance(n, bool) else find(self.stages, n, tier(opt, par))
         if found is None:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {n!r}")
         return found
@@ -76,11 +77,18 @@ def _count(name: str, value, minimum: int = 1, optional: bool = False) -> int | 
     """A whole number >= minimum (7e9 is fine); ValueError/TypeError naming the option."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if value < minimum or value != int(value):
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _flag(name: str, value) -> bool:
+    """A True/False option (a string "False" would read as True): TypeError naming it otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _size(name: str, value) -> int | None:
@@ -121,6 +129,14 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
     """
     if (params is None) == (model is None):
         raise ValueError("give the model's size (params=7e9) or the model itself (model=...), exactly one")
+    if units is not None and model is None:
+        raise ValueError("units= names the model's stage 3 units (module classes): it needs model=; with params=, "
+                         "give layers= for the number of units")
+    activation_checkpointing = _flag("activation_checkpointing", activation_checkpointing)
+    if secondary_shard is not None and reshard_after_forward is False:
+        raise ValueError(f"secondary_shard={secondary_shard} with reshard_after_forward=False: the units stay "
+                         "gathered from forward to backward, so there is no backward gather for hpZ to serve: drop "
+                         "secondary_shard, or pass reshard_after_forward=True (as ZeroConfig refuses it)")
     world_size = _count("world_size", world_size)
     nodes = _count("nodes", nodes)
     if world_size % nodes:
@@ -128,7 +144,7 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
                          "ranks, the same on every node")
     job = Job(world_size, _count("bucket_numel", bucket_numel),
               None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
-              _count("max_live_units", max_live_units), bool(reshard_after_forward),
+              _count("max_live_units", max_live_units), _flag("reshard_after_forward", reshard_after_forward),
               _count("offload_chunk_numel", offload_chunk_numel),
               _count("min_unit_numel", min_unit_numel, minimum=0),
               _secondary(secondary_shard, world_size), *_codecs(param_comm, grad_comm, quant_block))

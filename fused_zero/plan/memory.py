@@ -89,6 +89,8 @@ def stage_where(**facts: bool) -> int:
 
 def stage_traits(n) -> StageTraits | None:
     """Stage ``n``'s row of ``config.STAGE_TRAITS``; None for anything that is not a stage."""
+    if isinstance(n, bool):  # (True == 1)
+        return None
     return next((t for k, t in STAGE_TRAITS.items() if k == n), None)
 
 
