@@ -6,6 +6,8 @@ unchanged; options that cannot mean anything here are refused with the reason.
 """
 from __future__ import annotations
 
+import collections.abc
+
 import numbers
 import re
 
@@ -32,6 +34,9 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
+    if isinstance(betas, (set, frozenset, collections.abc.Mapping)):  # no order: torch's betas[0] fails on them
+        raise TypeError(f"betas must be a pair (beta1, beta2), e.g. (0.9, 0.999), got {type(betas).__name__} "
+                        f"{betas!r}, which has no order: give a tuple")
     try:
         b0, b1 = betas
     except TypeError:  # not a sequence (0.9, None): torch's TypeError ("'float' object is not subscriptable")

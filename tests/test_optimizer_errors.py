@@ -197,10 +197,10 @@ def test_a_multi_element_tensor_hyperparameter_is_refused_naming_it(key, value, 
             opt.add_param_group({"params": params[2:], key: value})
 
 
-@pytest.mark.parametrize("betas", [0.9, None])
+@pytest.mark.parametrize("betas", [0.9, None, {0.5, 0.999}])
 def test_betas_not_a_pair_is_a_type_error_as_in_torch(betas):
-    """torch.optim.AdamW raises TypeError for betas that are no sequence; a ValueError before. A sequence of another
-    length stays a ValueError."""
+    """torch.optim.AdamW raises TypeError for betas that are no sequence (a set or dict too: no order; they were taken
+    in iteration order); a ValueError before. A sequence of another length stays a ValueError."""
     with pytest.raises(TypeError):
         torch.optim.AdamW(TinyNet().parameters(), betas=betas)
     with pytest.raises(TypeError, match=r"betas must be a pair \(beta1, beta2\), e.g. \(0.9, 0.999\), got"):
