@@ -329,6 +329,10 @@ def check_state_edits(state: dict, part) -> None:
         if not s or s is _ABSENT:
             continue
         count = s.get("step")
+        if count is None and any(kind in s for kind in MOMENT_KINDS):  # (torch's step: KeyError 'step')
+            raise ValueError(f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])} holds moments but "
+                             "no 'step': put a step count back (state[p]['step'] = torch.tensor(n)), or take the "
+                             "whole state away (del optimizer.state[p]) to restart it from zeros")
         if count is not None and (counts is None or count is not counts.views[i]):  # (advance reads it anyway)
             check_step_count(count, f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])}")
         # the moments the next advance takes in: a started parameter's, or one whose count is put in now (it starts)

@@ -156,6 +156,22 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_count_removed_with_the_moments_kept_is_refused_as_torch(stage):
+    """``del state[p]["step"]`` leaving the moments: torch's step fails (KeyError 'step'); here a ValueError naming
+    both fixes, before anything changes (before: the parameter restarted from zero moments, silently)."""
+    model = PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    _step(model, opt, 0)
+    w = model.layers[0].weight
+    del opt.state[w]["step"]
+    with pytest.raises(ValueError, match="holds moments but no 'step'"):
+        _step(model, opt, 1)
+    del opt.state[w]  # the fix: restarts it, as torch's
+    _step(model, opt, 2)
+    assert float(opt.state[w]["step"]) == 1.0
+
+
 @pytest.mark.parametrize("given,error", [("transposed", ValueError), ("flat", ValueError), ("int64", TypeError)])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_moment_of_another_shape_or_an_integer_dtype_is_refused(stage, given, error):
