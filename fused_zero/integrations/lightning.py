@@ -52,6 +52,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from ..config import STAGE_TRAITS, ZeroConfig  # noqa: E402
 from ._torch_optim import CONVERTIBLE, repoint_scheduler, sharded_from_torch  # noqa: E402
 from ..optimizer import ShardedOptimizer  # noqa: E402
+from ..sharding.units import check_units_form  # noqa: E402
 from ..tiers.tier import Tier  # noqa: E402
 
 __all__ = ["ZeroStrategy"]
@@ -166,6 +167,7 @@ class ZeroStrategy(DDPStrategy):
                             f"options {', '.join(known)}") from None
         if self._units is not None and not self._config.needs_module:
             raise ValueError("units= only applies to stage 3")
+        check_units_form(self._units)  # (the modules themselves are checked against the model at setup)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,

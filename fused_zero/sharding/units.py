@@ -136,6 +136,21 @@ def _inside_readers(model: nn.Module) -> dict[int, tuple[str, str, str]]:
     return inside
 
 
+def check_units_form(units) -> None:
+    """What ``units`` must be before the model is known (a framework's strategy takes it when made): None, or a list
+    of nn.Module classes or of modules, not a mix; TypeError naming the fix otherwise."""
+    if units is None:
+        return
+    if isinstance(units, (type, nn.Module, str, bytes)) or not isinstance(units, Sequence):
+        raise TypeError("units must be a list of nn.Module classes or of submodules of the model, "
+                        f"got {type(units).__name__}")
+    classes = all(isinstance(u, type) and issubclass(u, nn.Module) for u in units)
+    if not classes and not all(isinstance(u, nn.Module) for u in units):
+        bad = [u for u in units if not (isinstance(u, nn.Module) or (isinstance(u, type) and issubclass(u, nn.Module)))]
+        raise TypeError("units must be all nn.Module classes or all submodules of the model"
+                        + (f"; got {bad[0]!r}" if bad else ", not a mix of both"))
+
+
 def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     """The unit modules below the root for ``units`` (None, classes or modules), model order. Modules inside one
     that reads their weights directly (``_READS_CHILDREN``) are no units: by default and for classes they are left
@@ -145,9 +160,7 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     if units is None:
         chosen = [m for m in default_units(model) if id(m) not in inside]
     else:
-        if isinstance(units, (type, nn.Module, str, bytes)) or not isinstance(units, Sequence):
-            raise TypeError("units must be a list of nn.Module classes or of submodules of the model, "
-                            f"got {type(units).__name__}")
+        check_units_form(units)
         if all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             classes = tuple(units)
             chosen = [m for m in model.modules() if m is not model and isinstance(m, classes) and id(m) not in inside]
@@ -166,10 +179,6 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
                         "without calling it, so they would never be gathered when they are read: pass the "
                         f"{kind} (or a module around it) as the unit instead")
             chosen = list(units)
-        else:
-            bad = [u for u in units if not (isinstance(u, nn.Module) or (isinstance(u, type) and issubclass(u, nn.Module)))]
-            raise TypeError("units must be all nn.Module classes or all submodules of the model"
-                            + (f"; got {bad[0]!r}" if bad else ", not a mix of both"))
         for m in chosen:
             if isinstance(m, _CONTAINERS):
                 raise ValueError(f"units contains a {type(m).__name__}, whose forward never runs, so its "

@@ -244,6 +244,8 @@ def test_misuse_raises_naming_the_fix():
         ZeroStrategy(stage=2, bucket_size=10)
     with pytest.raises(ValueError):
         ZeroStrategy(stage=4)
+    with pytest.raises(TypeError, match="units must be a list of nn.Module classes"):  # (was taken, refused at setup)
+        ZeroStrategy(stage=3, units=5)
 
 
 def _weight_averaging(rank, world, which, stage):
