@@ -250,8 +250,7 @@ class NvmeParamShard(ParamShard):
     def __init__(self, numel, dtype, device, kernel_device, chunk_numel=1 << 20, *, path: str) -> None:
         super().__init__(numel, dtype, device, kernel_device, chunk_numel)
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.file = ScratchFile(path, "params", what="NVMe parameter shard", label="NVMe parameter offload",
-                                hint="free space there, or pass another nvme_path")
+        self.file = ScratchFile(path, "params", what="NVMe parameter shard", label="NVMe parameter offload")
         self.path = self.file.path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_zero-nvme-params")
         self._reading: Future | None = None

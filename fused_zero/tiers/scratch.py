@@ -91,9 +91,10 @@ def size_text(nbytes: int) -> str:
 
 
 class ScratchFile:
-    """One private file; ``what`` names it in errors ("NVMe store"), ``label`` and ``hint`` word them."""
+    """One private file; ``what`` names it in errors ("NVMe store"), ``label`` and ``hint`` word them (``hint``:
+    what follows the fix an error names, e.g. " (the states are as before this step)")."""
 
-    def __init__(self, folder: str, suffix: str, *, what: str, label: str, hint: str) -> None:
+    def __init__(self, folder: str, suffix: str, *, what: str, label: str, hint: str = "") -> None:
         sweep(folder)
         name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.{suffix}"
         self.path = os.path.join(folder, name)
@@ -148,7 +149,10 @@ class ScratchFile:
                       stacklevel=user_stacklevel())
 
     def error(self, doing: str, e: OSError) -> OSError:
-        return OSError(e.errno, f"fused_zero {self.label}: {doing} {self.path} failed ({e.strerror}); {self.hint}")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        fix = "free space there" if full else "check that disk (it reported an error, not a full disk)"
+        return OSError(e.errno, f"fused_zero {self.label}: {doing} {self.path} failed ({e.strerror}); {fix}, or pass "
+                                f"another nvme_path{self.hint}")
 
     def transfer(self, write: bool, view: memoryview, offset: int, fd: int | None = None) -> None:
         """Write ``view`` at byte ``offset`` (or read into it), whole or an OSError naming the file."""

@@ -46,7 +46,14 @@ class Staging:
         for buf in self._blocks:
             for kind in kinds:
                 if kind not in buf:
-                    buf[kind] = aligned_empty(self.chunk_numel, torch.float32)  # zeros, like any fresh mapping
+                    try:
+                        buf[kind] = aligned_empty(self.chunk_numel, torch.float32)  # zeros, like any fresh mapping
+                    except (OSError, MemoryError, RuntimeError) as e:
+                        raise MemoryError(
+                            f"fused_zero offload: the staging blocks (three per state kind, offload_chunk_numel="
+                            f"{self.chunk_numel} fp32 elements, {4 * self.chunk_numel / 2**30:.3g} GiB each) could not "
+                            f"be allocated ({e}): pass a smaller offload_chunk_numel (the default, 2**20, streams "
+                            "as fast)") from e
         return self._blocks
 
     def uploads(self, dtype: torch.dtype) -> Uploads:

@@ -96,7 +96,7 @@ class NvmeStore(ShardStore):
         # Each (slot, kind) region starts at a multiple of DIRECT_BYTES: O_DIRECT offsets must be aligned.
         self.stride = -(-numel // DIRECT_ELEMENTS) * DIRECT_ELEMENTS
         self.file = ScratchFile(path, "states", what="NVMe store", label="NVMe offload",
-                                hint="free space there, or pass another nvme_path (the states are as before this step)")
+                                hint=" (the states are as before this step)")
         self.path = self.file.path
         n_blocks = -(-numel // self.block)
         self._live = np.zeros(n_blocks, dtype=np.int8)  # which slot of each block holds the states
