@@ -149,6 +149,11 @@ _FROZEN_ONLY = (torch.float64,)  # besides the integer types: kept, never update
 
 def check_param(p: torch.Tensor, name: str, first_device: torch.device) -> None:
     """A parameter the sharded optimizer can lay out in its flat buffers."""
+    if hasattr(p, "placements") and hasattr(p, "to_local"):  # a DTensor (torch's tensor parallel, FSDP2's shards)
+        raise TypeError(f"parameter {name} is a DTensor ({type(p).__name__} with placements {tuple(p.placements)}): "
+                        "ShardedOptimizer lays out plain tensors. For tensor parallelism, shard the layers by hand "
+                        "(each rank's own plain nn.Parameter of its slice: README, mesh) and pass mesh['dp'], or "
+                        "train DTensor parameters with FSDP2 and a torch optimizer")
     if p.is_sparse or p.layout != torch.strided:
         raise TypeError(f"parameter {name} is sparse ({p.layout}); ShardedOptimizer needs dense parameters")
     if p.is_complex() and not p.requires_grad:

@@ -496,3 +496,22 @@ def test_the_build_gives_frozen_parameters_outside_the_groups_rank_0s_values(sta
     want = torch.cat([p.detach().flatten() for p in _TwoPart(seed=0).parameters()])
     for v in values:
         assert torch.equal(v, want)
+
+
+def _dtensor_params(rank, world_size):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = parallelize_module(torch.nn.Linear(8, 6), mesh, ColwiseParallel())
+    try:
+        ShardedOptimizer(model.parameters(), lr=1e-3)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_dtensor_parameters_from_torchs_tensor_parallel_are_refused_naming_the_way():
+    """parallelize_module's DTensor parameters: refused when built, naming the hand-sharded path (before: "share
+    memory (views of one tensor)" from every DTensor's data_ptr, or torch's "mixed torch.Tensor and DTensor")."""
+    for message in run_ranks(_dtensor_params, 2, timeout=120):
+        assert message is not None and "is a DTensor" in message and "mesh['dp']" in message, message
