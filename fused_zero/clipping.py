@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 
 import torch
@@ -20,8 +21,10 @@ from .amp import PendingClip, ScalerInputs, scaler_in_callers, unscaling_scaler
 from .call_guards import reason_left_for_peers
 from .clip_value import INSIDE_NO_SYNC, check_clip_value, check_no_value_clip
 from .hooks import eager_under_compile
+from .habits import CLIP_OVER_DP_ONLY
 from .host_read import to_host
 from .hyper import agreement_key
+from .user_frames import user_stacklevel
 
 
 def _norm_key(max_norm) -> object:
@@ -73,6 +76,9 @@ class ClipMethods:
         """
         self._check_open()
         self._settle_update()
+        if self.topology.model_parallel and not self._dp_clip_warned:
+            self._dp_clip_warned = True
+            warnings.warn(CLIP_OVER_DP_ONLY.format(what="clip_grad_norm_()"), UserWarning, stacklevel=user_stacklevel())
         # a bad max_norm or norm_type may be on one rank only: raised by the step() that follows, after its
         # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
         # would each scale their own shard), so the others skip that step too and raise at their next call

@@ -30,6 +30,13 @@ STAGE1_GRADS_EDITED = (
     "is this rank's, not the global one. Clip with optimizer.clip_grad_norm_(max_norm) or max_grad_norm=")
 
 
+#: clip_grad_norm_ / max_grad_norm over mesh["dp"] of a larger mesh (tensor or pipeline parallel beside it)
+CLIP_OVER_DP_ONLY = (
+    "ShardedOptimizer over a sub-mesh of a larger mesh (mesh['dp'] of a tp x dp mesh): {what} measures the norm of "
+    "the gradients on this data-parallel group only. The other dimensions' ranks (tensor or pipeline parallel) hold "
+    "other slices of the model, whose shares are not summed, so each clips with its own norm and parameters they "
+    "all hold drift apart (README: Meshes). Warned once")
+
 STEP_WITHOUT_ZERO_GRAD = (
     "ShardedOptimizer stage {stage}: step() again with no zero_grad() since the last step. torch would still "
     "hold the last step's gradients on .grad and add this step's backward to them (or, with no backward since, step "

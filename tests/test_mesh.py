@@ -515,3 +515,34 @@ def test_dtensor_parameters_from_torchs_tensor_parallel_are_refused_naming_the_w
     memory (views of one tensor)" from every DTensor's data_ptr, or torch's "mixed torch.Tensor and DTensor")."""
     for message in run_ranks(_dtensor_params, 2, timeout=120):
         assert message is not None and "is a DTensor" in message and "mesh['dp']" in message, message
+
+
+def _clip_over_dp_warns(rank, world_size):
+    import warnings
+    out = {}
+    for name, mesh in (("tp x dp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))["dp"]),
+                       ("hsdp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))):
+        for how in ("clip", "max_grad_norm"):
+            model = MLP()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt = ShardedOptimizer(model.parameters(), **LR, mesh=mesh,
+                                       **({"max_grad_norm": 1.0} if how == "max_grad_norm" else {}))
+                x, y = _batch(0, rank, 0)
+                F.mse_loss(model(x), y).backward()
+                for _ in range(2):
+                    if how == "clip":
+                        opt.clip_grad_norm_(1.0)
+                opt.step()
+            out[name, how] = sum("drift apart" in str(w.message) for w in caught)
+            opt.close()
+    return out
+
+
+def test_a_norm_clip_over_the_dp_sub_mesh_of_a_tp_dp_mesh_warns_once():
+    """clip_grad_norm_() and max_grad_norm over mesh["dp"] of a tp x dp mesh measure the dp group's norm only (the tp
+    ranks' slices are not summed, so they clip apart and drift, mesh port): warned once per optimizer, saying so;
+    an HSDP mesh (every rank of the root) is not warned."""
+    for out in run_ranks(_clip_over_dp_warns, 4, timeout=180):
+        assert out == {("tp x dp", "clip"): 1, ("tp x dp", "max_grad_norm"): 1,
+                       ("hsdp", "clip"): 0, ("hsdp", "max_grad_norm"): 0}, out

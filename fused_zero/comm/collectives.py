@@ -123,6 +123,15 @@ def is_process_group(obj: object) -> bool:
     return dist.is_available() and isinstance(obj, dist.ProcessGroup)
 
 
+def sliced_from_larger_mesh(mesh) -> bool:
+    """Whether ``mesh`` is a sub-mesh (``mesh["dp"]``) of a mesh with more ranks: other dimensions (tensor or
+    pipeline parallel) whose ranks hold other slices of the model."""
+    try:
+        return mesh._get_root_mesh().size() > mesh.size()
+    except (AttributeError, RuntimeError):  # (a torch without the private accessor: not known)
+        return False
+
+
 def is_device_mesh(obj: object) -> bool:
     """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh`` (comm/topology.py reads it)."""
     try:

@@ -25,7 +25,8 @@ builds process groups.
 from __future__ import annotations
 
 from .agreement import _error_class, raise_if_differ
-from .collectives import Comm, default_store, global_rank, group_timeout_s, is_device_mesh, is_process_group
+from .collectives import (Comm, default_store, global_rank, group_timeout_s, is_device_mesh, is_process_group,
+                          sliced_from_larger_mesh)
 from .group_meeting import meet, seat_of
 
 HSDP_DIMS = ("replicate", "shard")
@@ -64,6 +65,8 @@ class Topology:
                 if self.replicate.world_size == 1:
                     self.replicate = None
         self.shard = Comm(process_group)
+        #: a data-parallel sub-mesh of a larger mesh (tp x dp): a norm over these groups misses the other dims' shares
+        self.model_parallel = mesh is not None and sliced_from_larger_mesh(mesh)
         #: every rank that trains the model: the shard group's size times the replicas'
         self.world_size = self.shard.world_size * (self.replicate.world_size if self.replicate else 1)
         self.secondary_shard = secondary_shard
