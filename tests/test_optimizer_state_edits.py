@@ -43,6 +43,17 @@ def _equal(model, opt, ref, stage):
         return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def _trained_beside_torch(stage, steps):
+    """(model, opt, ref, ref_opt): a ShardedOptimizer and torch's fused AdamW trained ``steps`` steps alike."""
+    model, ref = PlainNet(), PlainNet()
+    opt = _build(model, stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for t in range(steps):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            _step(m, o, t)
+    return model, opt, ref, ref_opt
+
+
 def _reset(how, opt, p):
     if how == "clear":
         opt.state.clear()
@@ -107,12 +118,7 @@ def test_a_whole_state_put_in_is_used_as_torch(stage, first, container):
     """``state[p] = {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}`` (a state copied in from elsewhere), on a new
     optimizer or after steps, or a whole new ``optimizer.state`` holding it: the next step starts from it, as torch's
     (before: the count was taken, the moments silently left out)."""
-    model, ref = PlainNet(), PlainNet()
-    opt = _build(model, stage, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for t in range(first):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            _step(m, o, t)
+    model, opt, ref, ref_opt = _trained_beside_torch(stage, first)
     for o, m in ((opt, model), (ref_opt, ref)):
         w = m.layers[0].weight
         shape = ref.layers[0].weight.shape  # (stage 3 between steps: w is an empty placeholder)
@@ -198,12 +204,7 @@ def test_a_state_that_is_no_dict_is_refused_before_anything_changes(stage, value
     """``optimizer.state[p] = None`` (or a number): refused with a TypeError naming the fix, before the step's
     collectives (among ranks the step is skipped on every rank); ``del optimizer.state[p]`` mends it, restarting
     that parameter as torch's would. Before: an AttributeError inside the update, after the ranks agreed to step."""
-    model, ref = PlainNet(), PlainNet()
-    opt = _build(model, stage, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for t in range(2):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            _step(m, o, t)
+    model, opt, ref, ref_opt = _trained_beside_torch(stage, 2)
     w = model.layers[0].weight
     opt.state[w] = value
     with pytest.raises(TypeError, match=r"optimizer.state\[p\] of a parameter of shape .* is a .*, not a dict"):
@@ -226,12 +227,7 @@ def test_moments_put_in_are_saved_before_the_next_step_and_resume_as_torch(stage
     run resumed from it trains as torch's (before: the old moments were saved beside the new step count)."""
     from fused_zero import checkpoint
 
-    model, ref = PlainNet(), PlainNet()
-    opt = _build(model, stage, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for t in range(2):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            _step(m, o, t)
+    model, opt, ref, ref_opt = _trained_beside_torch(stage, 2)
     shape = ref.layers[0].weight.shape  # (stage 3 between steps: the parameter is an empty placeholder)
     for o, m in ((opt, model), (ref_opt, ref)):
         w = m.layers[0].weight
