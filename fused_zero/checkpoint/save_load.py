@@ -20,7 +20,7 @@ from .errors import CheckpointError
 from .files import METADATA, MODEL_FILE, OLD_PREFIX, TMP_PREFIX, check_tag, crc32, rank_file
 from .metadata import build_metadata, check_match, read_metadata
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
-from .shards import Reader, model_tensors, shard_tensors, unblob
+from .shards import Reader, model_state, model_tensors, shard_tensors, unblob
 from .view import ModelView
 from ..state_views import MOMENT_KINDS
 
@@ -255,8 +255,6 @@ def _load(directory, model, optimizer, scheduler, tag) -> Any:
 
 def _load_weights(directory, model, scheduler, tag) -> Any:
     """``load(directory, model, None)``: the parameters and buffers only, in this process."""
-    from .torch_format import model_state
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if scheduler is not None:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from .codec import from_blob
 from .errors import CORRUPTED, CheckpointError
 from .files import MODEL_FILE, crc32, read_checked
-from .reshard import Chunk, chunks, numel_of
+from .reshard import Chunk, aliases, chunks, numel_of
 from .view import ModelView
 
 
@@ -115,3 +115,25 @@ class Reader:
                 if kind in out:
                     out[kind][c.start:c.start + c.numel] = src
         return {kind: t.view(rec["shape"]) for kind, t in out.items()}
+
+
+def model_state(path: str, meta: dict) -> dict:
+    """The model's state_dict of the checkpoint at ``path`` (fp32 parameters from the masters, buffers as saved), as
+    ``consolidate`` gives it, reading the masters only (a weights-only load: ``load(directory, model, None)``)."""
+    return full_tensors(path, meta, kinds=("master",))[0]
+
+
+def full_tensors(path: str, meta: dict, kinds) -> tuple[dict, dict]:
+    """(the model's state_dict, {parameter name: {kind: full tensor}} of ``kinds``, all when None), every chunk and
+    file checked."""
+    saved = model_tensors(path, meta)
+    full = {}
+    with ExitStack() as stack:
+        reader = Reader(path, meta, stack)
+        for name, rec in meta["params"].items():
+            trained = rec["group"] is not None and rec["kinds"]  # (no kinds: frozen when saved, a model tensor)
+            full[name] = reader.full(name, kinds) if trained else {"master": saved[name].float()}
+    for fname in meta["rank_files"]:
+        read_checked(path, meta, fname)
+    alias = aliases(meta)
+    return {k: full[alias[k]]["master"] if k in alias else saved[k] for k in meta["state_dict_keys"]}, full

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -13,10 +12,8 @@ from torch import nn
 from . import files
 from .codec import decode
 from .metadata import check_kinds, describe_mismatch, read_metadata
-from .reshard import aliases
 from .save_load import agree, comm_of, commit
-from .files import read_checked
-from .shards import Reader, model_tensors, unblob
+from .shards import full_tensors, unblob
 from .view import BASE_KINDS, OPTION_OF_KIND, ModelView, group_hyper
 from ..state_views import check_step_count
 
@@ -194,31 +191,9 @@ def consolidate(directory, tag: str | None = None) -> tuple[dict, dict]:
     """
     path = files.resolve(directory, tag)
     meta, _ = read_metadata(path)
-    model_sd, full = _full_tensors(path, meta, kinds=None)
+    model_sd, full = full_tensors(path, meta, kinds=None)
     moments = {n: {k: v for k, v in t.items() if k != "master"} for n, t in full.items()}
     return model_sd, adamw_state_dict(meta, moments, unblob(path, meta, meta.get("optim_extra")))
-
-
-def model_state(path: str, meta: dict) -> dict:
-    """The model's state_dict of the checkpoint at ``path`` (fp32 parameters from the masters, buffers as saved), as
-    ``consolidate`` gives it, reading the masters only (a weights-only load: ``load(directory, model, None)``)."""
-    return _full_tensors(path, meta, kinds=("master",))[0]
-
-
-def _full_tensors(path: str, meta: dict, kinds) -> tuple[dict, dict]:
-    """(the model's state_dict, {parameter name: {kind: full tensor}} of ``kinds``, all when None), every chunk and
-    file checked."""
-    saved = model_tensors(path, meta)
-    full = {}
-    with ExitStack() as stack:
-        reader = Reader(path, meta, stack)
-        for name, rec in meta["params"].items():
-            trained = rec["group"] is not None and rec["kinds"]  # (no kinds: frozen when saved, a model tensor)
-            full[name] = reader.full(name, kinds) if trained else {"master": saved[name].float()}
-    for fname in meta["rank_files"]:
-        read_checked(path, meta, fname)
-    alias = aliases(meta)
-    return {k: full[alias[k]]["master"] if k in alias else saved[k] for k in meta["state_dict_keys"]}, full
 
 
 def load_torch_state(model: nn.Module, optimizer, optim_state_dict: dict, model_state_dict: dict | None = None) -> None:
