@@ -7,7 +7,6 @@ unchanged; options that cannot mean anything here are refused with the reason.
 from __future__ import annotations
 
 import collections.abc
-
 import numbers
 import re
 

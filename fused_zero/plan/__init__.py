@@ -62,7 +62,7 @@ class Plan:
                              f"{offload!r} is planned at stage 3 only")
         if traits is not None and not traits.shards_states and (opt, par) != (None, None):
             raise ValueError("stage 0 (DDP) has no offload tiers: they are planned at stages 1-3")
-        found = None if isinstance(n, bool) else find(self.stages, n, tier(opt, par))
+        found = find(self.stages, n, tier(opt, par))
         if found is None:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {n!r}")
         return found
@@ -133,21 +133,18 @@ def estimate(params=None, *, model=None, world_size: int = 1, nodes: int = 1, pa
         raise ValueError("units= names the model's stage 3 units (module classes): it needs model=; with params=, "
                          "give layers= for the number of units")
     activation_checkpointing = _flag("activation_checkpointing", activation_checkpointing)
-    if secondary_shard is not None and reshard_after_forward is False:
-        raise ValueError(f"secondary_shard={secondary_shard} with reshard_after_forward=False: the units stay "
-                         "gathered from forward to backward, so there is no backward gather for hpZ to serve: drop "
-                         "secondary_shard, or pass reshard_after_forward=True (as ZeroConfig refuses it)")
     world_size = _count("world_size", world_size)
     nodes = _count("nodes", nodes)
     if world_size % nodes:
         raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}: give the total number of "
                          "ranks, the same on every node")
+    reshard_after_forward, secondary_shard = _stage3_gathers(reshard_after_forward, secondary_shard, world_size)
     job = Job(world_size, _count("bucket_numel", bucket_numel),
               None if reduce_dtype is None else dtype_name(reduce_dtype, "reduce_dtype"),
-              _count("max_live_units", max_live_units), _flag("reshard_after_forward", reshard_after_forward),
+              _count("max_live_units", max_live_units), reshard_after_forward,
               _count("offload_chunk_numel", offload_chunk_numel),
               _count("min_unit_numel", min_unit_numel, minimum=0),
-              _secondary(secondary_shard, world_size), *_codecs(param_comm, grad_comm, quant_block))
+              secondary_shard, *_codecs(param_comm, grad_comm, quant_block))
     if max_offload not in OFFLOAD:
         raise ValueError(f"max_offload must be one of {', '.join(OFFLOAD)} (how far the recommendation may "
                          f"offload), got {max_offload!r}")
@@ -194,14 +191,16 @@ def check_layers(layers, params: int | None = None) -> int | None:
     return layers
 
 
-def _secondary(value, world_size: int) -> int | None:
-    """hpZ's group size, as ZeroConfig and the topology check it (an int >= 2 dividing the world size)."""
-    if value is None:
-        return None
-    value = _count("secondary_shard", value, minimum=2)
-    if world_size % value:
-        raise ValueError(f"secondary_shard {value} does not divide world_size {world_size}: give the ranks per node")
-    return value
+def _stage3_gathers(reshard_after_forward, secondary_shard, world_size: int) -> tuple:
+    """(reshard_after_forward, secondary_shard): hpZ's group size an int >= 2 dividing the world size (as the
+    topology checks it), and the pair checked by ZeroConfig itself (a bool; hpZ needs the backward gathers)."""
+    if secondary_shard is not None:
+        secondary_shard = _count("secondary_shard", secondary_shard, minimum=2)
+        if world_size % secondary_shard:
+            raise ValueError(f"secondary_shard {secondary_shard} does not divide world_size {world_size}: give the "
+                             "ranks per node")
+    ZeroConfig(stage=3, reshard_after_forward=reshard_after_forward, secondary_shard=secondary_shard)
+    return reshard_after_forward, secondary_shard
 
 
 def _codecs(param_comm, grad_comm, quant_block) -> tuple:

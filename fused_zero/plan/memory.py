@@ -96,7 +96,10 @@ def stage_traits(n) -> StageTraits | None:
 
 def find(stages, stage, offload: str = "none") -> StageEstimate | None:
     """The row of ``stages`` for ``stage`` at the tier ``offload`` (None when there is none): the one place a
-    planned row is looked up by its stage, as ``Plan.stage``, the recommendation and the outputs do."""
+    planned row is looked up by its stage, as ``Plan.stage``, the recommendation and the outputs do (a bool is no
+    stage, though True == 1)."""
+    if isinstance(stage, bool):
+        return None
     return next((s for s in stages if s.stage == stage and s.offload == offload), None)
 
 
