@@ -402,16 +402,26 @@ class StepCounts:
             if count is None or count is self.views[i]:
                 continue
             new_keys = new_keys or list(self.keys)
-            self.views[i].fill_(float(count))
-            dict.__setitem__(own_state(state, part, p), "step", self.views[i])
-            new_keys[i] = ("set", float(count))
-            self.started[i] = True
+            new_keys[i] = self._set_count(own_state(state, part, p), i, count)
         if new_keys is not None:
-            numbers: dict = {}
-            self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
-            self._runs.clear()
+            self._renumber(new_keys)
             self._steady = None
             self._version = self.flat._version  # (this class's own write, not user code's)
+
+    def _set_count(self, s: dict, i: int, count) -> tuple:
+        """Count ``i`` takes ``count``'s value (a host tensor or number user code or a load put in ``s``, the
+        parameter's state) and its view takes its place there; the class key of a count set to that value."""
+        value = float(count)
+        self.views[i].fill_(value)
+        dict.__setitem__(s, "step", self.views[i])
+        self.started[i] = True
+        return ("set", value)
+
+    def _renumber(self, new_keys: list) -> None:
+        """``keys`` from ``new_keys`` (equal keys: equal counts), numbered afresh; the runs made for the old ones go."""
+        numbers: dict = {}
+        self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
+        self._runs.clear()
 
     def advance(self, state: dict, part, flags, skip: torch.Tensor | None, edits: bool = True) -> list[int]:
         """Advance the count of every parameter of ``part`` flagged in ``flags`` (by 0 where ``skip``, a 0-d
@@ -449,11 +459,7 @@ class StepCounts:
                     attach(state, part, i)
                     new_keys[i] = ("new",)
                     continue
-                value = float(count)  # host tensor: a count user code put in (a load reads from the host)
-                views[i].fill_(value)
-                dict.__setitem__(s, "step", views[i])
-                new_keys[i] = ("set", value)
-                self.started[i] = True
+                new_keys[i] = self._set_count(s, i, count)  # (a host tensor: a load reads from the host)
         if part.state_edited[0] and edits:  # user code wrote into some state[p] since the last step: replaced moments
             for i, p in enumerate(part.params):
                 if self.started[i] and p in state:
@@ -464,9 +470,7 @@ class StepCounts:
             for i in active:  # (also a count set now: an equal one that did not advance must part from it)
                 new_keys[i] = ("advanced", new_keys[i])
         if new_keys is not None:
-            numbers: dict = {}
-            self.keys = [numbers.setdefault(k, len(numbers)) for k in new_keys]
-            self._runs.clear()
+            self._renumber(new_keys)
         self._steady = (state, tuple(flags)) if edits else None  # (a refused step left replaced counts in place)
         self._before = self.flat.clone()
         by = 1.0 if skip is None else 1.0 - skip.to(self.flat)
