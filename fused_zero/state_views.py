@@ -241,10 +241,7 @@ def take_in_edited_moments(state: dict, part) -> None:
         return
     counts = getattr(part, "step_counts", None)
     for i, p in enumerate(part.params):
-        s = _entry(state, p)
-        if "step" not in s:
-            continue
-        if counts is None or counts.started[i] or s["step"] is not counts.views[i]:
+        if _moments_taken_in(_entry(state, p), counts, i):
             try:
                 take_in_moments(state, part, i)
             except (TypeError, ValueError, RuntimeError):
@@ -306,6 +303,12 @@ def check_step_count(step, what: str) -> float:
 _ABSENT = object()
 
 
+def _moments_taken_in(s: dict, counts, i: int) -> bool:
+    """Whether the next advance takes in the moments of ``s`` (parameter ``i``'s state, ``counts`` its partition's
+    StepCounts or None): a started parameter's, or one whose count is put in now (it starts)."""
+    return "step" in s and (counts is None or counts.started[i] or s["step"] is not counts.views[i])
+
+
 def _entry(state: dict, p) -> dict | tuple:
     """``state[p]`` where it is a dict (torch's state of a parameter), else ``()`` (none, or what user code put in
     that check_state_edits refuses)."""
@@ -335,8 +338,7 @@ def check_state_edits(state: dict, part) -> None:
                              "whole state away (del optimizer.state[p]) to restart it from zeros")
         if count is not None and (counts is None or count is not counts.views[i]):  # (advance reads it anyway)
             check_step_count(count, f"optimizer.state[p] of a parameter of shape {tuple(part.shapes[i])}")
-        # the moments the next advance takes in: a started parameter's, or one whose count is put in now (it starts)
-        if "step" in s and (counts is None or counts.started[i] or count is not counts.views[i]):
+        if _moments_taken_in(s, counts, i):
             _replaced_moments(s, part, i)
 
 
