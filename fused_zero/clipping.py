@@ -76,9 +76,7 @@ class ClipMethods:
         """
         self._check_open()
         self._settle_update()
-        if self.topology.model_parallel and not self._dp_clip_warned:
-            self._dp_clip_warned = True
-            warnings.warn(CLIP_OVER_DP_ONLY.format(what="clip_grad_norm_()"), UserWarning, stacklevel=user_stacklevel())
+        self._warn_norm_over_dp_only("clip_grad_norm_()")
         # a bad max_norm or norm_type may be on one rank only: raised by the step() that follows, after its
         # collectives; the clip's checksum carries the refusal and max_norm (ranks clipping to different norms
         # would each scale their own shard), so the others skip that step too and raise at their next call
@@ -151,6 +149,13 @@ class ClipMethods:
         self._clip_values += ((value, unscaled),)
         if not self.grad_sync.frees_grads:  # stage 1: the .grad it clamps (a backward after it adds to them)
             self._clamped = [(p, weakref.ref(p.grad)) for p in self._params if p.grad is not None]
+
+    def _warn_norm_over_dp_only(self, what: str) -> None:
+        """Once: ``what`` measures a norm over a data-parallel sub-mesh of a larger mesh, whose other dimensions'
+        shares it leaves out (habits.CLIP_OVER_DP_ONLY)."""
+        if self.topology.model_parallel and not self._dp_clip_warned:
+            self._dp_clip_warned = True
+            warnings.warn(CLIP_OVER_DP_ONLY.format(what=what), UserWarning, stacklevel=user_stacklevel())
 
     def _clip_units(self, grad_scaler) -> tuple:
         """In which units a clip called now finds the gradients: torch's measures ``.grad`` as it is, unscaled by a

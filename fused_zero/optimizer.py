@@ -43,7 +43,7 @@ from .hooks import HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_c
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (CLIP_OVER_DP_ONLY, STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, framework_without_integration,
+from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, framework_without_integration,
                      group_initialised_after_build, lightning_without_strategy, stage3_model_wrapped,
                      torch_clip_in_loop)
 from .model_guard import ModelGuard
@@ -220,9 +220,8 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         self._clip_warned = False  # torch's clip_grad_norm_ seen in the training loop (stages 2-3)
         self._zero_grad_warned = False  # a step with no zero_grad() since the last one (stages 2-3)
         self._dp_clip_warned = False  # a norm clip over a data-parallel sub-mesh of a larger mesh (habits.py)
-        if config.max_grad_norm is not None and self.topology.model_parallel:
-            self._dp_clip_warned = True
-            warnings.warn(CLIP_OVER_DP_ONLY.format(what="max_grad_norm"), UserWarning, stacklevel=user_stacklevel())
+        if config.max_grad_norm is not None:
+            self._warn_norm_over_dp_only("max_grad_norm")
         self._scaler_ref = None  # the GradScaler that last passed itself to step()
         self._verdicts = DeferredFlags()  # the steps' "ranks disagree" flags, learnt at the next call
         self._steps_done = 0  # step() calls that finished (where a collective call stands: comm/rendezvous.py)
