@@ -570,3 +570,35 @@ def test_a_load_whose_writes_fail_on_one_rank_raises_on_every_rank(stage, tmp_pa
     mine, theirs = run_ranks(_load_fails_on_rank_1, 2, stage, str(tmp_path), timeout=180)
     assert theirs is not None and "No space left" in theirs, theirs
     assert mine == f"rank 1 failed: {theirs}", (mine, theirs)
+
+
+def test_nvme_staging_blocks_hold_the_largest_shard_not_a_whole_chunk(tmp_path):
+    """Three blocks per state kind of a whole chunk (2**20 fp32 elements, 36 MiB) for a model of a few thousand
+    elements: the blocks hold the largest store's shard where every one is smaller than a chunk, and grow when
+    a larger group is added (the planner plans the same)."""
+    def run(**kw):
+        torch.manual_seed(0)
+        small, large = nn.Linear(8, 8), nn.Linear(64, 64)  # 72 and 4160 elements
+        opt = ShardedOptimizer(small.parameters(), lr=1e-2, stage=2, **kw)
+        sizes = []
+        for t in range(4):
+            if t == 2:
+                opt.add_param_group({"params": large.parameters(), "lr": 3e-3})
+            opt.zero_grad()
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(t))
+            (small(x[:, :8]).square().mean() + large(x).square().mean()).backward()
+            opt.step()
+            sizes.append(opt._stage.staging.nbytes() if kw else 0)
+        params = [p.detach().clone() for p in (*small.parameters(), *large.parameters())]
+        opt.close()
+        return sizes, params
+    sizes, got = run(offload_optimizer="nvme", nvme_path=str(tmp_path))
+    # 72 elements round up to two 64-element lanes; then the 4160-element group's shard (65 lanes)
+    assert sizes == [3 * 3 * 4 * 128] * 2 + [3 * 3 * 4 * 4160] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, run()[1]))
+    from fused_zero.plan import estimate
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 64))
+    plan = estimate(model=model, world_size=1).stage(2, "opt=nvme")
+    uploads = 2 * (1 << 20) * 4  # two pinned fp32 chunks of params going up to a GPU (none on a CPU-only run)
+    assert plan.detail["host_staging"] == uploads + 3 * 3 * 4 * 4288  # one partition: 4232 elements, 67 lanes

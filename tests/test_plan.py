@@ -93,8 +93,9 @@ def test_offload_closed_forms_bf16(n):
     direct = 0 if n == 1 else pool  # one rank without offload packs straight into the shard: no pool
     assert plan.stage(3).buffers == direct
     host_chunks = 0  # HostStore: the page-locked master itself goes up (counted in its states)
-    nvme_chunks = 3 * 3 * 4 * chunk + 2 * chunk * 2  # NvmeStore: three blocks of each state kind, two pinned bf16
+    # NvmeStore: three blocks of each state kind (a block holds the shard, smaller than a chunk), two pinned bf16
     # chunks of params going up
+    nvme_chunks = 3 * 3 * 4 * min(chunk, psi // n) + 2 * chunk * 2
     # on the device, where an accumulating backward is added before it goes down: a bf16 bucket shard per pool buffer
     scratch = 2 * (64 * 1000) * 2
     grads = 2 * psi // n  # the bf16 gradient shard, on the host with the states

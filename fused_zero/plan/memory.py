@@ -54,7 +54,7 @@ device, as the stores do (tiers/store_host.py, store_nvme.py, param_store.py):
                        goes up chunk by chunk and the GPU rounds it in a 4*C-byte temporary,
                        not counted; on the host the update writes the params in place);
                        "nvme": two pinned chunks of params going up per param dtype, 2*C*P,
-                       and three blocks per state kind, 3*3*4*C; on the device, per reduce
+                       and three blocks per state kind, 3*3*4*min(C, the largest shard); on the device, per reduce
                        dtype, the scratch an accumulating backward is added in before it goes
                        down, one per pool buffer, of the largest bucket shard ("grad_staging");
                        offload_params: the shards of the units in flight (max_live_units + 1 of
@@ -349,7 +349,9 @@ def sharded(count: ModelCount, job: Job, stage: int, offload_optimizer: str | No
         dtypes = {part.dtype for part in parts if not part.frozen}
         if Tier.of(opt) is Tier.NVME:
             uploads = sum(2 * job.chunk * BYTES[dt] for dt in dtypes)
-            d["host_staging"] += uploads + 3 * 3 * 4 * job.chunk
+            # a block holds a chunk, or the largest shard where every shard is smaller (Staging.blocks)
+            largest = max((part.layout.shard_numel for part in parts if not part.frozen), default=0)
+            d["host_staging"] += uploads + 3 * 3 * 4 * min(job.chunk, -(-largest // ALIGN) * ALIGN)
             d["host_pinned"] += uploads
         # GradSync's device scratch a backward that accumulates is added in before it goes down, per pool buffer
         d["grad_staging"] = sum(min(MAX_INFLIGHT, n) * shard * BYTES[r] for r, (n, _, shard) in pools.items())
