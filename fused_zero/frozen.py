@@ -31,21 +31,27 @@ def split_frozen(params, trained=frozenset()) -> tuple[list, list]:
         [p for p in params if not p.requires_grad and p not in trained]
 
 
-def refuse_unfrozen(frozen, names: dict) -> None:
+def refuse_unfrozen(frozen, names: dict, param_groups=()) -> None:
     """Raise if a parameter frozen at build now requires (or holds) a gradient. Cost: one read per frozen
-    parameter; every rank runs it before step()'s first collective."""
+    parameter; every rank runs it before step()'s first collective. ``names``: the model's names (given the model);
+    else each is named by its place in ``param_groups``."""
     late = [p for p in frozen if p.requires_grad or p.grad is not None]
     if late:
-        shown = [repr(names[p]) if p in names else f"of shape {tuple(p.shape)}" for p in late[:3]]
-        what = ("now requires a gradient" if any(p.requires_grad for p in late) else
-                f"now {'hold' if len(late) > 1 else 'holds'} a .grad (assigned by hand; torch.optim steps a tensor "
+        places = {id(q): f"param_groups[{i}]['params'][{k}]" for i, g in enumerate(param_groups)
+                  for k, q in enumerate(g["params"])}
+        shown = [repr(names[p]) if p in names else f"{places.get(id(p), 'a parameter')} of shape {tuple(p.shape)}"
+                 for p in late[:3]]
+        many = len(late) > 1
+        what = (f"now {'require' if many else 'requires'} a gradient" if any(p.requires_grad for p in late) else
+                f"now {'hold' if many else 'holds'} a .grad (assigned by hand; torch.optim steps a tensor "
                 "that holds one, but here a tensor that required no gradient when the optimizer was built is frozen)")
+        them = "them" if many else "it"
         raise RuntimeError(
-            f"{'parameters' if len(late) > 1 else 'parameter'} {'; '.join(shown)}"
-            f"{' and more' if len(late) > 3 else ''} {'were' if len(late) > 1 else 'was'} frozen "
-            f"(requires_grad=False) when ShardedOptimizer laid {'them' if len(late) > 1 else 'it'} out (at construction, or "
-            f"the add_param_group that added {'them' if len(late) > 1 else 'it'}) and {what}: the optimizer "
-            "keeps no state, gradient buffer or reduction for it and would not train it. Set requires_grad "
+            f"{'parameters' if many else 'parameter'} {'; '.join(shown)}"
+            f"{' and more' if len(late) > 3 else ''} {'were' if many else 'was'} frozen "
+            f"(requires_grad=False) when ShardedOptimizer laid {them} out (at construction, or "
+            f"the add_param_group that added {them}) and {what}: the optimizer "
+            f"keeps no state, gradient buffer or reduction for {them} and would not train {them}. Set requires_grad "
             "before building, or rebuild to take it in: sd = opt.state_dict(); opt = ShardedOptimizer(<the same "
             "groups or model>, ...); opt.load_state_dict(sd) (its state starts at its first step, as torch's "
             "AdamW's does); with a framework, build its optimizer again after unfreezing")

@@ -180,6 +180,29 @@ def stage3_model_wrapped(optimizer, module) -> str | None:
     return _DDP if ddp else None
 
 
+def adalora_unserved(module, stage: int, world_size: int) -> str | None:
+    """A message if ``module`` holds peft AdaLoRA layers where their rank allocator cannot be served.
+
+    ``update_and_allocate()`` (called after ``step()``, before ``zero_grad()``) scores each adapter
+    weight by ``p * p.grad`` and masks the least important ones in place: it needs the averaged
+    gradient on ``.grad`` (peft reads DeepSpeed's through ``safe_get_full_grad``). At stage 1 ``.grad``
+    is each rank's local gradient, so on 2+ ranks every rank masks other entries and the replicas
+    drift apart silently; at stages 2-3 it is None (peft fails with a bare TypeError). Found by the
+    layers' class name (peft is never imported here).
+    """
+    if module is None or (stage == 1 and world_size == 1):
+        return None
+    if not any(c.__name__ == "AdaLoraLayer" for m in module.modules() for c in type(m).__mro__):
+        return None
+    where = (f"stage 1 on {world_size} ranks, where .grad holds each rank's local gradient (the ranks would mask "
+             "different entries and drift apart)") if stage == 1 else \
+        f"stage {stage}, where .grad is None after backward (the averaged gradient lives in the shards)"
+    return (f"the model holds peft AdaLoRA layers: AdaLoRA's update_and_allocate() scores every adapter weight by "
+            f"p * p.grad after step() and needs the averaged gradient on .grad, which ShardedOptimizer does not "
+            f"keep at {where}. Train AdaLoRA with stage 1 on one process, or with DistributedDataParallel and a "
+            f"torch optimizer; other peft adapters (LoRA, DoRA, IA3, ...) are served at every stage")
+
+
 def framework_without_integration(optimizer) -> str | None:
     """A message if Accelerate's AcceleratedOptimizer, as a plain Accelerator or HF Trainer made it,
     is stepping ``optimizer`` (called from ``step()``, once).

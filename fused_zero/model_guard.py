@@ -58,7 +58,8 @@ class ModelGuard:
         afresh. Only where a watched path moved, or after a registration, is the model searched: a parameter
         moved but still the model's (a parametrization registered: ``parametrizations.weight.original``) or a
         path now holding one of ``trained`` (a new head added by ``add_param_group``, at stages 1-2, not
-        ``shards_params``) is watched where it is now. A trained parameter gone from the model is refused too.
+        ``shards_params``) is watched where it is now. A trained parameter gone from the model is refused too (at
+        stages 1-2 one frozen when laid out, which holds nothing here, may go, as under torch.optim).
         True: the model holds its parameters differently now (served), and was watched afresh."""
         flagged = self.watcher.changed
         if flagged:
@@ -87,6 +88,8 @@ class ModelGuard:
                 continue
             if there is not None and there in trained and not shards_params:
                 continue
+            if there is None and not shards_params and p not in trained:
+                continue  # stages 1-2: frozen when laid out, it holds no state here (peft's delete_adapter): as torch
             if there is None and self._parametrized(name):
                 raise RuntimeError(
                     f"a parametrization registered on the model's {name} after the optimizer was built holds new "

@@ -43,7 +43,7 @@ from .hooks import HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_c
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
-from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, framework_without_integration,
+from .habits import (STAGE1_GRADS_EDITED, STEP_WITHOUT_ZERO_GRAD, adalora_unserved, framework_without_integration,
                      group_initialised_after_build, lightning_without_strategy, stage3_model_wrapped,
                      torch_clip_in_loop)
 from .model_guard import ModelGuard
@@ -190,6 +190,9 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
         # alone because no process group existed yet: refused at a step once one of several ranks exists
         self._alone_by_default = process_group is None and mesh is None and self.topology.world_size == 1
+        refused = adalora_unserved(module, config.stage, self.topology.world_size)
+        if refused is not None:  # every rank alike (the same model and options), before any collective
+            raise ValueError(refused)
         self.comm = self.topology.shard
         self._rendezvous = self.topology.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
@@ -798,7 +801,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         """What user code changed since the build that this optimizer cannot serve: a parameter frozen when
         laid out now given a gradient, a param group's parameter list edited, a state[p] entry replaced by what
         the update cannot take."""
-        refuse_unfrozen(self._stage.frozen, self._names)
+        refuse_unfrozen(self._stage.frozen, self._names, self.param_groups)
         self._check_layout()
         self._check_still_the_models()
         for part in self.partitions:

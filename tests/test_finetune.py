@@ -410,3 +410,84 @@ def test_a_frozen_parameters_loaded_state_is_kept_and_serves_after_unfreezing(st
         train(ref, ref_opt, t)
     with opt.full_parameters():
         assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-6
+
+
+def _adalora_model():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    config = peft.AdaLoraConfig(target_modules=["0", "2"], init_r=4, target_r=2, total_step=20, tinit=2, tfinal=2)
+    return peft.get_peft_model(base, config)
+
+
+def _adalora_build(rank, world_size, stage):
+    model = _adalora_model()
+    params = model if stage == 3 else [p for p in model.parameters() if p.requires_grad]
+    try:
+        ShardedOptimizer(params, lr=1e-3, stage=stage, **({} if stage == 3 else {"module": model}))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world_size,stage", [(1, 2), (1, 3), (2, 1), (2, 2)])
+def test_adalora_rank_allocation_is_refused_where_grad_is_not_the_averaged_gradient(world_size, stage):
+    """AdaLoRA's update_and_allocate() reads p.grad after step(): at stage 1 on 2 ranks each rank's local gradient
+    (the ranks masked different entries and drifted apart silently), at stages 2-3 None (peft's bare TypeError)."""
+    for said in run_ranks(_adalora_build, world_size, stage, timeout=120) if world_size > 1 \
+            else [_adalora_build(0, 1, stage)]:
+        assert said is not None and "AdaLoRA" in said and "update_and_allocate" in said
+        assert ("local gradient" if stage == 1 else ".grad is None") in said
+
+
+def test_adalora_at_stage1_on_one_process_allocates_as_torch():
+    """Where .grad is the gradient (stage 1, one process), the allocator's masks and the training equal torch's."""
+    runs = []
+    for make in (lambda ps, m: torch.optim.AdamW(ps, lr=1e-2), lambda ps, m: ShardedOptimizer(ps, lr=1e-2, stage=1, module=m)):
+        model = _adalora_model()
+        opt = make([p for p in model.parameters() if p.requires_grad], model)
+        for t in range(8):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            model(x).square().mean().backward()
+            opt.step()
+            model.base_model.update_and_allocate(t)
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(stage):
+    """peft's delete_adapter of an adapter that was frozen when the optimizer was built (never trained, no state
+    here): torch's AdamW carries on, and so do stages 1-2; stage 3, which shards it, names the rebuild."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0", "2"]))
+        model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["0", "2"]))
+        model.set_adapter("default")  # "other" frozen
+        return model
+
+    def train(model, opt):
+        for t in range(4):
+            if t == 2:
+                model.delete_adapter("other")
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ref = build()
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    model = build()
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
+                           **({} if stage == 3 else {"module": model}))
+    if stage == 3:
+        with pytest.raises(RuntimeError, match=r"no longer holds its parameter .*lora_\w\.other"):
+            train(model, opt)
+        return
+    got = train(model, opt)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -209,8 +209,9 @@ def test_tensors_without_requires_grad_given_a_grad_by_hand_are_refused_saying_s
     opt = ShardedOptimizer(ps)
     for p in ps:
         p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match=r"parameters of shape \(4, 3\); of shape \(5,\) were frozen .* now hold "
-                                           r"a \.grad"):
+    with pytest.raises(RuntimeError, match=r"parameters param_groups\[0\]\['params'\]\[0\] of shape \(4, 3\); "
+                                           r"param_groups\[0\]\['params'\]\[1\] of shape \(5,\) were frozen .* now "
+                                           r"hold a \.grad.* no state, gradient buffer or reduction for them"):
         opt.step()
 
 
