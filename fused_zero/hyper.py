@@ -25,7 +25,8 @@ def _scalar(value, what: str):
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
-    """torch.optim.Adam's value checks; returns betas as a tuple of floats."""
+    """torch.optim.Adam's value checks; returns betas: the list or tuple given where it holds floats or 0-d tensors,
+    else a tuple of them."""
     _scalar(lr, "lr")
     _scalar(eps, "eps")
     _scalar(weight_decay, "weight_decay")
@@ -54,9 +55,13 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     # as torch.optim.Adam keeps them: floats as given, tensors as 0-d tensors (read each step, so a schedule
-    # that fills them in place is followed)
-    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else
-                 b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
+    # that fills them in place is followed); a list or tuple that holds them so is kept itself, as torch keeps it
+    # (a list edited in place, betas[0] = 0.5, is followed by the next step as by torch's)
+    checked = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else
+                    b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
+    if isinstance(betas, (tuple, list)) and all(a is b for a, b in zip(betas, checked)):
+        return betas
+    return checked
 
 
 def check_foreach_tensors(lr, betas, foreach, capturable) -> None:

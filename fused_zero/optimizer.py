@@ -40,6 +40,7 @@ from .comm.grad_sync import GradSync
 from .frozen import refuse_unfrozen
 from .grad_readers import grad_reader_around_step
 from .hooks import HookSet, ModelHook, Relay, _eagerly, call_only, eager_under_compile
+from .host_read import to_host
 from .deferred import DeferredFlags
 from .hyper import agreement_key, check_flags, check_foreach_tensors, check_group, check_hyperparameters, \
     check_param
@@ -235,6 +236,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         self._stats_agreed = None
         self._last_traffic = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         self._graph: StepGraph | None = None  # capturable=True: the step's captured device work (step_graph.py)
+        self._overflow: list | None = None  # the last step's GradScaler verdict, on the device (last_step_overflowed)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=config.adam_w_mode if decoupled_weight_decay is None
@@ -627,6 +629,15 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
                 return self._step_without_grad(closure)
         return self._step(closure)
 
+    def last_step_overflowed(self) -> bool:
+        """Whether the last ``step()`` ran under a GradScaler that found a non-finite gradient on some rank, so
+        that the step was skipped on every rank (the scaler's overflow verdict; False without a scaler). One host
+        read of the device verdict: what Accelerate's ``optimizer.step_was_skipped`` and HF Trainer, which steps
+        its scheduler only after a step that was not skipped, ask (``scaler.step`` always calls ``step()`` here,
+        as for torch's fused AdamW, so a wrapper cannot tell from that call alone)."""
+        found = self.__dict__.get("_overflow")  # (None: before the first step)
+        return bool(found) and any(to_host(t.sum(), "last_step_overflowed()") > 0 for t in found)
+
     def _step_without_grad(self, closure):
         with torch.no_grad():
             return self._step(closure)
@@ -643,6 +654,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         if self._on_cuda:
             check_not_capturing()
         self._settle_update()
+        self._overflow = None  # this step's GradScaler verdict (last_step_overflowed)
         grad_scaler = calling_scaler(self)
         if not self._habits_checked:  # no hooked gradient seen yet (stage 1 hooks one parameter per bucket)
             self._check_habits()
@@ -757,6 +769,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
             # a replay's flag is the graph's own tensor, written again by the next replay: the scaler gets a copy
             scaler.state["found_inf_per_device"] = out.found_inf if key is None else {
                 d: t.clone() for d, t in out.found_inf.items()}
+            self._overflow = list(scaler.state["found_inf_per_device"].values())
         if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
             replayed, captured = self._graph.replays != runs[0], self._graph.captures != runs[1]
             if replayed and not captured:  # (a replay runs no Python: a capture's body marked them already)

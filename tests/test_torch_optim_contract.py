@@ -648,3 +648,25 @@ def test_a_step_count_read_after_load_state_dict_follows_later_steps_as_torchs(s
     model, held = run(lambda m: ShardedOptimizer(m.parameters(), stage=stage))
     assert held == ref_held == {"weight": (3.0, True), "bias": (3.0, True)}
     assert _max_err(model, ref) <= TOL
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_betas_list_is_kept_and_followed_when_edited_in_place_as_torch(stage):
+    """torch keeps the betas object a group was given: a list edited in place (betas[0] = 0.5, or through
+    param_groups) is what its next step uses. It was replaced by a tuple here: the edit was ignored, and an item
+    assignment through param_groups raised TypeError."""
+    runs = []
+    for make in (lambda g: torch.optim.AdamW(g, lr=1e-2), lambda g: ShardedOptimizer(g, lr=1e-2, stage=stage)):
+        torch.manual_seed(0)
+        m, betas = torch.nn.Linear(4, 3), [0.9, 0.999]
+        opt = make([{"params": m.parameters(), "betas": betas}])
+        assert opt.param_groups[0]["betas"] is betas
+        for t in range(4):
+            if t == 2:
+                betas[0] = 0.5
+                opt.param_groups[0]["betas"][1] = 0.99
+            m(torch.randn(2, 4, generator=torch.Generator().manual_seed(t))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in m.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*runs))

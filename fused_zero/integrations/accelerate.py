@@ -43,6 +43,7 @@ from torch import nn
 from ..checkpoint.files import FRAMEWORK_DIR
 from ..comm.collectives import default_world_size
 from ..config import ZeroConfig
+from ..lifecycle import setting
 from ..optimizer import ShardedOptimizer
 from . import require
 from ._torch_optim import check_convertible, repoint_scheduler, sharded_from_torch, unwrap_optimizer
@@ -69,6 +70,28 @@ def _same_device(model: nn.Module, device: torch.device) -> bool:
 
 def checkpoint_dir(output_dir: str, index: int) -> str:
     return os.path.join(output_dir, FRAMEWORK_DIR if index == 0 else f"{FRAMEWORK_DIR}_{index}")
+
+
+class _ZeroAcceleratedOptimizer(_accelerate.optimizer.AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, told by the ShardedOptimizer whether a GradScaler's step was skipped.
+
+    Accelerate takes a step as skipped when ``scaler.step`` did not call ``optimizer.step``; a ShardedOptimizer
+    (as torch's fused AdamW) takes the scale and the overflow verdict on the device, so the scaler always calls
+    it and the skip happens inside: HF Trainer, which steps its scheduler only after a step that was not
+    skipped, moved the schedule on through every overflow."""
+
+    @property
+    def step_was_skipped(self):
+        if self.scaler is not None and isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.last_step_overflowed()
+        return self._is_overflow
+
+
+def _told_of_skips(prepared):
+    """``prepared`` (Accelerate's wrapper of a ShardedOptimizer) as a ``_ZeroAcceleratedOptimizer``."""
+    if type(prepared) is _accelerate.optimizer.AcceleratedOptimizer:
+        prepared.__class__ = _ZeroAcceleratedOptimizer
+    return prepared
 
 
 class ZeroAccelerator(Accelerator):
@@ -152,7 +175,7 @@ class ZeroAccelerator(Accelerator):
             inner = unwrap_optimizer(optimizer)
             if isinstance(inner, ShardedOptimizer) and not any(o is inner for _, o in self._zero_pairs):
                 self._adopt(inner, self._module_for(inner))
-            return super().prepare_optimizer(optimizer, device_placement)
+            return _told_of_skips(super().prepare_optimizer(optimizer, device_placement))
         inner = unwrap_optimizer(optimizer)
         check_convertible(inner, "ZeroAccelerator.prepare")
         module = self._module_for(inner)
@@ -166,7 +189,7 @@ class ZeroAccelerator(Accelerator):
             self._replaced.append((inner, sharded))
         self._adopt(sharded, module)
         # device_placement=False: the state is already where the parameters are (and is empty)
-        return super().prepare_optimizer(sharded, device_placement=False)
+        return _told_of_skips(super().prepare_optimizer(sharded, device_placement=False))
 
     def _adopt(self, sharded: ShardedOptimizer, module: nn.Module | None) -> None:
         """``sharded`` is this accelerator's: stepped through the integration (fused_zero.habits), paired with
@@ -201,6 +224,15 @@ class ZeroAccelerator(Accelerator):
         with contextlib.ExitStack() as stack:
             for opt in self._sharded(model):
                 stack.enter_context(opt.no_sync())
+            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model):
+        """Inside ``no_sync(model)``: the backward run in this block reduces the gradients accumulated so far with
+        its own, as Accelerate's does for DDP (Accelerate's own passes over a model that is not DDP)."""
+        with contextlib.ExitStack() as stack:
+            for opt in self._sharded(model):
+                stack.enter_context(setting(opt.grad_sync, "sync", True))
             yield
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):

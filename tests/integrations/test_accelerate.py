@@ -315,3 +315,76 @@ def test_clip_grad_value_matches_ddp():
     for stage in (2, 3):
         got = run_ranks(_value_clipped, 2, stage, timeout=180)[0]
         assert rel_close(got[0], ref[0], TOL) <= TOL, (stage, got[0], ref[0])
+
+
+def _scaler_skips(rank, world_size, stage):
+    """Accelerate's fp16 loop under the GradScaler it makes on a GPU (none on CPU: given here, alike for every
+    side), the first steps overflowing: (step_was_skipped, scale, lr) after each step."""
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    acc = Accelerator(cpu=True, mixed_precision="fp16") if stage is None else \
+        ZeroAccelerator(cpu=True, mixed_precision="fp16", zero=ZeroConfig(stage=stage))
+    acc.scaler, acc.native_amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, backoff_factor=2.0 ** -40), True
+    model, opt, sched = acc.prepare(model, opt, sched)
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(5):
+        loss = model(torch.randn(4, 8, generator=g)).square().mean() * 1e3
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append((acc.optimizer_step_was_skipped, float(acc.scaler.get_scale()), sched.get_last_lr()[0]))
+    return out, [p.detach().clone() for p in acc.unwrap_model(model).parameters()] if stage != 3 else None
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_steps_a_grad_scaler_skips_are_reported_skipped_and_the_schedule_waits_as_ddp(stage):
+    """The scaler always calls a ShardedOptimizer's step (its verdict is read on the device, as torch's fused
+    AdamW's): Accelerate took every step as taken, so its scheduler (and HF Trainer's) moved on through
+    overflows. Some steps overflow, later ones do not: the flags, scales and lrs are DDP + AdamW's."""
+    want = run_ranks(_scaler_skips, 2, None, timeout=180)
+    got = run_ranks(_scaler_skips, 2, stage, timeout=180)
+    flags = [s for s, _, _ in want[0][0]]
+    assert any(flags) and not all(flags)  # both kinds of step happen
+    for (ours, params), (theirs, ref) in zip(got, want):
+        assert [s for s, _, _ in ours] == flags and [sc for _, sc, _ in ours] == [sc for _, sc, _ in theirs]
+        assert all(abs(a[2] - b[2]) <= 1e-12 for a, b in zip(ours, theirs))
+        if params is not None:
+            assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(params, ref))
+
+
+def _triggered_sync(rank, world_size, stage):
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accelerator(cpu=True) if stage is None else ZeroAccelerator(cpu=True, zero=ZeroConfig(stage=stage))
+    model, opt = acc.prepare(model, opt)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        with acc.no_sync(model):
+            acc.backward(model(torch.randn(4, 8, generator=g)).square().mean())
+            with acc.trigger_sync_in_backward(model):  # Accelerate's way to make the last backward reduce
+                acc.backward(model(torch.randn(4, 8, generator=g)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trigger_sync_in_backward_inside_no_sync_reduces_as_ddp(stage):
+    """Accelerate's trigger_sync_in_backward passes over a model that is not DDP, so the optimizer's no_sync() stayed
+    on: stages 2-3 refused the step (gradients never reduced)."""
+    want = run_ranks(_triggered_sync, 2, None, timeout=180)
+    for got, ref in zip(run_ranks(_triggered_sync, 2, stage, timeout=180), want):
+        assert got.keys() == ref.keys() and all(torch.allclose(got[k], ref[k], rtol=1e-5, atol=1e-7) for k in ref)
