@@ -597,6 +597,11 @@ def test_bad_arguments(tmp_path):
         ckpt.load(tmp_path, model, opt, sched)
     with pytest.raises(TypeError, match="neither JSON nor"):
         ckpt.save(tmp_path, model, opt, extra={"f": lambda: 0})
+    import numpy as np
+    with pytest.raises(TypeError, match=r"neither JSON nor .*\(WeightsUnpickler error: Unsupported global: .*numpy.*"
+                                        r"by default\); keep it .*float\(x\)") as refused:
+        ckpt.save(tmp_path, model, opt, extra={"n": np.int64(3)})
+    assert "\x1b" not in str(refused.value)  # torch's advice and its terminal escapes left out
     with pytest.raises(FileNotFoundError, match="tags in"):
         ckpt.load(tmp_path, model, opt, tag="nope")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from typing import Any
 
 import torch
@@ -77,6 +78,15 @@ def json_ok(obj: Any) -> bool:
     return True
 
 
+def _unpickler_reason(error: Exception) -> str:
+    """The line of torch.load's weights_only error that names what it refused (the global), without the rest of
+    torch's advice or its terminal escape codes."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    named = [line for line in lines if "WeightsUnpickler error" in line]
+    text = named[0].split(". Please use")[0] if named else next((line for line in lines if line), type(error).__name__)
+    return text
+
+
 def to_blob(obj: Any, stem: str, what: str) -> tuple[str, bytes]:
     """(file name, bytes): ``obj`` as JSON, or else a torch file that torch.load(weights_only=True) reads (which
     keeps a Counter or an OrderedDict what it is), or else as JSON with such containers made plain (a
@@ -93,8 +103,8 @@ def to_blob(obj: Any, stem: str, what: str) -> tuple[str, bytes]:
         except NotJSON:
             pass
         raise TypeError(f"{what} holds objects that neither JSON nor torch.load(weights_only=True) can restore "
-                        f"({str(e).splitlines()[0]}); keep it to tensors, numbers, strings, lists, tuples and dicts"
-                        ) from None
+                        f"({_unpickler_reason(e)}); keep it to tensors, Python numbers, strings, lists, tuples and "
+                        "dicts (a numpy scalar: float(x) or int(x))") from None
     return stem + ".pt", buf.getvalue()
 
 
