@@ -158,6 +158,13 @@ _PLAIN_ACCELERATOR = ("a plain accelerate.Accelerator prepared this ShardedOptim
                       "wrong. Use fused_zero.integrations.accelerate.ZeroAccelerator(zero=fused_zero.ZeroConfig("
                       "stage=...)) in place of Accelerator, and pass it the model with a torch.optim.AdamW")
 
+_FABRIC = ("Lightning Fabric steps this ShardedOptimizer (fabric.setup_optimizers): Fabric is not supported. Its "
+           "clip_gradients clips .grad (None at stages 2-3: nothing would be clipped; each rank's own at stage 1), "
+           "fabric.no_backward_sync does not reach the optimizer, and fabric.setup(model) wraps the model in DDP. "
+           "Use lightning's Trainer with strategy=fused_zero.integrations.lightning.ZeroStrategy(stage=...), or a "
+           "plain loop under torchrun that steps the ShardedOptimizer itself (optimizer.clip_grad_norm_, "
+           "optimizer.no_sync())")
+
 
 def stage3_model_wrapped(optimizer, module) -> str | None:
     """A message if DDP, or a plain Accelerator (an HF Trainer's included), drives the model that
@@ -204,8 +211,8 @@ def adalora_unserved(module, stage: int, world_size: int) -> str | None:
 
 
 def framework_without_integration(optimizer) -> str | None:
-    """A message if Accelerate's AcceleratedOptimizer, as a plain Accelerator or HF Trainer made it,
-    is stepping ``optimizer`` (called from ``step()``, once).
+    """A message if Accelerate's AcceleratedOptimizer, as a plain Accelerator or HF Trainer made it, or
+    Lightning Fabric's optimizer wrapper is stepping ``optimizer`` (called from ``step()``, once).
 
     Trainer clips through ``accelerator.clip_grad_norm_(model.parameters())``, i.e. over ``.grad``
     (each rank's local gradient at stage 1, None at stages 2-3: nothing is clipped), and a plain
@@ -213,9 +220,12 @@ def framework_without_integration(optimizer) -> str | None:
     ZeroAccelerator (under ZeroTrainer too) marks the optimizers it prepares. Costs nothing unless
     accelerate is imported; then a walk up the calling frames.
     """
-    if optimizer.integrated or "accelerate" not in sys.modules:
+    if optimizer.integrated or not {"accelerate", "lightning.fabric", "lightning_fabric"} & sys.modules.keys():
         return None
     frames = list(_calling_code())
+    if any(name == "step" and path.endswith(("/lightning/fabric/wrappers.py", "/lightning_fabric/wrappers.py"))
+           for path, name in frames):
+        return _FABRIC
     if not any(name == "step" and path.endswith("/accelerate/optimizer.py") for path, name in frames):
         return None
     return _PLAIN_TRAINER if _trainer_on_stack(frames) else _PLAIN_ACCELERATOR

@@ -372,3 +372,29 @@ def test_manual_optimization_with_one_optimizer_matches_ddp(stage, units, manual
         assert max(_rel(a, b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
         for name, p in params.items():
             assert float((p - ref_params[name]).norm() / ref_params[name].norm()) <= 1e-5, name
+
+
+def _fabric_steps(rank, world_size, stage):
+    _lightning_env(rank, world_size)
+    import lightning as LL
+    from fused_zero import ShardedOptimizer
+    fabric = LL.Fabric(accelerator="cpu", devices=world_size, strategy="ddp")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = fabric.setup_optimizers(ShardedOptimizer(model, lr=1e-2, stage=stage))
+    fabric.backward(model(torch.randn(4, 8)).square().mean())
+    fabric.clip_gradients(model, opt, max_norm=0.01)  # torch's clip of .grad: None at stages 2-3, nothing clipped
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lightning_fabric_stepping_a_sharded_optimizer_is_refused(stage):
+    """Fabric (not supported) with only the optimizer set up: its clip_gradients clipped nothing at stage 2 and
+    the local gradient at stage 1, silently. Refused at the first step, on every rank, naming what serves."""
+    for said in run_ranks(_fabric_steps, 2, stage, timeout=180):
+        assert said is not None and "Lightning Fabric" in said and "ZeroStrategy" in said
