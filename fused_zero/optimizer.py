@@ -769,7 +769,8 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
             # a replay's flag is the graph's own tensor, written again by the next replay: the scaler gets a copy
             scaler.state["found_inf_per_device"] = out.found_inf if key is None else {
                 d: t.clone() for d, t in out.found_inf.items()}
-            self._overflow = list(scaler.state["found_inf_per_device"].values())
+            # a copy: scaler.update() adds every other optimizer's verdict into the first one's flag, in place
+            self._overflow = [t.clone() for t in scaler.state["found_inf_per_device"].values()]
         if key is not None:  # a replay wrote the parameters: what they are now is the optimizer's own
             replayed, captured = self._graph.replays != runs[0], self._graph.captures != runs[1]
             if replayed and not captured:  # (a replay runs no Python: a capture's body marked them already)

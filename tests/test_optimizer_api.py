@@ -471,3 +471,36 @@ def test_zeroing_through_the_model_or_the_optimizer(stage, zero):
             loss_fn(m(*batch(t, 0)[:1], **flags(t, 0)), batch(t, 0)[1]).backward()
             o.step()
         assert param_error(model, ref) < TOL, t
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_last_step_overflowed_is_each_optimizers_own_verdict_under_one_scaler(stage):
+    """torch's AMP recipe for several optimizers: scaler.step(a); scaler.step(b); scaler.update(), an overflow in
+    b's gradients only. The kept verdict was the scaler's flag itself, into which update() adds b's in place: a's
+    said skipped on a step it took."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    make = (lambda m: ShardedOptimizer(m, stage=3, lr=1e-2)) if stage == 3 else \
+        (lambda m: ShardedOptimizer(m.parameters(), stage=stage, lr=1e-2))
+    oa, ob = make(a), make(b)
+    assert not oa.last_step_overflowed()  # before any step
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    seen = []
+    for t in range(3):
+        g = torch.Generator().manual_seed(t)
+        x, xb = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        if t == 1:
+            xb[0, 0] = float("inf")  # only b's gradients see it
+        oa.zero_grad()
+        ob.zero_grad()
+        scaler.scale(a(x).square().mean() + b(xb).square().mean()).backward()
+        scaler.step(oa)
+        scaler.step(ob)
+        scaler.update()
+        seen.append((oa.last_step_overflowed(), ob.last_step_overflowed()))
+    assert seen == [(False, False), (False, True), (False, False)]
+    lin = torch.nn.Linear(2, 2)
+    opt = ShardedOptimizer(lin.parameters(), stage=1 if stage == 3 else stage)
+    (lin(torch.full((1, 2), float("inf"))).sum()).backward()
+    opt.step()
+    assert not opt.last_step_overflowed()  # no scaler: no verdict (torch's AdamW steps on the inf)
