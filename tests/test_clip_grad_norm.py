@@ -16,6 +16,7 @@ import torch
 
 from _dist import run_ranks
 from _models import ClipNet
+from fused_zero import ShardedOptimizer
 
 
 _Net = ClipNet
@@ -308,3 +309,65 @@ def test_a_grad_scaler_first_used_after_plain_steps_clips_as_torchs(stage, order
     with opt.full_parameters() if stage == 3 else torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def _two_models(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh()), torch.nn.Linear(8, 3)
+
+
+def _joint_clip_run(rank, world_size, stages, max_norm):
+    import fused_zero
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    a, b = _two_models()
+    ra, rb = _two_models()
+    opts = [ShardedOptimizer(m, stage=3, lr=1e-2) if s == 3 else ShardedOptimizer(m.parameters(), stage=s, lr=1e-2)
+            for m, s in zip((a, b), stages)]
+    da, db = (DDP(ra), DDP(rb)) if world_size > 1 else (ra, rb)
+    refs = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ra, rb)]
+    norms = []
+    for t in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + rank))
+        for o in opts + refs:
+            o.zero_grad()
+        b(a(x)).square().mean().backward()
+        db(da(x)).square().mean().backward()
+        got = fused_zero.clip_grad_norm_(opts, max_norm)
+        want = torch.nn.utils.clip_grad_norm_(list(ra.parameters()) + list(rb.parameters()), max_norm)
+        norms.append((float(got), float(want)))
+        for o in opts + refs:
+            o.step()
+    out = []
+    for o, m, r in zip(opts, (a, b), (ra, rb)):
+        with o.full_parameters():
+            out.append(max(float((p.detach() - q.detach()).abs().max() / q.detach().abs().max())
+                           for p, q in zip(m.parameters(), r.parameters())))
+    return norms, out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stages", [(1, 1), (2, 2), (3, 3), (1, 3)], ids=lambda s: f"stages{s[0]}{s[1]}")
+def test_one_norm_over_two_optimizers_clips_as_torchs_clip_over_both_models(world_size, stages):
+    """torch clips two models together with one norm over all their parameters; each ShardedOptimizer's own
+    clip_grad_norm_(m) clips each to its own norm (2.4e-2 off after 4 steps). fused_zero.clip_grad_norm_(opts, m)
+    gives torch's one factor and returns its total norm (max_norm 0.05 clips every step, 10 none)."""
+    for max_norm in (0.05, 10.0):
+        results = run_ranks(_joint_clip_run, world_size, stages, max_norm, timeout=180) if world_size > 1 else \
+            [_joint_clip_run(0, 1, stages, max_norm)]
+        for norms, errors in results:
+            assert all(abs(g - w) <= 1e-6 * w for g, w in norms), norms
+            assert max(errors) < 1e-5, errors
+
+
+def test_joint_clip_refuses_what_it_cannot_serve():
+    import fused_zero
+    m = torch.nn.Linear(2, 2)
+    opt = ShardedOptimizer(m.parameters())
+    with pytest.raises(TypeError, match="takes ShardedOptimizers"):
+        fused_zero.clip_grad_norm_([opt, torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())], 1.0)
+    with pytest.raises(ValueError, match="same optimizer twice"):
+        fused_zero.clip_grad_norm_([opt, opt], 1.0)
+    with pytest.raises(TypeError, match="max_norm must be a real number"):
+        fused_zero.clip_grad_norm_([opt], "1.0")
+    with pytest.raises(ValueError, match="only the 2-norm"):
+        fused_zero.clip_grad_norm_([opt], 1.0, norm_type=1.0)

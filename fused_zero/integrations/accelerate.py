@@ -43,6 +43,7 @@ from torch import nn
 from ..checkpoint.files import FRAMEWORK_DIR
 from ..comm.collectives import default_world_size
 from ..config import ZeroConfig
+from ..joint_clip import clip_grad_norm_ as joint_clip_grad_norm_
 from ..lifecycle import setting
 from ..optimizer import ShardedOptimizer
 from . import require
@@ -236,45 +237,44 @@ class ZeroAccelerator(Accelerator):
             yield
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """The global norm of the averaged gradients, clipped in the next step (every rank calls it)."""
+        """The global norm of the averaged gradients, clipped in the next step (every rank calls it); over the
+        parameters of several ShardedOptimizers (two models prepared together), one norm over all of them, as
+        torch's clip over their parameters."""
         params = [p for p in parameters] if not isinstance(parameters, torch.Tensor) else [parameters]
-        opt = self._clipping_owner(params, "clip_grad_norm_", "clips the global norm of all of them together")
-        if opt is None:
+        opts = self._clipping_owners(params, "clip_grad_norm_", "clips the global norm of all of them together")
+        if not opts:
             return super().clip_grad_norm_(params, max_norm, norm_type)
         self.unscale_gradients()
-        return opt.clip_grad_norm_(max_norm, norm_type)
+        return opts[0].clip_grad_norm_(max_norm, norm_type) if len(opts) == 1 else \
+            joint_clip_grad_norm_(opts, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters, clip_value):
         """Each element of the averaged gradients clamped in the next step (every rank calls it)."""
         params = [p for p in parameters] if not isinstance(parameters, torch.Tensor) else [parameters]
-        opt = self._clipping_owner(params, "clip_grad_value_", "clamps every gradient it holds")
-        if opt is None:
+        opts = self._clipping_owners(params, "clip_grad_value_", "clamps every gradient it holds")
+        if not opts:
             return super().clip_grad_value_(params, clip_value)
         self.unscale_gradients()
-        return opt.clip_grad_value_(clip_value)
+        for opt in opts:
+            opt.clip_grad_value_(clip_value)
 
-    def _clipping_owner(self, params: list, name: str, what: str):
-        """The one ShardedOptimizer holding ``params`` (None: none does), given all of its parameters and none
-        with a gradient it does not hold; ValueError naming the fix otherwise."""
-        owners = {id(o): o for o in (self._owner(p) for p in params) if o is not None}
-        if not owners:
-            return None
-        if len(owners) > 1:
-            raise ValueError(f"{name} got the parameters of several ShardedOptimizers; clip each "
-                             "model's parameters on their own")
-        opt = next(iter(owners.values()))
+    def _clipping_owners(self, params: list, name: str, what: str) -> list:
+        """The ShardedOptimizers holding ``params`` (none: []), given all of each one's parameters and none with a
+        gradient that none of them holds; ValueError naming the fix otherwise."""
+        owners = list({id(o): o for o in (self._owner(p) for p in params) if o is not None}.values())
         given = {p for p in params if p.requires_grad}
-        if not {p for g in opt.param_groups for p in g["params"] if p.requires_grad} <= given:
-            raise ValueError(f"{name} got only part of a ShardedOptimizer's parameters: it {what} (the gradients "
-                             "live as shards inside the optimizer); pass model.parameters()")
+        for opt in owners:
+            if not {p for g in opt.param_groups for p in g["params"] if p.requires_grad} <= given:
+                raise ValueError(f"{name} got only part of a ShardedOptimizer's parameters: it {what} (the "
+                                 "gradients live as shards inside the optimizer); pass model.parameters()")
         stray = [p for p in params if p.grad is not None and self._owner(p) is None]
-        if stray:  # torch would clip their gradients too; the optimizer's clip cannot
+        if owners and stray:  # torch would clip their gradients too; the optimizer's clip cannot
             raise ValueError(f"{name} got {len(stray)} parameters with a gradient that the ShardedOptimizer "
                              "does not hold (shapes " + ", ".join(str(tuple(p.shape)) for p in stray[:4]) + "): its "
                              "clip covers the optimizer's gradients only, and no DDP averages theirs across ranks. "
                              "Pass the optimizer's parameters only, or freeze the others (requires_grad_(False)) "
                              "before backward")
-        return opt
+        return owners
 
     # -- the model's weights and checkpoints ----------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):

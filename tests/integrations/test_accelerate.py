@@ -388,3 +388,36 @@ def test_trigger_sync_in_backward_inside_no_sync_reduces_as_ddp(stage):
     want = run_ranks(_triggered_sync, 2, None, timeout=180)
     for got, ref in zip(run_ranks(_triggered_sync, 2, stage, timeout=180), want):
         assert got.keys() == ref.keys() and all(torch.allclose(got[k], ref[k], rtol=1e-5, atol=1e-7) for k in ref)
+
+
+def _two_models_clipped(rank, world_size, stage):
+    launcher_env(rank, world_size)
+    from accelerate import Accelerator
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.accelerate import ZeroAccelerator
+    torch.manual_seed(0)
+    a, b = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh()), torch.nn.Linear(8, 3)
+    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    acc = Accelerator(cpu=True) if stage is None else ZeroAccelerator(cpu=True, zero=ZeroConfig(stage=stage))
+    a, b, oa, ob = acc.prepare(a, b, oa, ob)
+    norms = []
+    for t in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + rank))
+        acc.backward(b(a(x)).square().mean())
+        norms.append(float(acc.clip_grad_norm_(list(a.parameters()) + list(b.parameters()), 0.05)))
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    return norms, [acc.get_state_dict(m) for m in (a, b)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_clip_over_two_prepared_models_is_ddps(stage):
+    """accelerator.clip_grad_norm_ over the parameters of two models, each with its own optimizer: one norm over
+    both, as torch's clip under DDP (it was refused, asking to clip each model on its own: another result)."""
+    want = run_ranks(_two_models_clipped, 2, None, timeout=180)
+    for (norms, sds), (ref_norms, ref_sds) in zip(run_ranks(_two_models_clipped, 2, stage, timeout=180), want):
+        assert all(abs(g - w) <= 1e-6 * w for g, w in zip(norms, ref_norms)), (norms, ref_norms)
+        for sd, ref in zip(sds, ref_sds):
+            assert all(torch.allclose(sd[k], ref[k], rtol=1e-5, atol=1e-7) for k in ref)

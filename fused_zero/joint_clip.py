@@ -1,0 +1,48 @@
+"""``fused_zero.clip_grad_norm_``: one global norm over the gradients of several ShardedOptimizers.
+
+torch clips several models together with ``torch.nn.utils.clip_grad_norm_(list(a.parameters()) +
+list(b.parameters()), m)``: one norm over all of them, one factor for all. A ShardedOptimizer holds its
+averaged gradients in its shards (stages 2-3; stage 1 keeps each rank's local ``.grad``), so torch's clip
+cannot see them, and each optimizer's own ``clip_grad_norm_(m)`` clips to its own norm: another result.
+Here each optimizer measures its global norm first (``clip_grad_norm_(inf)``: measured, nothing scaled),
+the norms combine into the total on the device, and each optimizer is then clipped to its share of
+``max_norm`` (its norm times ``min(1, max_norm / (total + 1e-6))``), which scales every gradient by torch's
+one factor. Each optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .clipping import _check_clip_args
+from .host_read import to_host
+
+
+def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the gradients of every optimizer in ``optimizers`` (ShardedOptimizers, each called on every rank) to
+    one total 2-norm ``max_norm``, as torch's clip over all of their parameters; return the total norm.
+
+    Two clip calls per optimizer (two all-reduces each); with ``error_if_nonfinite=True`` or on a GPU the shares
+    are read on the host once per optimizer (their agreement among ranks)."""
+    from .optimizer import ShardedOptimizer
+    _check_clip_args(max_norm, norm_type)  # (every rank alike, before any collective)
+    opts = [optimizers] if isinstance(optimizers, ShardedOptimizer) else list(optimizers)
+    if not opts or not all(isinstance(o, ShardedOptimizer) for o in opts):
+        raise TypeError("fused_zero.clip_grad_norm_ takes ShardedOptimizers (an iterable of them), got "
+                        f"{[type(o).__name__ for o in opts]}: clip a torch optimizer's parameters with "
+                        "torch.nn.utils.clip_grad_norm_, or one ShardedOptimizer with its own clip_grad_norm_")
+    if len({id(o) for o in opts}) != len(opts):
+        raise ValueError("fused_zero.clip_grad_norm_ was given the same optimizer twice: list each once")
+    norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler) for o in opts]  # measured, nothing scaled
+    total = torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
+    if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for o, n in zip(opts, norms):
+        o.clip_grad_norm_(n.float().reshape(()) * coef, norm_type, grad_scaler)
+    return total
