@@ -52,7 +52,8 @@ class ClipMethods:
     @eager_under_compile
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, grad_scaler=None, *,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, foreach: bool | None = None,
+                        _caller_frames: int = 0) -> torch.Tensor:
         """Clip the global gradient norm in the next step(); return the norm.
 
         Equals ``torch.nn.utils.clip_grad_norm_`` over the full averaged
@@ -101,7 +102,7 @@ class ClipMethods:
         previous = None
         if self._clip is not None:  # a second clip in this step: it measures what the first one left
             previous = self._apply_clip(during_backward=False)
-        grad_scaler, unscaled = self._clip_units(grad_scaler)
+        grad_scaler, unscaled = self._clip_units(grad_scaler, _caller_frames)
         final = unscaled is not None
         if final and grad_scaler is None and not self.grad_sync.frees_grads:
             self.grad_sync.reduced_scaled = True  # stage 1 reduced the scaled .grad: an unscale_ after misses them
@@ -157,7 +158,7 @@ class ClipMethods:
             self._dp_clip_warned = True
             warnings.warn(CLIP_OVER_DP_ONLY.format(what=what), UserWarning, stacklevel=user_stacklevel())
 
-    def _clip_units(self, grad_scaler) -> tuple:
+    def _clip_units(self, grad_scaler, caller_frames: int = 0) -> tuple:
         """In which units a clip called now finds the gradients: torch's measures ``.grad`` as it is, unscaled by a
         ``scaler.unscale_()`` before it or still scaled. ``(the scaler that unscaled them, True)``; ``(None,
         False)``, still as backward left them; ``(None, None)``, not known (``step()`` then takes an ``unscale_`` it
@@ -171,7 +172,7 @@ class ClipMethods:
         if self._scaler_ref is not None:
             scaler = unscaling_scaler(self, self._scaler_ref)
             return scaler, scaler is not None
-        scaler, unscaled = scaler_in_callers(self, skip=1)
+        scaler, unscaled = scaler_in_callers(self, skip=1 + caller_frames)  # (fused_zero.clip_grad_norm_: one more)
         if unscaled is None and self._steps_done:  # none there, and none stepped the steps that finished: a run
             return None, False  # without one (a scaler first used after plain steps is found there, as on the first)
         return scaler, unscaled

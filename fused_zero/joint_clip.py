@@ -6,8 +6,8 @@ averaged gradients in its shards (stages 2-3; stage 1 keeps each rank's local ``
 cannot see them, and each optimizer's own ``clip_grad_norm_(m)`` clips to its own norm: another result.
 Here each optimizer measures its global norm first (``clip_grad_norm_(inf)``: measured, nothing scaled),
 the norms combine into the total on the device, and each optimizer is then clipped to its share of
-``max_norm`` (its norm times ``min(1, max_norm / (total + 1e-6))``), which scales every gradient by torch's
-one factor. Each optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
+``max_norm`` (``(its norm + 1e-6) * min(1, max_norm / (total + 1e-6))``: its own clip divides by its norm
++ 1e-6), which scales every gradient by torch's one factor, also where nothing is clipped. Each optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
                         "torch.nn.utils.clip_grad_norm_, or one ShardedOptimizer with its own clip_grad_norm_")
     if len({id(o) for o in opts}) != len(opts):
         raise ValueError("fused_zero.clip_grad_norm_ was given the same optimizer twice: list each once")
-    norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler) for o in opts]  # measured, nothing scaled
+    # measured, nothing scaled; a GradScaler not known to an optimizer yet is looked for above this call
+    norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler, _caller_frames=1) for o in opts]
     total = torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
     if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
         raise RuntimeError(
@@ -43,6 +44,6 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for o, n in zip(opts, norms):
-        o.clip_grad_norm_(n.float().reshape(()) * coef, norm_type, grad_scaler)
+    for o, n in zip(opts, norms):  # its own clip divides by its norm + 1e-6: what it is given carries that back
+        o.clip_grad_norm_((n.float().reshape(()) + 1e-6) * coef, norm_type, grad_scaler, _caller_frames=1)
     return total

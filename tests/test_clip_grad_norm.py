@@ -16,7 +16,7 @@ import torch
 
 from _dist import run_ranks
 from _models import ClipNet
-from fused_zero import ShardedOptimizer
+from fused_zero import ShardedOptimizer, clip_grad_norm_ as joint_clip_grad_norm_
 
 
 _Net = ClipNet
@@ -371,3 +371,49 @@ def test_joint_clip_refuses_what_it_cannot_serve():
         fused_zero.clip_grad_norm_([opt], "1.0")
     with pytest.raises(ValueError, match="only the 2-norm"):
         fused_zero.clip_grad_norm_([opt], 1.0, norm_type=1.0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_joint_clip_of_a_small_norm_optimizer_and_under_a_scalers_first_step_is_torchs(stage):
+    """Two regressions of fused_zero.clip_grad_norm_: each optimizer's own clip divides by its norm + 1e-6, so an
+    optimizer whose norm is small (8e-5) was scaled by n / (n + 1e-6), 1.2% off, even with nothing to clip (eps=1
+    makes AdamW's update linear in the gradient, so it shows); and on a GradScaler's first step (not yet known to
+    the optimizers) the clips looked for it one frame too low: stages 2-3 returned the scaled norm."""
+    import contextlib
+
+    def run(sharded, max_norm, scaled):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+        hyper = dict(lr=1e-2, eps=1.0)
+        opts = [(ShardedOptimizer(m, stage=3, **hyper) if stage == 3 else
+                 ShardedOptimizer(m.parameters(), stage=stage, **hyper)) if sharded else
+                torch.optim.AdamW(m.parameters(), **hyper) for m in (a, b)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0) if scaled else None
+        norms = []
+        for t in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(t))
+            for o in opts:
+                o.zero_grad()
+            loss = a(x).square().mean() + 1e-4 * b(x).mean()
+            (scaler.scale(loss) if scaled else loss).backward()
+            if scaled:
+                for o in opts:
+                    scaler.unscale_(o)
+            if sharded:  # called from the loop itself, where a scaler is found before it first stepped them
+                norms.append(float(joint_clip_grad_norm_(opts, max_norm)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_([*a.parameters(), *b.parameters()], max_norm)))
+            for o in opts:
+                scaler.step(o) if scaled else o.step()
+            if scaled:
+                scaler.update()
+        with contextlib.ExitStack() as stack:
+            for o in opts if sharded and stage == 3 else ():
+                stack.enter_context(o.full_parameters())
+            return norms, [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+
+    for max_norm, scaled in ((10.0, False), (0.05, False), (0.05, True)):
+        got, want = run(True, max_norm, scaled), run(False, max_norm, scaled)
+        assert all(abs(g - w) <= 1e-6 * w for g, w in zip(got[0], want[0])), (got[0], want[0])
+        for p, q in zip(got[1], want[1]):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-9), (max_norm, scaled, (p - q).abs().max())
