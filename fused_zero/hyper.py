@@ -25,8 +25,7 @@ def _scalar(value, what: str):
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
-    """torch.optim.Adam's value checks; returns betas: the list or tuple given where it holds floats or 0-d tensors,
-    else a tuple of them."""
+    """torch.optim.Adam's value checks; returns betas as a tuple of floats or 0-d tensors."""
     _scalar(lr, "lr")
     _scalar(eps, "eps")
     _scalar(weight_decay, "weight_decay")
@@ -55,12 +54,20 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> tuple:
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     # as torch.optim.Adam keeps them: floats as given, tensors as 0-d tensors (read each step, so a schedule
-    # that fills them in place is followed); a list or tuple that holds them so is kept itself, as torch keeps it
-    # (a list edited in place, betas[0] = 0.5, is followed by the next step as by torch's)
-    checked = tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else
-                    b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
-    if isinstance(betas, (tuple, list)) and all(a is b for a, b in zip(betas, checked)):
-        return betas
+    # that fills them in place is followed)
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else
+                 b if isinstance(b, torch.Tensor) else float(b) for b in (b0, b1))
+
+
+def kept_betas(given, checked: tuple):
+    """A param group's betas as torch keeps them: the list or tuple given, where it holds numbers or 0-d tensors
+    (the step reads it each time, so an edit in place is followed, ints included), else ``checked``. (The
+    constructor's default is always ``checked``, a tuple of its own, as torch's: groups never share the caller's
+    list.)"""
+    if isinstance(given, (tuple, list)) and all(
+            (isinstance(b, torch.Tensor) and b.dim() == 0) or (isinstance(b, numbers.Real) and not isinstance(b, bool))
+            for b in given):
+        return given
     return checked
 
 
@@ -98,7 +105,8 @@ def check_flags(foreach, fused, capturable, differentiable, optimizer_capturable
 
 def check_group(group: dict, capturable: bool = False) -> None:
     """A param group's hyperparameters, as added or edited by the user (``capturable``: the optimizer's)."""
-    group["betas"] = check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    group["betas"] = kept_betas(group["betas"], check_hyperparameters(group["lr"], group["betas"], group["eps"],
+                                                                      group["weight_decay"]))
     check_flags(group.get("foreach"), group.get("fused"), group.get("capturable"), group.get("differentiable"),
                 capturable)
 

@@ -658,12 +658,15 @@ def test_a_betas_list_is_kept_and_followed_when_edited_in_place_as_torch(stage):
     runs = []
     for make in (lambda g: torch.optim.AdamW(g, lr=1e-2), lambda g: ShardedOptimizer(g, lr=1e-2, stage=stage)):
         torch.manual_seed(0)
-        m, betas = torch.nn.Linear(4, 3), [0.9, 0.999]
+        m, betas = torch.nn.Linear(4, 3), [0, 0.999]  # an int too (a config file's beta1 = 0)
         opt = make([{"params": m.parameters(), "betas": betas}])
         assert opt.param_groups[0]["betas"] is betas
+        shared = [0.9, 0.999]  # the constructor's default is a tuple of its own, as torch's: not the caller's list
+        assert type(make(torch.nn.Linear(2, 2).parameters()).__class__(
+            torch.nn.Linear(2, 2).parameters(), betas=shared).param_groups[0]["betas"]) is tuple
         for t in range(4):
             if t == 2:
-                betas[0] = 0.5
+                betas[0] = 0.9
                 opt.param_groups[0]["betas"][1] = 0.99
             m(torch.randn(2, 4, generator=torch.Generator().manual_seed(t))).square().sum().backward()
             opt.step()
