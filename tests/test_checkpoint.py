@@ -602,6 +602,11 @@ def test_bad_arguments(tmp_path):
                                         r"by default\); keep it .*float\(x\)") as refused:
         ckpt.save(tmp_path, model, opt, extra={"n": np.int64(3)})
     assert "\x1b" not in str(refused.value)  # torch's advice and its terminal escapes left out
+    opt.param_groups[0]["lr"] = np.float32(5e-3)  # was the codec's own NotJSON, naming nothing
+    with pytest.raises(TypeError, match=r"param group 0's 'lr' is float32 .* optimizer.param_groups\[0\]\['lr'\] ="):
+        ckpt.save(tmp_path, model, opt, tag="numpy_lr")
+    assert not os.path.exists(os.path.join(tmp_path, "numpy_lr"))  # refused before anything was written
+    opt.param_groups[0]["lr"] = 5e-3
     with pytest.raises(FileNotFoundError, match="tags in"):
         ckpt.load(tmp_path, model, opt, tag="nope")
 

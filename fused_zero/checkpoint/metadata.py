@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .codec import decode, encode
+from .codec import NotJSON, decode, encode
 from .errors import CheckpointError
 from .files import MODEL_FILE, METADATA, rank_file
 from .reshard import Chunk, aliases, check_tiling, numel_of
@@ -26,6 +26,19 @@ def checksum(meta: Mapping) -> str:
     """sha256 of the canonical JSON of ``meta`` without its checksum field."""
     body = {k: v for k, v in meta.items() if k != CHECKSUM}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_group_values(param_groups) -> None:
+    """TypeError, naming the group and the key, for a param group value metadata.json cannot hold exactly (a numpy
+    scalar lr, a Fraction, a set): every rank checks it before anything is written."""
+    for i, g in enumerate(param_groups):
+        for key, value in group_hyper(g).items():
+            try:
+                encode(value)  # as build_metadata writes it
+            except NotJSON as e:
+                raise TypeError(f"param group {i}'s {key!r} is {type(value).__name__} {value!r}, which a checkpoint "
+                                f"cannot hold exactly ({e}): set it as a Python number, string, list or tensor "
+                                f"(e.g. optimizer.param_groups[{i}][{key!r}] = float(...))") from None
 
 
 def build_metadata(view: ModelView, tag: str, written: list, files_of: dict) -> dict:

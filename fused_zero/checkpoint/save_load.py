@@ -18,7 +18,7 @@ from . import files
 from .codec import decode, to_blob
 from .errors import CheckpointError
 from .files import METADATA, MODEL_FILE, OLD_PREFIX, TMP_PREFIX, check_tag, crc32, rank_file
-from .metadata import build_metadata, check_match, read_metadata
+from .metadata import build_metadata, check_group_values, check_match, read_metadata
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
 from .shards import Reader, model_state, model_tensors, shard_tensors, unblob
 from .view import ModelView
@@ -102,6 +102,7 @@ def _save(directory, model, optimizer, scheduler, tag, extra, chunk_numel) -> st
         if not isinstance(chunk_numel, int) or chunk_numel < 1:
             raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
         _check_scheduler(scheduler, optimizer)
+        check_group_values(optimizer.param_groups)  # metadata.json holds them: refused here, before any write
         steps = [int(s["step"]) for p, s in optimizer.state.items() if id(p) in view.where and "step" in s]
         name = check_tag(f"step{max(steps, default=0)}" if tag is None else tag)
         blobs = {}
