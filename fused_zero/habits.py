@@ -187,7 +187,11 @@ def stage3_model_wrapped(optimizer, module) -> str | None:
     return _DDP if ddp else None
 
 
-def adalora_unserved(module, stage: int, world_size: int) -> str | None:
+def _is_adalora(m) -> bool:
+    return any(c.__name__ == "AdaLoraLayer" for c in type(m).__mro__)
+
+
+def adalora_unserved(module, stage: int, world_size: int, params=()) -> str | None:
     """A message if ``module`` holds peft AdaLoRA layers where their rank allocator cannot be served.
 
     ``update_and_allocate()`` (called after ``step()``, before ``zero_grad()``) scores each adapter
@@ -195,12 +199,21 @@ def adalora_unserved(module, stage: int, world_size: int) -> str | None:
     gradient on ``.grad`` (peft reads DeepSpeed's through ``safe_get_full_grad``). At stage 1 ``.grad``
     is each rank's local gradient, so on 2+ ranks every rank masks other entries and the replicas
     drift apart silently; at stages 2-3 it is None (peft fails with a bare TypeError). Found by the
-    layers' class name (peft is never imported here).
+    layers' class name (peft is never imported here): in ``module``, or, given only ``params``, among the live
+    modules once peft's AdaLoRA is imported (one scan of the collector's objects, at build).
     """
-    if module is None or (stage == 1 and world_size == 1):
+    if stage == 1 and world_size == 1:
         return None
-    if not any(c.__name__ == "AdaLoraLayer" for m in module.modules() for c in type(m).__mro__):
+    if module is not None:
+        if not any(_is_adalora(m) for m in module.modules()):
+            return None
+    elif "peft.tuners.adalora" not in sys.modules or not params:
         return None
+    else:  # given the parameters only (the one-line swap): a live AdaLoRA layer holding one of them (once, at build)
+        ids = {id(p) for p in params}
+        if not any(isinstance(obj, torch.nn.Module) and _is_adalora(obj) and any(id(p) in ids for p in obj.parameters())
+                   for obj in gc.get_objects()):
+            return None
     where = (f"stage 1 on {world_size} ranks, where .grad holds each rank's local gradient (the ranks would mask "
              "different entries and drift apart)") if stage == 1 else \
         f"stage {stage}, where .grad is None after backward (the averaged gradient lives in the shards)"

@@ -191,9 +191,6 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         self.topology = Topology(process_group, mesh, config.secondary_shard)  # which group each collective uses
         # alone because no process group existed yet: refused at a step once one of several ranks exists
         self._alone_by_default = process_group is None and mesh is None and self.topology.world_size == 1
-        refused = adalora_unserved(module, config.stage, self.topology.world_size)
-        if refused is not None:  # every rank alike (the same model and options), before any collective
-            raise ValueError(refused)
         self.comm = self.topology.shard
         self._rendezvous = self.topology.rendezvous()  # None alone; see comm/rendezvous.py
         self._control: Comm | None = None  # the group state_dict() gathers on, made at its first call
@@ -251,6 +248,10 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         refused = capturable_refusal(bool(capturable), config, None if first is None else first.device,
                                      self.topology.world_size > 1 and collectives_checked_on_host())
         if refused is not None:  # every rank alike (the options agree), before any collective
+            raise ValueError(refused)
+        refused = adalora_unserved(module, config.stage, self.topology.world_size,
+                                   [p for g in self.param_groups for p in g["params"]])
+        if refused is not None:  # every rank alike (the same model and options), before any collective
             raise ValueError(refused)
         self._build()
         if capturable:

@@ -420,22 +420,24 @@ def _adalora_model():
     return peft.get_peft_model(base, config)
 
 
-def _adalora_build(rank, world_size, stage):
+def _adalora_build(rank, world_size, stage, given_model=True):
     model = _adalora_model()
     params = model if stage == 3 else [p for p in model.parameters() if p.requires_grad]
     try:
-        ShardedOptimizer(params, lr=1e-3, stage=stage, **({} if stage == 3 else {"module": model}))
+        ShardedOptimizer(params, lr=1e-3, stage=stage, **({"module": model} if stage < 3 and given_model else {}))
     except ValueError as e:
         return str(e)
     return None
 
 
-@pytest.mark.parametrize("world_size,stage", [(1, 2), (1, 3), (2, 1), (2, 2)])
-def test_adalora_rank_allocation_is_refused_where_grad_is_not_the_averaged_gradient(world_size, stage):
+@pytest.mark.parametrize("world_size,stage,given_model", [(1, 2, True), (1, 2, False), (1, 3, True), (2, 1, True),
+                                                          (2, 1, False), (2, 2, True)])
+def test_adalora_rank_allocation_is_refused_where_grad_is_not_the_averaged_gradient(world_size, stage, given_model):
     """AdaLoRA's update_and_allocate() reads p.grad after step(): at stage 1 on 2 ranks each rank's local gradient
-    (the ranks masked different entries and drifted apart silently), at stages 2-3 None (peft's bare TypeError)."""
-    for said in run_ranks(_adalora_build, world_size, stage, timeout=120) if world_size > 1 \
-            else [_adalora_build(0, 1, stage)]:
+    (the ranks masked different entries and drifted apart silently), at stages 2-3 None (peft's bare TypeError).
+    Found given the model, or its parameters only (the one-line swap)."""
+    for said in run_ranks(_adalora_build, world_size, stage, given_model, timeout=120) if world_size > 1 \
+            else [_adalora_build(0, 1, stage, given_model)]:
         assert said is not None and "AdaLoRA" in said and "update_and_allocate" in said
         assert ("local gradient" if stage == 1 else ".grad is None") in said
 
