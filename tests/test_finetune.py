@@ -459,7 +459,7 @@ def test_adalora_at_stage1_on_one_process_allocates_as_torch():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(stage):
+def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(stage, tmp_path):
     """peft's delete_adapter of an adapter that was frozen when the optimizer was built (never trained, no state
     here): torch's AdamW carries on, and so do stages 1-2; stage 3, which shards it, names the rebuild."""
     peft = pytest.importorskip("peft")
@@ -483,7 +483,8 @@ def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(st
         return [p.detach().clone() for p in model.parameters()]
 
     ref = build()
-    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = train(ref, ref_opt)
     model = build()
     opt = ShardedOptimizer(model if stage == 3 else model.parameters(), lr=1e-2, stage=stage,
                            **({} if stage == 3 else {"module": model}))
@@ -493,3 +494,12 @@ def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(st
         return
     got = train(model, opt)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    # a checkpoint after it (the deleted adapter, in a param group still, holds nothing to save) resumes as torch
+    checkpoint.save(tmp_path, model, opt)
+    resumed = ShardedOptimizer(model.parameters(), lr=1e-2, stage=stage, module=model)
+    checkpoint.load(tmp_path, model, resumed)
+    for m, o in ((ref, ref_opt), (model, resumed)):
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(9))).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(model.parameters(), ref.parameters()))

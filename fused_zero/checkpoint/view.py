@@ -55,6 +55,8 @@ class ModelView:
         self.groups: list[list[str]] = []  # names per param group, in group order
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
+                if id(p) not in self.names and self._gone_frozen(p):
+                    continue  # frozen when laid out, no longer the model's (peft's delete_adapter): nothing to save
                 if id(p) not in self.names:
                     raise ValueError(f"param group {gi} holds {self._label(p, opt)} that is not in "
                                      "model.named_parameters(): fused_zero.checkpoint names every trained parameter "
@@ -62,8 +64,13 @@ class ModelView:
                                      "kept outside it (a learnable loss temperature) needs registering on it "
                                      "(model.temperature = nn.Parameter(...), before building the optimizer), or "
                                      "save optimizer.state_dict() and the model's weights instead")
-            self.groups.append([self.names[id(p)][0] for p in group["params"]])
+            self.groups.append([self.names[id(p)][0] for p in group["params"] if id(p) in self.names])
         self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
+
+    def _gone_frozen(self, p) -> bool:
+        """``p`` (in a param group, not in the model) holds nothing here: stages 1-2 left it out of every partition,
+        frozen when laid out (stage 3 shards frozen parameters: those are the model's, or refused before this)."""
+        return id(p) not in self.where and id(p) not in self.frozen and not p.requires_grad and p.grad is None
 
     def _label(self, p, opt) -> str:
         """``p`` in a message: the name the optimizer knows it by, else its shape (the partition's, not a stage-3
