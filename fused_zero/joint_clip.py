@@ -7,7 +7,8 @@ cannot see them, and each optimizer's own ``clip_grad_norm_(m)`` clips to its ow
 Here each optimizer measures its global norm first (``clip_grad_norm_(inf)``: measured, nothing scaled),
 the norms combine into the total on the device, and each optimizer is then clipped to its share of
 ``max_norm`` (``(its norm + 1e-6) * min(1, max_norm / (total + 1e-6))``: its own clip divides by its norm
-+ 1e-6), which scales every gradient by torch's one factor, also where nothing is clipped. Each optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
++ 1e-6), which scales every gradient by torch's one factor, also where nothing is clipped. Each
+optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
 """
 from __future__ import annotations
 
