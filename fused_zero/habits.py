@@ -207,12 +207,13 @@ def adalora_unserved(module, stage: int, world_size: int, params=()) -> str | No
     if module is not None:
         if not any(_is_adalora(m) for m in module.modules()):
             return None
-    elif "peft.tuners.adalora" not in sys.modules or not params:
-        return None
+    elif "peft.tuners.adalora" not in sys.modules or not any(p.dim() == 2 and p.shape[1] == 1 for p in params):
+        return None  # (AdaLoRA's singular values, lora_E, are (r, 1): no such parameter, no AdaLoRA layer)
     else:  # given the parameters only (the one-line swap): a live AdaLoRA layer holding one of them (once, at build)
         ids = {id(p) for p in params}
-        if not any(isinstance(obj, torch.nn.Module) and _is_adalora(obj) and any(id(p) in ids for p in obj.parameters())
-                   for obj in gc.get_objects()):
+        # type(), not isinstance(): the heap holds weak proxies, whose isinstance() raises once dead
+        if not any(issubclass(type(obj), torch.nn.Module) and _is_adalora(obj)
+                   and any(id(p) in ids for p in obj.parameters()) for obj in gc.get_objects()):
             return None
     where = (f"stage 1 on {world_size} ranks, where .grad holds each rank's local gradient (the ranks would mask "
              "different entries and drift apart)") if stage == 1 else \
