@@ -503,3 +503,21 @@ def test_deleting_an_adapter_frozen_at_build_trains_on_as_torch_at_stages_1_2(st
         o.step()
         o.zero_grad()
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_adalora_lookup_survives_dead_weak_proxies_on_the_heap():
+    """The lookup for a live AdaLoRA layer (parameters given, peft's AdaLoRA imported) walks the collector's
+    objects: isinstance() on a weak proxy whose object died raises ReferenceError, which ended every build."""
+    import weakref
+    pytest.importorskip("peft")
+    import peft.tuners.adalora  # noqa: F401
+
+    class Dies:
+        pass
+
+    obj = Dies()
+    held = [weakref.proxy(obj)]
+    del obj
+    p = torch.nn.Parameter(torch.zeros(3, 1))  # shaped as AdaLoRA's singular values: the lookup runs
+    ShardedOptimizer([p], stage=2, lr=1e-3)
+    assert len(held) == 1
