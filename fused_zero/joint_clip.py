@@ -37,8 +37,8 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
     if len({id(o) for o in opts}) != len(opts):
         raise ValueError("fused_zero.clip_grad_norm_ was given the same optimizer twice: list each once")
     # measured, nothing scaled; a GradScaler not known to an optimizer yet is looked for above this call
-    norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler, _caller_frames=1) for o in opts]
-    total = torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
+    norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler, _caller_frames=1).float().reshape(()) for o in opts]
+    total = torch.linalg.vector_norm(torch.stack(norms))
     if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
@@ -46,5 +46,5 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
             "set `error_if_nonfinite=False`")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for o, n in zip(opts, norms):  # its own clip divides by its norm + 1e-6: what it is given carries that back
-        o.clip_grad_norm_((n.float().reshape(()) + 1e-6) * coef, norm_type, grad_scaler, _caller_frames=1)
+        o.clip_grad_norm_((n + 1e-6) * coef, norm_type, grad_scaler, _caller_frames=1)
     return total

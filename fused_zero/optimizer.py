@@ -636,7 +636,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         read of the device verdict: what Accelerate's ``optimizer.step_was_skipped`` and HF Trainer, which steps
         its scheduler only after a step that was not skipped, ask (``scaler.step`` always calls ``step()`` here,
         as for torch's fused AdamW, so a wrapper cannot tell from that call alone)."""
-        found = self.__dict__.get("_overflow")  # (None: before the first step)
+        found = self._overflow  # (None: before the first step, or a step without a scaler)
         return bool(found) and any(to_host(t.sum(), "last_step_overflowed()") > 0 for t in found)
 
     def _step_without_grad(self, closure):

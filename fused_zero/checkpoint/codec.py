@@ -83,8 +83,7 @@ def _unpickler_reason(error: Exception) -> str:
     torch's advice or its terminal escape codes."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
     named = [line for line in lines if "WeightsUnpickler error" in line]
-    text = named[0].split(". Please use")[0] if named else next((line for line in lines if line), type(error).__name__)
-    return text
+    return named[0].split(". Please use")[0] if named else next((line for line in lines if line), type(error).__name__)
 
 
 def to_blob(obj: Any, stem: str, what: str) -> tuple[str, bytes]:

@@ -55,9 +55,9 @@ class ModelView:
         self.groups: list[list[str]] = []  # names per param group, in group order
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
-                if id(p) not in self.names and self._gone_frozen(p):
-                    continue  # frozen when laid out, no longer the model's (peft's delete_adapter): nothing to save
                 if id(p) not in self.names:
+                    if self._gone_frozen(p):
+                        continue  # frozen when laid out, no longer the model's (peft's delete_adapter): nothing saved
                     raise ValueError(f"param group {gi} holds {self._label(p, opt)} that is not in "
                                      "model.named_parameters(): fused_zero.checkpoint names every trained parameter "
                                      "by its place in the model. Pass the model this optimizer trains; a parameter "

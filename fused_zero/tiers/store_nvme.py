@@ -9,10 +9,10 @@ runs on it, and the block is written to its *other* slot behind (on a thread). O
 -- once every partition of the step succeeded -- makes the written slots live: a full disk or an
 I/O error midway leaves every state as it was before the step. The process's memory stays at
 three staging blocks per kind whatever the model size (``staging.Staging``: one set for all of an
-optimizer's stores; a block holds a chunk, or the largest store where every one is smaller). The file goes through the page cache: the
-kernel keeps what free memory allows (reclaimable, never the process's) and writes the rest back.
-(Dropping written pages with posix_fadvise(DONTNEED), as this store first did, measured worse on
-every count: dirty pages are not dropped, and the call starts their writeback in the I/O thread.)
+optimizer's stores; a block holds a chunk, or the largest store where every one is smaller). The file
+goes through the page cache: the kernel keeps what free memory allows (reclaimable, never the process's)
+and writes the rest back. (Dropping written pages with posix_fadvise(DONTNEED), as this store first did,
+measured worse on every count: dirty pages are not dropped, and the call starts their writeback in the I/O thread.)
 The file is removed on ``close()``, when the store is collected, and at exit.
 """
 from __future__ import annotations
@@ -178,7 +178,8 @@ class NvmeStore(ShardStore):
         writes = []
         # with the parameters on a GPU the new narrow params go up through pinned buffers, pipelined
         uploads = None if param_out is None or param_out.device.type == "cpu" else self.staging.uploads(param_out.dtype)
-        buffers = self.staging.blocks(self.kinds, self.numel)  # shared with the optimizer's other stores, one update at a time
+        # shared with the optimizer's other stores, one update at a time
+        buffers = self.staging.blocks(self.kinds, self.numel)
         reading = self._pool.submit(self._read_block, blocks[0], buffers[0]) if blocks else None
         # The reads and writes behind are CPU work too (copies to and from the page cache): the update
         # leaves them a core. Every kernel call is one OpenMP parallel region; with as many threads as
