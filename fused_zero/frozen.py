@@ -71,6 +71,8 @@ def gather_frozen(parts, sync, keep: bool) -> dict:
         released = part.flat.untyped_storage().nbytes() == 0 and part.flat.numel() > 0
         if released:
             part.fetch_params()
+            if part.reads_params and sync.comm.world_size > 1:  # a failed read raises on every rank, before the gather
+                sync.comm.agree(part.stage_params)
             part.materialize()
             with sync.exact():  # for a checkpoint: not quantized (param_comm)
                 for h in sync.gather(part):

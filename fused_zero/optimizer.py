@@ -822,14 +822,15 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         for part in self.partitions:
             check_state_edits(self.state, part)
 
-    def _refusal(self, check, errors=(TypeError, ValueError, RuntimeError, LookupError)):
+    def _refusal(self, check, errors=(TypeError, ValueError, RuntimeError, LookupError, OSError)):
         """``(check(), None)``, or ``(None, error)`` for an ``errors`` it raised, which only this rank may have found:
         ``check`` makes no collective before it raises. Alone the error is raised now. Among ranks this rank goes
         through the step's collectives with the update skipped and raises at their end, nothing changed; its
         all-reduce's checksum says it refused, so the other ranks skip the step too and raise at their next
         step() (as for any disagreement), or at this one where every rank refused alike. Serves a bad
-        hyperparameter (``update.read_hypers``) and an edit of the parameters (``_check_edits``); a gradient the
-        step cannot take comes the same way (``_reduce_grads``)."""
+        hyperparameter (``update.read_hypers``), an edit of the parameters (``_check_edits``) and what a stage-3
+        gather met since the last step (``Stage3.before_update``: an assigned tensor it cannot take, a failed read of
+        an NVMe param shard); a gradient the step cannot take comes the same way (``_reduce_grads``)."""
         try:
             return check(), None
         except errors as error:
@@ -889,7 +890,7 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
                 "GradScaler differ across ranks, or "
                 "a rank refused the step and raised why (a bad hyperparameter, a .grad set by hand or unlike its "
                 "parameter, a param group's parameters edited, a bad clip_grad_norm_ argument, a closure that "
-                "raised), or at stages 2-3 a rank had no gradient reduced since its last step while the others had "
+                "raised, a stage-3 gather that could not read an NVMe parameter file), or at stages 2-3 a rank had no gradient reduced since its last step while the others had "
                 "(it skipped the backward they ran, called step() twice, or zero_grad() between its backward and "
                 "step()); set hyperparameters (and call clip_grad_norm_ / the scaler) identically on every rank, "
                 "and to skip a batch, agree on it across ranks first (all_reduce the flag) so that every rank skips")

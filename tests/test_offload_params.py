@@ -16,6 +16,7 @@ import gc
 import os
 import re
 import stat
+import warnings
 
 import pytest
 import torch
@@ -293,3 +294,110 @@ def test_a_full_disk_on_one_rank_is_refused_on_every_rank_at_the_build(tmp_path,
     assert mine[0] == theirs[0] == "OSError" and mine[1] == f"rank 1 failed: {theirs[1]}"
     assert re.search(r"reserving space for \S*\.(params|states) failed \(No space left on device", theirs[1]), theirs
     assert kept0 and kept1 and files0 == files1 == []
+
+
+def _read_fails_on_rank_1(rank, world_size, folder, options, dtype, phase):
+    """Rank 1 alone cannot read its parameter files during step 2's forward or backward (EIO); a run without offload
+    beside it, in lockstep, skips steps 2 and 3 (what the refusal leaves undone)."""
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own)
+    model, ref = TinyNet(dtype=dtype), TinyNet(dtype=dtype)
+    opt, ref_opt = _build(model, own, **options), _build(ref)
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+    out = {"equal": []}
+    for t in range(6):
+        x, y = batch(t, rank)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            fails = m is model and rank == 1 and t == 2
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                o.zero_grad()
+                os.preadv = failing if fails and phase == "forward" else real
+                loss = loss_fn(m(x.to(dtype), **flags(t, rank)), y)
+                os.preadv = failing if fails and phase == "backward" else real
+                loss.backward()
+                os.preadv = real
+                if m is ref and t in (2, 3):
+                    continue  # the refused step, and the one where the other ranks raise
+                try:
+                    o.step()
+                    out[t] = None
+                except (OSError, RuntimeError) as e:
+                    out[t] = type(e).__name__, str(e), " ".join(getattr(e, "__notes__", ()))
+            if m is model:
+                out[f"warned{t}"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out["equal"].append(all(torch.equal(a, b) for a, b in zip(_params(model, opt), _params(ref, ref_opt))))
+    return out
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("options", [BF16[2], FP32[2], FP32[3]], ids=["params", "params+states", "params+cpu"])
+def test_a_failed_param_read_on_one_rank_is_refused_on_every_rank_without_hanging(tmp_path, options, phase):
+    """A read of the parameter file that fails on one rank among several (during a forward's or a backward's gather)
+    raised there alone while the other ranks waited in that gather until the timeout. Now that rank's gather serves
+    the fp32 master's values, says so at once (a RuntimeWarning naming the file), and its step raises the OSError
+    after the step's collectives, changing nothing; the other rank skips that step and both raise at the next one
+    (the ranks' disagreement); then training goes on, bitwise the run without offload that skipped those steps."""
+    dtype = torch.bfloat16 if options is BF16[2] else torch.float32
+    first, second = run_ranks(_read_fails_on_rank_1, 2, str(tmp_path), options, dtype, phase, timeout=240)
+    assert second[2] is not None and second[2][0] == "OSError", second[2]
+    assert re.search(r"reading \S*\.params failed \(Input/output error", second[2][1]), second[2]
+    assert f"found by a stage-3 {phase} since the last step" in second[2][2], second[2]
+    assert first[2] is None
+    assert all(r[3] is not None and "ranks disagree" in r[3][1] for r in (first, second)), (first[3], second[3])
+    assert all(r[t] is None for r in (first, second) for t in (0, 1, 4, 5))
+    assert any(".params failed (Input/output error)" in w and "refused" in w for w in second["warned2"])
+    assert not first["warned2"] and not any(r[f"warned{t}"] for r in (first, second) for t in (0, 1, 3, 4, 5))
+    assert first["equal"] == second["equal"] == [True] * 6, (first["equal"], second["equal"])
+
+
+def _read_fails_on_rank_1_between_steps(rank, world_size, folder, where):
+    """Rank 1 cannot read its parameter files during ``full_parameters()`` or a checkpoint's save (its frozen
+    weights are gathered from their files); the run goes on after."""
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own)
+    model, ref = TinyNet(dtype=torch.bfloat16), TinyNet(dtype=torch.bfloat16)
+    opt, ref_opt = _build(model, own, **BF16[2]), _build(ref)
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+    for t in range(2):
+        _step(model, opt, t, rank)
+        _step(ref, ref_opt, t, rank)
+    if rank == 1:
+        os.preadv = failing
+    try:
+        if where == "full_parameters":
+            with opt.full_parameters():
+                pass
+        else:
+            ckpt.save(os.path.join(folder, "ckpt"), model, opt)
+        error = None
+    except OSError as e:
+        error = str(e)
+    finally:
+        os.preadv = real
+    for t in range(2, 4):
+        _step(model, opt, t, rank)
+        _step(ref, ref_opt, t, rank)
+    return error, all(torch.equal(a, b) for a, b in zip(_params(model, opt), _params(ref, ref_opt)))
+
+
+@pytest.mark.parametrize("where", ["full_parameters", "checkpoint"])
+def test_a_failed_param_read_between_steps_raises_on_every_rank(tmp_path, where):
+    """Between steps a gather serves what user code saves, so a failed read on one rank is never served a
+    substitute: every rank raises (an OSError naming the file and the rank) before any gather, and training
+    goes on after, bitwise (before: rank 1 raised alone and rank 0 waited in the gather)."""
+    (mine, same0), (theirs, same1) = run_ranks(_read_fails_on_rank_1_between_steps, 2, str(tmp_path), where,
+                                               timeout=240)
+    assert theirs is not None and re.search(r"reading \S*\.params failed \(Input/output error", theirs), theirs
+    assert mine == f"rank 1 failed: {theirs}"
+    assert same0 and same1

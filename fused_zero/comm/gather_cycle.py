@@ -85,10 +85,12 @@ class GatherCycle:
             self.behind.wait(u.index)  # its shards are the new ones (raises if some rank's update failed)
         handles, copies = [], self._copies(u)
         for part in u.parts if copies is None else ():  # an offloaded param shard: start every read first
-            part.fetch_params()
+            self._fetch(part)
         for k, part in enumerate(u.parts):
             self._adopt_assigned(part)  # p.data = t since the last gather
             part.materialize()
+            if copies is None:
+                self._read_shard(part)
             handles += self.sync.gather(part) if copies is None else self.secondary.gather(part, copies[k])
         u.handles, u.state = handles, UnitState.GATHERING
         self.live_bytes += u.nbytes
@@ -103,21 +105,40 @@ class GatherCycle:
         if self._kept_refusal(lambda: part.adopt_assigned(self.names, self._placeholder)):
             part.put_back(self._placeholder(part.flat))
 
-    def _kept_refusal(self, check) -> bool:
-        """Run ``check``; what it raises (RuntimeError) raises alone, and among ranks, where it may be this rank's
+    def _fetch(self, part: Partition) -> None:
+        """Start reading an offloaded param shard ahead of its gather. A failure to (re)write a lost shard raises
+        alone; among ranks it is found again when the gather reads the shard (``_read_shard``)."""
+        try:
+            part.fetch_params()
+        except OSError:
+            if self.alone:
+                raise
+
+    def _read_shard(self, part: Partition) -> None:
+        """Wait for the read of ``part``'s offloaded param shard before its gather. A failed read (an I/O error on
+        ``offload_params="nvme"``) raises alone, naming the file; among ranks, where it is this rank's alone, the
+        gather serves the fp32 master's values instead (zeros where those cannot be read either), so that no rank
+        waits in a gather this one left, and the step raises the error after its collectives, changing nothing on
+        any rank (the other ranks raise at their next step)."""
+        if self._kept_refusal(part.stage_params, (OSError,)):
+            part.stage_substitute()
+
+    def _kept_refusal(self, check, errors: tuple = (RuntimeError,)) -> bool:
+        """Run ``check``; what it raises (``errors``) raises alone, and among ranks, where it may be this rank's
         alone, is kept for the step to raise after its collectives (``refused``, ``Stage3.before_update``): True."""
         try:
             check()
-        except RuntimeError as error:
+        except errors as error:
             if self.alone:
                 raise
             if self.refused is None:
                 # said now too: this forward goes on, where the user's own code may fail first (inputs converted
                 # with the model meet the dtype the optimizer holds: torch's dtype error); pointed at the user's line
+                phase = {TrainingState.FORWARD: "forward", TrainingState.BACKWARD: "backward"}.get(self.state, "gather")
                 warnings.warn(f"{error} (refused: a step raises it once every rank has been through its "
-                              "collectives; this forward goes on meanwhile)", RuntimeWarning,
+                              f"collectives; this {phase} goes on meanwhile)", RuntimeWarning,
                               stacklevel=user_stacklevel())
-                error.add_note("fused_zero: found by a stage-3 forward since the last step (its gathers served the "
+                error.add_note(f"fused_zero: found by a stage-3 {phase} since the last step (its gathers served the "
                                "optimizer's values); this step changes nothing on any rank whatever the model holds "
                                "now, and the next one trains again")
             self.refused = self.refused or error
@@ -228,7 +249,7 @@ class GatherCycle:
         ahead = self.units[self._order[self._cursor]] if self._cursor < len(self._order) else None
         if ahead is not None and (behind is None or behind.ready(ahead.index)) and self._copies(ahead) is None:
             for part in ahead.parts:  # offloaded param shards: read ahead
-                part.fetch_params()
+                self._fetch(part)
 
     def _drain(self) -> None:
         """Issue what the schedule has left (units this rank skipped) and wait for it."""

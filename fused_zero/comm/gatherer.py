@@ -97,7 +97,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         self.alone = True
         #: among ranks, the first change a gather could not take in (``p.data = t`` of another shape or dtype on
         #: this rank alone), put back and raised by the step after its collectives (``Stage3.before_update``)
-        self.refused: RuntimeError | None = None
+        self.refused: RuntimeError | OSError | None = None
         self._begin_backward = begin_backward
         self._first_forward = first_forward  # the optimizer's checks at the first training forward (once)
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
@@ -562,10 +562,21 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
     def _gather_all(self) -> None:
         """Every unit gathered exactly (the root first, then the forward's order), all issued before any wait."""
         order = [self.units[0]] + [self.units[i] for i in self.schedule]
+        self._read_shards_agreed(order)
         for u in order:
             self._issue_exact(u)
         for u in order:
             self._wait(u)
+
+    def _read_shards_agreed(self, order: list[_Unit]) -> None:
+        """Among ranks, the offloaded param shards that ``order``'s gathers will read, read first: a failed read
+        raises (an OSError) on every rank before any gather. A whole-model gather (``full_parameters()``, a
+        state_dict()) serves what user code saves, so it never serves the substitute a training gather would
+        (``_read_shard``). (Alone the gather itself raises.)"""
+        parts = [part for u in order if u.released or self.sync.codec is not None for part in u.parts
+                 if part.reads_params]
+        if parts and not self.alone:
+            self.sync.comm.agree(lambda: [part.stage_params() for part in parts])
 
     @contextmanager
     def full_parameters(self):

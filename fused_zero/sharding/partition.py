@@ -100,6 +100,7 @@ class Partition:
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._pshard_lost = False  # a write of the narrow param shard failed: rewritten before its next use
+        self._substituted = False  # the gather serves stage_substitute's values (a read failed among ranks)
         self._unfit: list[int] = []  # parameters adopt_outside_changes refused (p.data of another shape or dtype)
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
         self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
@@ -462,10 +463,35 @@ class Partition:
             self._param_shard_whole()
             self.pshard.fetch()
 
+    def stage_params(self) -> None:
+        """Stage 3: wait for the offloaded param shard's read (prefetched, or started now) before its gather: an
+        ``OSError`` naming the file if it failed (``gather_source`` then serves the staged copy)."""
+        if self.pshard is not None:
+            self._param_shard_whole()
+            self.pshard.source(0, 0)
+
+    def stage_substitute(self) -> None:
+        """Stage 3, among ranks, after ``stage_params`` failed: the gather serves the fp32 master rounded to the
+        parameters' dtype (what the shard holds after an update), or zeros where the master cannot be read either;
+        the step that follows is refused on every rank (``ParamGatherer._read_shard``)."""
+        n = self.layout.shard_numel
+        try:
+            values = self.store.read("master", 0, n).to(self.dtype)
+        except (OSError, ValueError):  # its file fails too, or no master is kept
+            values = torch.zeros(n, dtype=self.dtype)
+        self.pshard.stage(values)
+        self._substituted = True
+
+    @property
+    def reads_params(self) -> bool:
+        """Whether a gather reads the param shard from a file (``offload_params="nvme"``), which may fail."""
+        return self.pshard is not None and self.pshard.tier is Tier.NVME
+
     def drop_fetched(self) -> None:
         """Stage 3: the gather is done (or stale): drop the shard's staged copy."""
         if self.pshard is not None:
             self.pshard.drop()
+            self._substituted = False
 
     def bucket(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:
         """The view of a full-size flat buffer that bucket ``b`` covers."""
@@ -479,7 +505,8 @@ class Partition:
         """What this rank contributes to bucket ``b``'s all-gather of params."""
         if self.pshard is None:
             return self.store.gather_source(b.shard_offset, b.shard_offset + b.shard_numel)
-        self._param_shard_whole()
+        if not self._substituted:  # (a substitute stands for a shard that could not be rewritten or read)
+            self._param_shard_whole()
         return self.pshard.source(b.shard_offset, b.shard_offset + b.shard_numel)
 
     def own(self, b: Bucket) -> slice:

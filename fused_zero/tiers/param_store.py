@@ -81,6 +81,11 @@ class ParamShard:
     def drop(self) -> None:
         """The gather no longer needs a staged copy."""
 
+    def stage(self, values: torch.Tensor) -> None:
+        """Serve ``values`` (the whole shard, on the host) to the next gather in place of a read that failed
+        (only the NVMe tier reads)."""
+        raise NotImplementedError(f"{type(self).__name__} never reads, so never stages a substitute")
+
     def discard(self) -> None:
         """A step failed: forget what the update handed out and wait for writes in flight (errors ignored)."""
 
@@ -331,6 +336,10 @@ class NvmeParamShard(ParamShard):
             host = reading.result()
             self._staged = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
         return self._staged[start:end]
+
+    def stage(self, values):
+        self.drop()
+        self._staged = values if self.device.type == "cpu" else values.to(self.device, non_blocking=True)
 
     def drop(self):
         if self._reading is not None:
