@@ -9,6 +9,14 @@ the norms combine into the total on the device, and each optimizer is then clipp
 ``max_norm`` (``(its norm + 1e-6) * min(1, max_norm / (total + 1e-6))``: its own clip divides by its norm
 + 1e-6), which scales every gradient by torch's one factor, also where nothing is clipped. Each
 optimizer's second call measures what its first left (``ClipMethods.clip_grad_norm_``).
+
+Optimizers over different ranks (expert parallelism, as DeepSpeed's MoE and Megatron run it: the dense parameters
+over every data-parallel rank, each expert's over its own smaller group): each optimizer's norm is agreed inside
+its own ranks only, and each of its groups holds other parameters (another expert). The total is then summed
+over the ranks that the widest optimizer spans, each optimizer's square counted once per group
+(``sum over the ranks of norm**2 / the size of its group``, groups of any sizes): the dense norm once plus every
+expert's, the same on every rank, as Megatron's and DeepSpeed's global norm. Refused before any collective where no
+optimizer spans the ranks of all the others (every rank must find the same widest optimizer: the dense one).
 """
 from __future__ import annotations
 
@@ -37,8 +45,17 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
     if len({id(o) for o in opts}) != len(opts):
         raise ValueError("fused_zero.clip_grad_norm_ was given the same optimizer twice: list each once")
     # measured, nothing scaled; a GradScaler not known to an optimizer yet is looked for above this call
+    spans = [o.topology.span() for o in opts]
+    widest = _widest(spans)  # (refused before any collective)
     norms = [o.clip_grad_norm_(math.inf, norm_type, grad_scaler, _caller_frames=1).float().reshape(()) for o in opts]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    union = spans[widest]
+    whole = [n for n, span in zip(norms, spans) if span == union]  # the same on every rank: added here
+    total = torch.linalg.vector_norm(torch.stack(whole))
+    if len(union) > 1:  # every rank joins, with or without optimizers over fewer ranks (another rank may have some)
+        parts = [n.square() / len(span) for n, span in zip(norms, spans) if span != union]
+        squares = torch.stack(parts).sum() if parts else torch.zeros((), device=total.device)
+        opts[widest].topology.all_reduce(squares)
+        total = torch.where(squares == 0, total, (total.square() + squares).sqrt())  # (no host read)
     if error_if_nonfinite and not math.isfinite(to_host(total, "clip_grad_norm_(error_if_nonfinite=True)")):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
@@ -48,3 +65,17 @@ def clip_grad_norm_(optimizers, max_norm: float, norm_type: float = 2.0, grad_sc
     for o, n in zip(opts, norms):  # its own clip divides by its norm + 1e-6: what it is given carries that back
         o.clip_grad_norm_((n + 1e-6) * coef, norm_type, grad_scaler, _caller_frames=1)
     return total
+
+
+def _widest(spans: list[tuple[int, ...]]) -> int:
+    """Which optimizer spans the ranks of all the others (the first such); ValueError where none does."""
+    widest = max(range(len(spans)), key=lambda i: len(spans[i]))
+    union = set(spans[widest])
+    if any(not union.issuperset(span) for span in spans):
+        raise ValueError(
+            "fused_zero.clip_grad_norm_ over optimizers on different ranks needs one of them to span the ranks of "
+            f"all the others (expert parallelism: the dense optimizer over every data-parallel rank, each expert's "
+            f"over its own group); got optimizers over the "
+            f"global ranks {[list(span) for span in spans]}: clip each optimizer with its own clip_grad_norm_, or "
+            "pass optimizers over nested groups")
+    return widest

@@ -417,3 +417,88 @@ def test_joint_clip_of_a_small_norm_optimizer_and_under_a_scalers_first_step_is_
         assert all(abs(g - w) <= 1e-6 * w for g, w in zip(got[0], want[0])), (got[0], want[0])
         for p, q in zip(got[1], want[1]):
             assert torch.allclose(p, q, rtol=1e-6, atol=1e-9), (max_norm, scaled, (p - q).abs().max())
+
+
+def _expert_parallel_run(rank, world_size, stage, ep, max_norm):
+    """DeepSpeed's / Megatron's expert parallelism: a dense layer on every rank, ``ep`` experts, rank r holding expert
+    r % ep; the dense optimizer over every rank, each expert's over the ranks that hold it. The reference: torch
+    AdamW with the gradients averaged by hand (the dense one over every rank, each expert's over its holders) and
+    clipped by one global norm (the dense norm once plus every expert's), as Megatron and DeepSpeed clip."""
+    import torch.distributed as dist
+    import fused_zero
+    holders = [dist.new_group(list(range(e, world_size, ep))) for e in range(ep)]  # (every rank makes every group)
+    mine = rank % ep
+
+    def models(seed):
+        torch.manual_seed(seed)
+        dense = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh())
+        torch.manual_seed(seed + 100 + mine)
+        return dense, torch.nn.Linear(8, 3)
+    (dense, expert), (rdense, rexpert) = models(0), models(0)
+
+    def build(m, group):
+        return ShardedOptimizer(m if stage == 3 else m.parameters(), stage=stage, lr=1e-2, process_group=group)
+    opts = [build(dense, None), build(expert, holders[mine])]
+    refs = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (rdense, rexpert)]
+    norms, size = [], world_size // ep
+    for t in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + rank))
+        for o in opts + refs:
+            o.zero_grad()
+        expert(dense(x)).square().mean().backward()
+        rexpert(rdense(x)).square().mean().backward()
+        for p in rdense.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        for p in rexpert.parameters():
+            dist.all_reduce(p.grad, group=holders[mine])
+            p.grad /= size
+        sq_dense = sum(p.grad.square().sum() for p in rdense.parameters())
+        sq_experts = sum(p.grad.square().sum() for p in rexpert.parameters()) / size  # each expert once
+        dist.all_reduce(sq_experts)
+        want = (sq_dense + sq_experts).sqrt()
+        for p in list(rdense.parameters()) + list(rexpert.parameters()):
+            p.grad *= torch.clamp(max_norm / (want + 1e-6), max=1.0)
+        got = fused_zero.clip_grad_norm_(opts, max_norm)
+        norms.append((float(got), float(want)))
+        for o in opts + refs:
+            o.step()
+    errors = []
+    for o, m, r in zip(opts, (dense, expert), (rdense, rexpert)):
+        with o.full_parameters() if stage == 3 else torch.no_grad():
+            errors.append(max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(m.parameters(),
+                                                                                         r.parameters())))
+    return norms, errors
+
+
+@pytest.mark.parametrize("world_size,ep", [(2, 2), (4, 2)], ids=["ep2", "ep2xdp2"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_joint_clip_over_expert_parallel_optimizers_is_megatrons_global_norm(stage, world_size, ep):
+    """With each expert's optimizer over its own group the joint clip combined norms that differ across ranks: the
+    dense optimizer's step was skipped on every rank and the next call raised a disagreement. Now the total is one
+    global norm on every rank (the dense norm once plus every expert's), as Megatron and DeepSpeed clip expert
+    parallel models; max_norm 0.05 clips every step, 10 none."""
+    for max_norm in (0.05, 10.0):
+        for norms, errors in run_ranks(_expert_parallel_run, world_size, stage, ep, max_norm, timeout=180):
+            assert all(abs(g - w) <= 1e-6 * w for g, w in norms), norms
+            assert max(errors) < 1e-6, errors
+
+
+def _nested_groups_only(rank, world_size):
+    import torch.distributed as dist
+    import fused_zero
+    pairs = [dist.new_group([0, 1]), dist.new_group([1, 2]), dist.new_group([0, 2])]
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    mine = [g for g, ranks in zip(pairs, ([0, 1], [1, 2], [0, 2])) if rank in ranks]
+    opts = [ShardedOptimizer(m.parameters(), lr=1e-2, process_group=g) for m, g in zip((a, b), mine)]
+    a(torch.ones(1, 2)).sum().backward()
+    b(torch.ones(1, 2)).sum().backward()
+    try:
+        fused_zero.clip_grad_norm_(opts, 1.0)
+    except ValueError as e:
+        return str(e)
+
+
+def test_joint_clip_refuses_optimizers_whose_ranks_do_not_nest():
+    for message in run_ranks(_nested_groups_only, 3, timeout=120):
+        assert message is not None and "needs one of them to span the ranks of all the others" in message, message

@@ -147,6 +147,21 @@ class Topology:
             return ()
         return (self.mesh.device_type, tuple(self.mesh.shape), tuple(self.mesh.mesh_dim_names or ()))
 
+    def span(self) -> tuple[int, ...]:
+        """The global ranks of both levels, sorted: every rank that shares this optimizer's verdicts (its clip norm)."""
+        if self.replicate is not None:
+            return tuple(sorted(self.mesh.mesh.flatten().tolist()))  # host tensor: the mesh's table of ranks
+        if self.shard.world_size == 1:
+            return (global_rank(),)
+        return tuple(sorted(self.shard.seat()[1]))
+
+    def all_reduce(self, tensor, op: str = "sum") -> None:
+        """Reduce ``tensor`` over every rank of both levels (inside the shard group, then over the replicas)."""
+        if self.shard.world_size > 1:
+            self.shard.all_reduce(tensor, op=op)
+        if self.replicate is not None:
+            self.replicate.all_reduce(tensor, op=op)
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank of either level (every rank gets the same answer)."""
         flag = any(self.shard.agree(lambda: flag, share=bool)[1]) if self.shard.world_size > 1 else flag
