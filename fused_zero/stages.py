@@ -31,6 +31,7 @@ from .comm.grad_sync import ReduceAmongGathers, ReduceAtStep, ReduceInBackward
 from .comm.param_sync import ParamSync
 from .comm.secondary import SecondaryCopies
 from .frozen import gather_frozen, load_frozen, split_frozen
+from .generation_sync import mark_generation_synced
 from .ownership import held
 from .sharding.layout import build_layout
 from .sharding.partition import Partition, unalias
@@ -361,6 +362,8 @@ class Stage3(Stage2):
                                       self.config.max_live_units, self.config.reshard_after_forward, begin_backward,
                                       names, first_forward, secondary)
         self.gatherer.alone = self.topology.world_size == 1
+        if not self.gatherer.alone:  # transformers' generate() keeps the ranks in step (generation_sync.py)
+            self.gatherer.generation_marks = mark_generation_synced(module)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self._overlaps(device):  # the host update overlaps the next forward, unit by unit (behind.py)
             self.behind = self.gatherer.behind = UpdateBehind(device, self._agree_group())

@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..eager_hooks import _eager_only
+from ..generation_sync import unmark_generation_synced
 from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook, queue_end_of_backward
 from ..ownership import claim, release
 from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
@@ -103,6 +104,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         # The model's hooks hold the gatherer (not the optimizer): the model stays usable, with its
         # parameters gathered on use, for as long as it lives; close() gives them back for good.
         self._handles = []
+        self.generation_marks: list[nn.Module] = []  # among ranks: transformers' generate() syncs (generation_sync.py)
         # The hooks resize storages and re-point p.data: torch.compile must never trace them. (Wrapped
         # here, not at import: torch.compiler.disable imports Dynamo, which imports triton on CUDA builds.)
         # A copy of the model (deepcopy, AveragedModel, torch.save) gets inert hooks in their place (ModelHook), and
@@ -198,6 +200,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             raise RuntimeError("the stage-3 optimizer cannot be closed inside the model's forward or backward")
         if self.behind is not None:
             self.behind.wait()
+        self._read_shards_agreed(self.units)
         for u in self.units:
             self._issue_exact(u)
             self._wait(u)
@@ -209,6 +212,8 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        unmark_generation_synced(self.generation_marks)
+        self.generation_marks = []
         self._disarm_direct_calls()
         self._closed = True
         release(self, self._params)

@@ -270,3 +270,38 @@ def test_seq2seq_trainer_generates_at_stage_3_with_ranks_ending_apart(tmp_path):
         first = [t for t in predicted[0] if t != eos]
         assert first == [] and predicted[0][0] == eos, (predicted, expected)
         assert predicted[1][:len(expected[1])] == expected[1], (predicted, expected)
+
+
+def _plain_generate(rank, world_size, peft):
+    """A stage-3 model's own generate() (no synced_gpus given, as TRL's GRPO calls it), rank 0 asking for 2 new
+    tokens and rank 1 for 6: every rank's continuation equals the same model's generate without the optimizer."""
+    from fused_zero import ShardedOptimizer
+    model, ref = tiny_gpt2(), tiny_gpt2()
+    if peft:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+        ref = get_peft_model(ref, LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+        ref.load_state_dict(model.state_dict())
+    opt = ShardedOptimizer(model, stage=3, lr=1e-3, min_unit_numel=0)
+    prompts = tokens(2, seed=11 + rank)[:, :5]
+    n = 2 if rank == 0 else 6
+    model.eval()
+    got = model.generate(input_ids=prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    want = ref.eval().generate(input_ids=prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+    marked = [m for m in model.modules() if m.__dict__.get("_is_fsdp_managed_module")]
+    opt.close()
+    left = [m for m in model.modules() if m.__dict__.get("_is_fsdp_managed_module")]
+    return got.tolist(), want.tolist(), len(marked), len(left)
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["model", "peft"])
+def test_generate_at_stage_3_keeps_ranks_ending_apart_in_step(peft):
+    """transformers syncs the ranks' generate() (synced_gpus) only for models it sees sharded (DeepSpeed ZeRO-3,
+    FSDP's mark): at stage 3 a rank that was done stopped making the gathers the others waited in, and
+    TRL's GRPO hung at 2 ranks (its generate() takes no synced_gpus). The stage-3 model is marked as FSDP marks
+    its own, so any generate() syncs; close() takes the mark off."""
+    pytest.importorskip("peft") if peft else None
+    for got, want, marked, left in run_ranks(_plain_generate, 2, peft, timeout=300):
+        assert got == want, (got, want)
+        assert marked >= 1 and left == 0
