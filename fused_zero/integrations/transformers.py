@@ -25,6 +25,8 @@ and norms; adam_beta1/2, adam_epsilon) and scheduled by Trainer's scheduler as u
 at stage 3 across ranks, ``generate`` runs with ``synced_gpus=True`` unless the call sets it (as
 Seq2SeqTrainer does for DeepSpeed ZeRO-3 and FSDP): a rank whose sequences end first keeps running
 forwards until every rank's have, so the parameters' gathers meet on every rank.
+At stage 3 TRL's ``SyncRefModelCallback`` (DPO's ``sync_ref_model=True``) reads the trained weights gathered
+(``full_parameters()``), as TRL gathers them under DeepSpeed ZeRO-3.
 Refused with a clear error: ``optimizers=`` / ``optimizer_cls_and_kwargs=`` other than a
 ShardedOptimizer, an ``optim`` other than AdamW, DeepSpeed or FSDP settings, several GPUs in
 one process (DataParallel), and ``zero.max_grad_norm`` (use ``max_grad_norm``).
@@ -106,7 +108,36 @@ class ZeroTrainer(Trainer):
             self.optimizer = ShardedOptimizer(groups, lr=self.args.learning_rate,
                                               betas=(self.args.adam_beta1, self.args.adam_beta2),
                                               eps=self.args.adam_epsilon, config=self.zero, module=opt_model)
+        if self.zero.needs_module:
+            self._gather_for_weight_readers()
         return self.optimizer
+
+    def _gather_for_weight_readers(self) -> None:
+        """Stage 3: the callbacks known to read the model's weights between steps read them gathered. TRL's
+        ``SyncRefModelCallback`` (DPO's ``sync_ref_model=True``, TR-DPO) mixes the trained weights into the
+        reference model every ``ref_model_sync_steps``; between steps those are empty placeholders (torch's size
+        error), and TRL gathers them only for DeepSpeed ZeRO-3. Its ``sync_target_model`` runs inside
+        ``full_parameters()`` here (every rank calls it, as every rank runs the callback); a TRL whose callback
+        lacks that method is refused, naming stages 1-2."""
+        for callback in self.callback_handler.callbacks:
+            kind = type(callback)
+            if kind.__name__ != "SyncRefModelCallback" or not kind.__module__.startswith("trl"):
+                continue
+            sync = getattr(callback, "sync_target_model", None)
+            if getattr(sync, "_fused_zero_gathered", False):
+                continue
+            if not callable(sync):
+                raise ValueError("TRL's SyncRefModelCallback (sync_ref_model=True) reads the model's weights between "
+                                 "steps, which stage 3 keeps sharded, and this TRL's callback has no "
+                                 "sync_target_model for ZeroTrainer to run with them gathered: train at "
+                                 "ZeroConfig(stage=2) (or 1), or set sync_ref_model=False")
+
+            @functools.wraps(sync)
+            def gathered(model, target_model, alpha, _sync=sync):
+                with self.sharded_optimizer.full_parameters():
+                    return _sync(model, target_model, alpha)
+            gathered._fused_zero_gathered = True
+            callback.sync_target_model = gathered
 
     @property
     def sharded_optimizer(self) -> ShardedOptimizer | None:

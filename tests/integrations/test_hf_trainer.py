@@ -27,9 +27,10 @@ TOL = 1e-5
 def _args(out, world_size, save_steps=None, **kw):
     from transformers import TrainingArguments
 
+    kw.setdefault("max_steps", STEPS)
     return TrainingArguments(
         output_dir=out, per_device_train_batch_size=BATCH * 2 // world_size, gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS, learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=3,
+        learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=3,
         lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=0,
         data_seed=0, disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         **kw)
@@ -305,3 +306,48 @@ def test_generate_at_stage_3_keeps_ranks_ending_apart_in_step(peft):
     for got, want, marked, left in run_ranks(_plain_generate, 2, peft, timeout=300):
         assert got == want, (got, want)
         assert marked >= 1 and left == 0
+
+
+def _sync_ref_model(rank, world_size, stage, out):
+    """TRL's SyncRefModelCallback (DPO's sync_ref_model=True) as TRL writes it, without TRL installed: every step
+    it mixes the trained weights into a reference model. Returns the reference model's weights after training."""
+    launcher_env(rank, world_size)
+    from transformers import Trainer, TrainerCallback
+
+    from fused_zero import ZeroConfig
+    from fused_zero.integrations.transformers import ZeroTrainer
+
+    class SyncRefModelCallback(TrainerCallback):  # trl/trainer/callbacks.py's, where TRL's ZeRO-3 branch is not taken
+        def __init__(self, ref_model):
+            self.ref_model = ref_model
+
+        @staticmethod
+        def sync_target_model(model, target_model, alpha):
+            for target_param, copy_param in zip(target_model.parameters(), model.parameters(), strict=True):
+                target_param.data.mul_(1.0 - alpha).add_(copy_param.data, alpha=alpha)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % 2 == 0:
+                self.sync_target_model(kwargs["model"], self.ref_model, 0.5)
+    SyncRefModelCallback.__module__ = "trl.trainer.callbacks"
+
+    model, ref = tiny_gpt2(), tiny_gpt2()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+    kw = dict(model=model, args=_args(out, world_size, max_steps=4), train_dataset=TokenDataset(),
+              callbacks=[SyncRefModelCallback(ref)])
+    trainer = Trainer(**kw) if stage is None else ZeroTrainer(**kw, zero=ZeroConfig(stage=stage, bucket_numel=4096))
+    trainer.train()
+    return [p.detach().clone() for p in ref.parameters()]
+
+
+def test_trls_sync_ref_model_callback_reads_the_gathered_weights_at_stage_3(tmp_path):
+    """At stage 3 TRL's SyncRefModelCallback read the empty placeholders between steps (torch's size error; TRL
+    gathers only for DeepSpeed ZeRO-3). ZeroTrainer runs its sync_target_model inside full_parameters(): the
+    reference model ends as under Trainer + DDP."""
+    want = run_ranks(_sync_ref_model, 2, None, str(tmp_path / "ref"), timeout=300)
+    got = run_ranks(_sync_ref_model, 2, 3, str(tmp_path / "s3"), timeout=300)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
