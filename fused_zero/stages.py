@@ -363,7 +363,7 @@ class Stage3(Stage2):
                                       names, first_forward, secondary)
         self.gatherer.alone = self.topology.world_size == 1
         if not self.gatherer.alone:  # transformers' generate() keeps the ranks in step (generation_sync.py)
-            self.gatherer.generation_marks = mark_generation_synced(module)
+            self.gatherer.generation_marks = mark_generation_synced(module, self.gatherer)
         device = next((p.device for ps in plan.params for p in ps), torch.device("cpu"))
         if self._overlaps(device):  # the host update overlaps the next forward, unit by unit (behind.py)
             self.behind = self.gatherer.behind = UpdateBehind(device, self._agree_group())

@@ -401,3 +401,35 @@ def test_a_failed_param_read_between_steps_raises_on_every_rank(tmp_path, where)
     assert theirs is not None and re.search(r"reading \S*\.params failed \(Input/output error", theirs), theirs
     assert mine == f"rank 1 failed: {theirs}"
     assert same0 and same1
+
+
+def _eval_read_fails_on_rank_1(rank, world_size, folder):
+    own = os.path.join(folder, f"rank{rank}")
+    os.makedirs(own)
+    model = TinyNet()
+    opt = _build(model, own, **FP32[3])
+    _step(model, opt, 0, rank)
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+    x, _ = batch(1, rank)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        os.preadv = failing if rank == 1 else real
+        try:
+            out = model(x, **flags(1, rank))
+        finally:
+            os.preadv = real
+    return bool(torch.isfinite(out).all()), sum(".params failed" in str(w.message) for w in caught)
+
+
+def test_a_failed_param_read_in_an_evaluation_forward_shows_on_every_rank(tmp_path):
+    """An evaluation forward (no step after it) whose gather could not read rank 1's parameter file served zeros for
+    the frozen weights (no fp32 master), and rank 0 computed a plausible wrong output without a word. The
+    substitute is NaN where no master can be read: every rank's output shows it (rank 1 also warns)."""
+    (finite0, warned0), (finite1, warned1) = run_ranks(_eval_read_fails_on_rank_1, 2, str(tmp_path), timeout=240)
+    assert not finite0 and not finite1
+    assert warned0 == 0 and warned1 >= 1

@@ -89,7 +89,7 @@ class GatherCycle:
         for k, part in enumerate(u.parts):
             self._adopt_assigned(part)  # p.data = t since the last gather
             part.materialize()
-            if copies is None:
+            if copies is None and part.reads_params:
                 self._read_shard(part)
             handles += self.sync.gather(part) if copies is None else self.secondary.gather(part, copies[k])
         u.handles, u.state = handles, UnitState.GATHERING
@@ -117,7 +117,7 @@ class GatherCycle:
     def _read_shard(self, part: Partition) -> None:
         """Wait for the read of ``part``'s offloaded param shard before its gather. A failed read (an I/O error on
         ``offload_params="nvme"``) raises alone, naming the file; among ranks, where it is this rank's alone, the
-        gather serves the fp32 master's values instead (zeros where those cannot be read either), so that no rank
+        gather serves the fp32 master's values instead (NaN where those cannot be read either), so that no rank
         waits in a gather this one left, and the step raises the error after its collectives, changing nothing on
         any rank (the other ranks raise at their next step)."""
         if self._kept_refusal(part.stage_params, (OSError,)):

@@ -472,13 +472,15 @@ class Partition:
 
     def stage_substitute(self) -> None:
         """Stage 3, among ranks, after ``stage_params`` failed: the gather serves the fp32 master rounded to the
-        parameters' dtype (what the shard holds after an update), or zeros where the master cannot be read either;
-        the step that follows is refused on every rank (``ParamGatherer._read_shard``)."""
+        parameters' dtype (what the shard holds after an update), or NaN where the master cannot be read either
+        (frozen weights keep none), so that every rank's output shows it rather than a plausible wrong value (zeros
+        for an integer dtype); the step that follows is refused on every rank (``ParamGatherer._read_shard``)."""
         n = self.layout.shard_numel
         try:
             values = self.store.read("master", 0, n).to(self.dtype)
         except (OSError, ValueError):  # its file fails too, or no master is kept
-            values = torch.zeros(n, dtype=self.dtype)
+            values = torch.full((n,), float("nan"), dtype=self.dtype) if self.dtype.is_floating_point else \
+                torch.zeros(n, dtype=self.dtype)
         self.pshard.stage(values)
         self._substituted = True
 

@@ -290,10 +290,25 @@ def _plain_generate(rank, world_size, peft):
     got = model.generate(input_ids=prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     want = ref.eval().generate(input_ids=prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=0)
-    marked = [m for m in model.modules() if m.__dict__.get("_is_fsdp_managed_module")]
+    marked = [m for m in model.modules() if "_is_fsdp_managed_module" in m.__dict__]
+    import copy
+    import torch._dynamo
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    seen = (bool(marked[0]._is_fsdp_managed_module),  # (a read outside transformers' generation code: false)
+            is_fsdp_managed_module(marked[0]))  # (not from generation code either: false)
+    with opt.full_parameters():  # rank 0 alone generates samples inside the block: nothing to sync, no wait
+        copied = copy.deepcopy(model)
+        sample = model.generate(input_ids=prompts, max_new_tokens=2, do_sample=False, pad_token_id=0).tolist() \
+            if rank == 0 else None
+    if rank == 0:  # a copy is a plain model: generated alone, without waiting for the other rank
+        copied.generate(input_ids=prompts, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    torch.distributed.barrier()
+    # torch.compile reads the same attribute to treat a module as FSDP's: it must not see it
+    explained = torch._dynamo.explain(marked[0])(input_ids=prompts)
+    fsdp_breaks = [r for r in explained.break_reasons if "FSDP" in str(r)]
     opt.close()
-    left = [m for m in model.modules() if m.__dict__.get("_is_fsdp_managed_module")]
-    return got.tolist(), want.tolist(), len(marked), len(left)
+    left = [m for m in model.modules() if "_is_fsdp_managed_module" in m.__dict__]
+    return got.tolist(), want.tolist(), len(marked), len(left), seen, sample, len(fsdp_breaks)
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["model", "peft"])
@@ -301,11 +316,15 @@ def test_generate_at_stage_3_keeps_ranks_ending_apart_in_step(peft):
     """transformers syncs the ranks' generate() (synced_gpus) only for models it sees sharded (DeepSpeed ZeRO-3,
     FSDP's mark): at stage 3 a rank that was done stopped making the gathers the others waited in, and
     TRL's GRPO hung at 2 ranks (its generate() takes no synced_gpus). The stage-3 model is marked as FSDP marks
-    its own, so any generate() syncs; close() takes the mark off."""
+    its own, so any generate() syncs; close() takes the mark off. Only generation code sees it true: not a
+    generate() inside full_parameters() on one rank, not a deep copy, not torch.compile (which would treat the
+    module as FSDP's)."""
     pytest.importorskip("peft") if peft else None
-    for got, want, marked, left in run_ranks(_plain_generate, 2, peft, timeout=300):
+    for rank, (got, want, marked, left, seen, sample, fsdp_breaks) in enumerate(
+            run_ranks(_plain_generate, 2, peft, timeout=300)):
         assert got == want, (got, want)
-        assert marked >= 1 and left == 0
+        assert marked >= 1 and left == 0 and seen == (False, False) and fsdp_breaks == 0
+        assert (sample is not None) == (rank == 0)
 
 
 def _sync_ref_model(rank, world_size, stage, out):
