@@ -724,19 +724,23 @@ def _check_grad(p: torch.nn.Parameter, entry: GradEntry, names: dict) -> None:
         part.check_kind(p, p.shape, names)
     if tuple(p.shape) != entry.shape:  # resized in place (resize_token_embeddings)
         part._check_compatible(p, torch.Size(entry.shape), names)
-    which = f"{names[p]!r} (shape {tuple(p.shape)})" if p in names else f"a parameter of shape {tuple(p.shape)}"
     if g.layout != torch.strided:
         raise RuntimeError(
-            f"ShardedOptimizer does not support sparse gradients ({which} got a {g.layout} gradient); use dense "
-            "gradients, e.g. nn.Embedding(sparse=False)"
+            f"ShardedOptimizer does not support sparse gradients ({_which(p, names)} got a {g.layout} gradient); "
+            "use dense gradients, e.g. nn.Embedding(sparse=False)"
         )
     if g.dtype != p.dtype and getattr(p, "grad_dtype", p.dtype) == g.dtype:
         raise RuntimeError(
-            f"{which} of dtype {p.dtype} was given grad_dtype {g.dtype} after the "
+            f"{_which(p, names)} of dtype {p.dtype} was given grad_dtype {g.dtype} after the "
             "optimizer was built: ShardedOptimizer takes gradients of the parameter's own dtype (it keeps the fp32 "
             "master itself); leave grad_dtype unset")
     if g.shape != p.shape or g.dtype != p.dtype:
         raise RuntimeError(
-            f"{which} of dtype {p.dtype} holds a .grad of shape {tuple(g.shape)} "
+            f"{_which(p, names)} of dtype {p.dtype} holds a .grad of shape {tuple(g.shape)} "
             f"and dtype {g.dtype}: a gradient must match its parameter (assign .grad a tensor like the parameter, "
             "not through .grad.data)")
+
+
+def _which(p: torch.nn.Parameter, names: dict) -> str:
+    """A parameter as a refusal names it: its name where the optimizer knows it, else its shape."""
+    return f"{names[p]!r} (shape {tuple(p.shape)})" if p in names else f"a parameter of shape {tuple(p.shape)}"
