@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .sharding.partition import read_params_first
+
 
 def split_frozen(params, trained=frozenset()) -> tuple[list, list]:
     """(trainable, frozen) parameters of ``params``, each in the given order; one in ``trained`` (laid out for
@@ -71,8 +73,7 @@ def gather_frozen(parts, sync, keep: bool) -> dict:
         released = part.flat.untyped_storage().nbytes() == 0 and part.flat.numel() > 0
         if released:
             part.fetch_params()
-            if part.reads_params and sync.comm.world_size > 1:  # a failed read raises on every rank, before the gather
-                sync.comm.agree(part.stage_params)
+            read_params_first([part], sync.comm)  # a failed read raises on every rank, before the gather
             part.materialize()
             with sync.exact():  # for a checkpoint: not quantized (param_comm)
                 for h in sync.gather(part):

@@ -296,6 +296,15 @@ def test_a_full_disk_on_one_rank_is_refused_on_every_rank_at_the_build(tmp_path,
     assert kept0 and kept1 and files0 == files1 == []
 
 
+def _failing_param_reads(real_preadv):
+    """``os.preadv`` that raises EIO on every read of a ``.params`` file (the states' files read as usual)."""
+    def preadv(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+    return preadv
+
+
 def _read_fails_on_rank_1(rank, world_size, folder, options, dtype, phase):
     """Rank 1 alone cannot read its parameter files during step 2's forward or backward (EIO); a run without offload
     beside it, in lockstep, skips steps 2 and 3 (what the refusal leaves undone)."""
@@ -304,11 +313,7 @@ def _read_fails_on_rank_1(rank, world_size, folder, options, dtype, phase):
     model, ref = TinyNet(dtype=dtype), TinyNet(dtype=dtype)
     opt, ref_opt = _build(model, own, **options), _build(ref)
     real = os.preadv
-
-    def failing(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
+    failing = _failing_param_reads(real)
     out = {"equal": []}
     for t in range(6):
         x, y = batch(t, rank)
@@ -364,11 +369,7 @@ def _read_fails_on_rank_1_between_steps(rank, world_size, folder, where):
     model, ref = TinyNet(dtype=torch.bfloat16), TinyNet(dtype=torch.bfloat16)
     opt, ref_opt = _build(model, own, **BF16[2]), _build(ref)
     real = os.preadv
-
-    def failing(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
+    failing = _failing_param_reads(real)
     for t in range(2):
         _step(model, opt, t, rank)
         _step(ref, ref_opt, t, rank)
@@ -410,11 +411,7 @@ def _eval_read_fails_on_rank_1(rank, world_size, folder):
     opt = _build(model, own, **FP32[3])
     _step(model, opt, 0, rank)
     real = os.preadv
-
-    def failing(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".params"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset)
+    failing = _failing_param_reads(real)
     x, _ = batch(1, rank)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")

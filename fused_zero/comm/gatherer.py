@@ -58,7 +58,7 @@ from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
 from .secondary import SecondaryCopies
 from .model_state import ModelStateHooks
-from ..sharding.partition import Partition, Placeholders
+from ..sharding.partition import Partition, Placeholders, read_params_first
 
 
 class ParamGatherer(GatherCycle, ModelStateHooks):
@@ -574,14 +574,10 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             self._wait(u)
 
     def _read_shards_agreed(self, order: list[_Unit]) -> None:
-        """Among ranks, the offloaded param shards that ``order``'s gathers will read, read first: a failed read
-        raises (an OSError) on every rank before any gather. A whole-model gather (``full_parameters()``, a
-        state_dict()) serves what user code saves, so it never serves the substitute a training gather would
-        (``_read_shard``). (Alone the gather itself raises.)"""
-        parts = [part for u in order if u.released or self.sync.codec is not None for part in u.parts
-                 if part.reads_params]
-        if parts and not self.alone:
-            self.sync.comm.agree(lambda: [part.stage_params() for part in parts])
+        """The file-held param shards that ``order``'s gathers will read, read first (``read_params_first``): a
+        whole-model gather (``full_parameters()``, a state_dict(), ``close()``) serves what user code keeps."""
+        read_params_first([part for u in order if u.released or self.sync.codec is not None for part in u.parts],
+                          self.sync.comm)
 
     @contextmanager
     def full_parameters(self):

@@ -544,6 +544,21 @@ class Partition:
 _LOSSY_WARNED = False
 
 
+def read_params_first(parts, comm) -> None:
+    """Stage 3, before a gather that serves what user code keeps (``full_parameters()``, a checkpoint's frozen
+    weights, ``close()``): read the param shards of ``parts`` that live in a file, so that a failed read raises (an
+    OSError naming the file) before any gather, and among the ranks of ``comm`` on every one of them (``rank r
+    failed: ...`` on the others), never a substitute (``ParamGatherer._read_shard``, a training gather's)."""
+    parts = [part for part in parts if part.reads_params]
+    if not parts:
+        return
+    if comm.world_size > 1:
+        comm.agree(lambda: [part.stage_params() for part in parts])
+    else:
+        for part in parts:
+            part.stage_params()
+
+
 def _warn_lossy_write() -> None:
     global _LOSSY_WARNED
     if not _LOSSY_WARNED:
