@@ -46,7 +46,7 @@ from torch import nn
 from .behind import UpdateBehind
 from .eager_hooks import _eager_only
 from .gathers_behind import GathersBehind
-from .hooks import HookSet
+from .hooks import HookSet, forward_raised
 from .host_read import to_host
 from .comm.collectives import Comm
 from .comm.param_sync import ParamSync
@@ -363,9 +363,8 @@ class _AfterForward:
         owner = self.owner()
         if owner is None:
             return
-        error = sys.exc_info()[1]  # the forward raised: torch calls this hook inside its except clause
-        if error is not None and output is None and owner._released:
-            owner.explain(error)
+        if owner._released and forward_raised():  # torch calls this hook inside its except clause
+            owner.explain(sys.exc_info()[1])
         if owner.behind.pending:
             owner.after_forward()
 

@@ -14,11 +14,32 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def forward_raised() -> bool:
+    """Whether the module forward hook calling this runs because its module's call raised.
+
+    torch calls a hook registered with ``always_call=True`` from inside the ``except`` clause of
+    ``Module._call_impl`` when the call raised, so ``sys.exc_info()`` is set there; but it is set too after a
+    forward that returned normally inside user code's own ``except`` block (a step retried there), which is no
+    failure of this call. The exception raised by this call is the one caught in this call's own ``_call_impl``
+    frame: the head of its traceback. Nothing walks the stack unless an exception is being handled."""
+    tb = sys.exc_info()[2]
+    if tb is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame is None or frame is tb.tb_frame  # (no call frame seen: trusted as a failure, as before)
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 class Relay:

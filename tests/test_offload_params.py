@@ -305,6 +305,33 @@ def _failing_param_reads(real_preadv):
     return preadv
 
 
+@pytest.mark.parametrize("options", [BF16[2], FP32[2]], ids=["params", "params+states"])
+def test_a_step_retried_inside_the_except_block_of_a_failed_param_read_trains_on_exactly(tmp_path, monkeypatch,
+                                                                                         options):
+    """One process: the gather's failed read raises its OSError in the forward; the step retried inside the
+    ``except`` block that caught it (the disk back) trains on bitwise as the run without offload. Before: the
+    retried forward was taken for a failed one (``sys.exc_info()`` set) and its backward failed on empty
+    placeholders (``setStorage: ... out of bounds``)."""
+    dtype = torch.bfloat16 if options is BF16[2] else torch.float32
+    model, ref = TinyNet(dtype=dtype), TinyNet(dtype=dtype)
+    opt, ref_opt = _build(model, str(tmp_path), **options), _build(ref)
+    real = os.preadv
+    for t in range(4):
+        _step(ref, ref_opt, t, 0)
+        if t != 1:
+            _step(model, opt, t, 0)
+            continue
+        monkeypatch.setattr(os, "preadv", _failing_param_reads(real))
+        try:
+            _step(model, opt, t, 0)
+        except OSError:
+            monkeypatch.setattr(os, "preadv", real)
+            _step(model, opt, t, 0)
+        else:
+            raise AssertionError("the failed read raised nothing")
+    assert all(torch.equal(a, b) for a, b in zip(_params(model, opt), _params(ref, ref_opt)))
+
+
 def _read_fails_on_rank_1(rank, world_size, folder, options, dtype, phase):
     """Rank 1 alone cannot read its parameter files during step 2's forward or backward (EIO); a run without offload
     beside it, in lockstep, skips steps 2 and 3 (what the refusal leaves undone)."""

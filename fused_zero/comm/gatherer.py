@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..eager_hooks import _eager_only
 from ..generation_sync import unmark_generation_synced
-from ..hooks import ModelHook, ReleasedCopyCheck, inert_hook, queue_end_of_backward
+from ..hooks import ModelHook, ReleasedCopyCheck, forward_raised, inert_hook, queue_end_of_backward
 from ..ownership import claim, release
 from .gather_cycle import GatherCycle, TrainingState, UnitState, _Unit
 from .param_sync import ParamSync
@@ -283,7 +283,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if self.state is not TrainingState.IDLE:
                 return
             if grad:
-                if not sys.exc_info()[0]:
+                if not forward_raised():
                     tensors = _output_tensors(output)
                     for u in owners:
                         self._hook_outputs(u, tensors)
@@ -386,7 +386,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             # checkpointing stops recomputing once it has what backward needs by raising through the modules
             # (checkpointing the root's whole forward ends in the root's hook); backward still reads the unit
             return
-        if sys.exc_info()[0] is not None:
+        if forward_raised():
             if u.index == 0:
                 self._note_refused(sys.exc_info()[1])
                 self._abort()

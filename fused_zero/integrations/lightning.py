@@ -33,7 +33,6 @@ fused_zero never does.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -276,6 +275,14 @@ class ZeroStrategy(DDPStrategy):
             _unwrap(optimizer).load_state_dict(state)
 
     # -- the end ------------------------------------------------------------
+    #: the run ended by an exception (Lightning calls on_exception before teardown); not ``sys.exc_info()``, which a
+    #: fit called inside the user's own ``except`` block (a retry) sets too
+    _interrupted = False
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._interrupted = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         """Close the optimizer: at stage 3 every parameter gets its full value back (collective), so
         after fit the LightningModule is a plain model (test, predict, state_dict, a new fit) and
@@ -285,7 +292,8 @@ class ZeroStrategy(DDPStrategy):
         that failed): load a checkpoint instead.
         """
         opt = self.zero_optimizer
-        if opt is not None and (not opt.config.needs_module or sys.exc_info()[0] is None):
+        failed, self._interrupted = self._interrupted, False
+        if opt is not None and (not opt.config.needs_module or not failed):
             opt.close()
         if isinstance(self.model, _ZeroModule):
             self.model = self.lightning_module

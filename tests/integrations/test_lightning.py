@@ -398,3 +398,37 @@ def test_lightning_fabric_stepping_a_sharded_optimizer_is_refused(stage):
     the local gradient at stage 1, silently. Refused at the first step, on every rank, naming what serves."""
     for said in run_ranks(_fabric_steps, 2, stage, timeout=180):
         assert said is not None and "Lightning Fabric" in said and "ZeroStrategy" in said
+
+
+class _FailingGPT(LitGPT):
+    """Raises in its third training step (every rank alike)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise KeyError("a failing training step")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_inside_except_then_fail(rank, world):
+    """A fit inside the user's own ``except`` block (a retry) is no failed fit: teardown closes the stage-3 optimizer
+    and the model holds its full values; a fit that raises keeps its shards (a collective could hang)."""
+    _lightning_env(rank, world)
+    model = LitGPT()
+    try:
+        raise RuntimeError("an earlier attempt")
+    except RuntimeError:
+        _trainer(_strategy(3), world).fit(model)
+    whole = all(p.numel() > 0 for p in model.parameters())
+    failing = _FailingGPT()
+    try:
+        _trainer(_strategy(3), world).fit(failing)
+    except KeyError:
+        pass
+    return whole, any(p.numel() == 0 for p in failing.parameters())
+
+
+def test_a_fit_inside_an_except_block_closes_the_stage_3_optimizer_at_teardown():
+    """Before: teardown read ``sys.exc_info()`` to tell a failed fit, so a fit retried inside an ``except`` block
+    left the model's parameters as empty placeholders after it."""
+    for whole, kept_shards in run_ranks(_fit_inside_except_then_fail, 2, timeout=300):
+        assert whole and kept_shards
