@@ -26,6 +26,8 @@ from .host_read import to_host
 from .tiers.tier import Tier
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+#: every kind ``optimizer.state[p]`` may show beside "step": the moments, and a bf16/fp16 parameter's fp32 "master"
+VIEW_KINDS = (*MOMENT_KINDS, "master")
 
 
 class StateShard(torch.Tensor):
@@ -72,7 +74,7 @@ def views_of(part, index: int) -> dict[str, torch.Tensor]:
     if any(a.shard_offset + a.numel != b.shard_offset for a, b in zip(pieces, pieces[1:])):
         return {}  # not adjacent in the shard (a layout this module does not expect): no view rather than a copy
     out = {}
-    for kind in MOMENT_KINDS:
+    for kind in _view_kinds(part):
         if kind in tensors:
             flat = tensors[kind][start:start + numel]
             out[kind] = flat.view(shape) if numel == shape.numel() else \
@@ -93,7 +95,7 @@ class ParamState(dict):
         self.in_files = in_files  # the moments live in NVMe files: ``state[p]["exp_avg"]`` says so
 
     def __missing__(self, key):
-        if self.in_files and key in MOMENT_KINDS:
+        if self.in_files and key in VIEW_KINDS:
             raise KeyError(f"{key} (offload_optimizer='nvme' keeps the moments in files, not in memory: "
                            "optimizer.state[p] holds 'step' only; read them from optimizer.state_dict(), which "
                            "every rank calls, or from a fused_zero.checkpoint)")
@@ -205,6 +207,14 @@ def _moment_kinds(part) -> tuple:
     return tuple(k for k in MOMENT_KINDS if k in part.store.kinds)
 
 
+def _view_kinds(part) -> tuple:
+    """What ``state[p]`` shows of a parameter of ``part``: its moments, and its fp32 master where the parameters are
+    bf16/fp16, as ``state_dict()`` carries it there (tools that rebuild a parameter's saved state from the keys of
+    ``optimizer.state[p]``, as DCP's ``flatten_optimizer_state_dict=True``, then keep it and resume exactly)."""
+    kinds = _moment_kinds(part)
+    return (*kinds, "master") if part.dtype != torch.float32 and "master" in part.store.kinds else kinds
+
+
 def reset_moments(part, index: int) -> None:
     """Zero the moments of parameter ``index`` of ``part`` in its store (its state was taken away and starts
     again, as torch.optim.AdamW starts a parameter without state from zero moments)."""
@@ -256,7 +266,7 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
     full = part.shapes[index].numel()
     fresh = views_of(part, index)
     out = []
-    for kind in _moment_kinds(part):
+    for kind in _view_kinds(part):
         t, view = s.get(kind), fresh.get(kind)
         if t is None and view is None:  # states not in memory (NVMe): state[p] holds no views
             continue
@@ -264,13 +274,16 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
                 and t.data_ptr() == view.data_ptr() and t.dtype == view.dtype:
             continue  # the store's own view
         if not isinstance(t, torch.Tensor):
+            put_back = ("a tensor of the fp32 values the parameter trains from (the master's own view: "
+                        "optimizer.state_dict() holds it)" if kind == "master" else "a tensor (zeros to restart it)")
             raise RuntimeError(
                 f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
-                f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back a tensor (zeros to "
-                "restart it), or take away the parameter's whole state (del optimizer.state[p]) to restart it")
+                f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back {put_back}, or take "
+                "away the parameter's whole state (del optimizer.state[p]) to restart it")
         if not t.is_floating_point():
             raise TypeError(f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
-                            f"given a {t.dtype} tensor: a moment is a floating-point tensor (fp32 here)")
+                            f"given a {t.dtype} tensor: {'the master' if kind == 'master' else 'a moment'} is a "
+                            "floating-point tensor (fp32 here)")
         shape = tuple(t.shape)
         # shaped like the parameter, or like the view it replaced (this rank's elements, 1-D, among ranks); with the
         # states on NVMe (no views) this rank's elements as a 1-D tensor. Another shape of as many elements (a
@@ -348,7 +361,7 @@ def attach_all(state: dict, partitions) -> None:
         for i, p in enumerate(part.params):
             s = state.get(p)
             if s is not None and "step" in s:
-                for kind in MOMENT_KINDS:
+                for kind in VIEW_KINDS:
                     s.pop(kind, None)
                 attach(state, part, i)
 

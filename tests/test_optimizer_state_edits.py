@@ -163,6 +163,37 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_a_bf16_parameters_master_shows_in_its_state_and_an_edit_is_taken_in(stage):
+    """bf16 parameters: ``state[p]["master"]`` is a view of the fp32 master that ``state_dict()`` saves (DCP's
+    flatten_optimizer_state_dict rebuilds a state from these keys), following the steps; one replaced is taken in
+    like a moment (the state dict and the next step use it), one removed is refused."""
+    model = PlainNet().bfloat16()
+    opt = _build(model, stage, lr=1e-2)
+
+    def _step(model, opt, t):
+        x, y = batch(t, 0)
+        opt.zero_grad()
+        loss_fn(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+    for t in range(2):
+        _step(model, opt, t)
+    w = model.layers[0].weight
+    params = [p for g in opt.param_groups for p in g["params"]]
+    i = next(k for k, p in enumerate(params) if p is w)
+    view = opt.state[w]["master"]
+    assert view.dtype == torch.float32 and torch.equal(view.reshape(-1), opt.state_dict()["state"][i]["master"].reshape(-1))
+    _step(model, opt, 2)  # the view follows the step
+    assert torch.equal(view.reshape(-1), opt.state_dict()["state"][i]["master"].reshape(-1))
+    put = torch.full(tuple(view.shape), 0.25)
+    opt.state[w]["master"] = put
+    assert torch.equal(opt.state_dict()["state"][i]["master"].reshape(-1), put.reshape(-1))
+    assert opt.state[w]["master"] is not put and torch.equal(opt.state[w]["master"], put)  # the view is back
+    del opt.state[w]["master"]
+    with pytest.raises(RuntimeError, match="'master'.*removed"):
+        _step(model, opt, 3)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_a_step_count_removed_with_the_moments_kept_is_refused_as_torch(stage):
     """``del state[p]["step"]`` leaving the moments: torch's step fails (KeyError 'step'); here a ValueError naming
     both fixes, before anything changes (before: the parameter restarted from zero moments, silently)."""

@@ -22,7 +22,7 @@ from .metadata import build_metadata, check_group_values, check_match, read_meta
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
 from .shards import Reader, model_state, model_tensors, shard_tensors, unblob
 from .view import ModelView
-from ..state_views import MOMENT_KINDS
+from ..state_views import VIEW_KINDS
 
 
 class ShardOwner(abc.ABC):
@@ -274,8 +274,8 @@ def _load_weights(directory, model, scheduler, tag) -> Any:
     return unblob(path, meta, meta.get("extra"))
 
 
-#: what optimizer.state[p] holds of the optimizer's own (the moments are views of the shards, saved from them)
-_OWN_KEYS = frozenset(("step", *MOMENT_KINDS))
+#: what optimizer.state[p] holds of the optimizer's own (moments and master are views of the shards, saved from them)
+_OWN_KEYS = frozenset(("step", *VIEW_KINDS))
 
 
 def state_extras(view: ModelView) -> dict | None:

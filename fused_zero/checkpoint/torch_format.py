@@ -120,7 +120,16 @@ def check_torch_state(opt, sd, name_of: Callable = None) -> tuple[dict, list[dic
             moments = [k for k in ("exp_avg", "exp_avg_sq") if k in s]
             if len(moments) == 1:  # torch fails at the next step (KeyError)
                 raise ValueError(f"{what} holds {moments[0]!r} without its other moment: pass a state dict whose "
-                                 "states carry both exp_avg and exp_avg_sq (or neither, to start them fresh)")
+                                 "states carry both exp_avg and exp_avg_sq (or leave the parameter's state out to "
+                                 "start it fresh)")
+            if not moments and "step" in s:  # torch fails at the next step (KeyError: 'exp_avg')
+                raise ValueError(
+                    f"{what} holds 'step' but no moments (exp_avg, exp_avg_sq). torch.distributed.checkpoint's "
+                    "flatten_optimizer_state_dict=True writes such states when the optimizer it loads into keeps "
+                    "its states in files (offload_optimizer='nvme': optimizer.state[p] holds 'step' only, and DCP "
+                    "rebuilds each state from those keys): load with flatten_optimizer_state_dict=False, or with "
+                    "fused_zero.checkpoint. Otherwise pass states carrying both moments, or leave the parameter's "
+                    "state out to start it fresh")
             check_step_count(s.get("step", 0.0), what)  # (a state dict's step: a host tensor)
             for k, t in s.items():
                 if k in (*BASE_KINDS, *OPTION_OF_KIND) and (not isinstance(t, torch.Tensor)
