@@ -104,10 +104,14 @@ class ModelGuard:
                     "the optimizer was built over it and would go on holding a tensor backward no longer reaches, "
                     "and train nothing new. Change the model before building the optimizer, or build a new one over "
                     "model.parameters() (save and load its state_dict() to keep the states)")
+            holds = "would train the old tensor" if p in trained else \
+                "would go on serving the old (frozen) tensor, " + ("gathering its shards into it, " if shards_params
+                                                                    else "") + "while the model uses the new one"
             raise RuntimeError(
                 f"the model's parameter {name} is no longer the one the optimizer was built over: another "
                 "nn.Parameter took its place (model.to('meta') then to_empty(), a module or parameter assigned anew, "
-                "a parametrization removed, resize_token_embeddings) and the optimizer would train the old tensor. "
+                "load_state_dict(..., assign=True), a parametrization removed, resize_token_embeddings) and the "
+                f"optimizer {holds}. "
                 "Change the model before building the optimizer, or build a new one over model.parameters() (save "
                 "and load its state_dict() to keep the states); to change values, assign p.data = t instead")
         if swapped:

@@ -279,8 +279,13 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
         if self.grad_sync is not None:  # after construction: lay out the new group too
             if not self._stage.can_add_groups:
                 self.param_groups.pop()
-                raise RuntimeError("stage 3 lays out every parameter of the model at construction; pass all "
-                                   "param groups to ShardedOptimizer(..., module=model) instead of add_param_group")
+                raise RuntimeError(
+                    "stage 3 lays out every parameter of the model at construction; pass all param groups to "
+                    "ShardedOptimizer(..., module=model) instead of add_param_group. To train parameters frozen at the "
+                    "build (gradual unfreezing) or added to the model since (a new adapter): sd = "
+                    "optimizer.state_dict(), build a new ShardedOptimizer over the model as it is now, and load sd "
+                    "into it (every rank; a state dict with fewer parameters than the new optimizer needs its groups "
+                    "and states renumbered first, as for torch)")
             # every rank adds it (a lone call raises at once, naming it), and the ranks agree on the new layout
             # before the rebuild changes anything: refused, the group is taken back and the optimizer trains on
             building = False

@@ -48,7 +48,9 @@ class ModelStateHooks:
             raise RuntimeError(
                 f"ZeRO stage 3 holds only a shard of {released[:3]}{' and more' if len(released) > 3 else ''}: "
                 "state_dict() here would return 0-element tensors. Read it inside "
-                "`with optimizer.full_parameters():` (every rank enters it), or save with fused_zero.checkpoint; "
+                "`with optimizer.full_parameters():` (every rank enters it; code that loads through it, as peft's "
+                "set_peft_model_state_dict, inside `full_parameters(writeback=True)`; model.load_state_dict(sd) "
+                "works anywhere), or save with fused_zero.checkpoint; "
                 "with Accelerate, save_pretrained(..., state_dict=accelerator.get_state_dict(model)) (every rank "
                 "calls it), as with DeepSpeed ZeRO-3")
         # The gathered parameters view buffers whose memory goes back when their unit is released (leaving
