@@ -26,7 +26,7 @@ from .host_read import to_host
 from .tiers.tier import Tier
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-#: every kind ``optimizer.state[p]`` may show beside "step": the moments, and a bf16/fp16 parameter's fp32 "master"
+#: every kind ``optimizer.state[p]`` may hold beside "step": the moments, and "master" (a key only: ``attach``)
 VIEW_KINDS = (*MOMENT_KINDS, "master")
 
 
@@ -74,7 +74,7 @@ def views_of(part, index: int) -> dict[str, torch.Tensor]:
     if any(a.shard_offset + a.numel != b.shard_offset for a, b in zip(pieces, pieces[1:])):
         return {}  # not adjacent in the shard (a layout this module does not expect): no view rather than a copy
     out = {}
-    for kind in _view_kinds(part):
+    for kind in MOMENT_KINDS:
         if kind in tensors:
             flat = tensors[kind][start:start + numel]
             out[kind] = flat.view(shape) if numel == shape.numel() else \
@@ -95,7 +95,7 @@ class ParamState(dict):
         self.in_files = in_files  # the moments live in NVMe files: ``state[p]["exp_avg"]`` says so
 
     def __missing__(self, key):
-        if self.in_files and key in VIEW_KINDS:
+        if self.in_files and key in MOMENT_KINDS:
             raise KeyError(f"{key} (offload_optimizer='nvme' keeps the moments in files, not in memory: "
                            "optimizer.state[p] holds 'step' only; read them from optimizer.state_dict(), which "
                            "every rank calls, or from a fused_zero.checkpoint)")
@@ -199,20 +199,24 @@ def own_state(state: dict, part, p) -> ParamState:
 
 
 def attach(state: dict, part, index: int) -> None:
-    """``state[p]`` (which has a step) gets the moment views of ``p``, parameter ``index`` of ``part``."""
-    dict.update(own_state(state, part, part.params[index]), views_of(part, index))
+    """``state[p]`` (which has a step) gets the moment views of ``p``, parameter ``index`` of ``part``.
+
+    A bf16/fp16 parameter's state also gets the key "master", holding an empty tensor: ``state_dict()`` saves the
+    fp32 master beside the moments, and tools that rebuild a parameter's saved state from the keys of
+    ``optimizer.state[p]`` (torch.distributed.checkpoint's ``flatten_optimizer_state_dict=True``) keep only the
+    keys they find there, so listed the master is loaded and a resume stays exact. Not a view of the master: code
+    that resets "every tensor of the state" (``v.zero_()``) must not rewrite the weights, and a state put in as
+    torch's AdamW keeps one (``{"step", "exp_avg", "exp_avg_sq"}``) keeps the master. Nothing reads or takes in
+    this entry; the master is read from ``state_dict()``."""
+    s = own_state(state, part, part.params[index])
+    views = views_of(part, index)
+    dict.update(s, views)
+    if views and part.dtype != torch.float32 and "master" in part.store.kinds:
+        dict.__setitem__(s, "master", torch.empty(0))
 
 
 def _moment_kinds(part) -> tuple:
     return tuple(k for k in MOMENT_KINDS if k in part.store.kinds)
-
-
-def _view_kinds(part) -> tuple:
-    """What ``state[p]`` shows of a parameter of ``part``: its moments, and its fp32 master where the parameters are
-    bf16/fp16, as ``state_dict()`` carries it there (tools that rebuild a parameter's saved state from the keys of
-    ``optimizer.state[p]``, as DCP's ``flatten_optimizer_state_dict=True``, then keep it and resume exactly)."""
-    kinds = _moment_kinds(part)
-    return (*kinds, "master") if part.dtype != torch.float32 and "master" in part.store.kinds else kinds
 
 
 def reset_moments(part, index: int) -> None:
@@ -266,7 +270,7 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
     full = part.shapes[index].numel()
     fresh = views_of(part, index)
     out = []
-    for kind in _view_kinds(part):
+    for kind in _moment_kinds(part):
         t, view = s.get(kind), fresh.get(kind)
         if t is None and view is None:  # states not in memory (NVMe): state[p] holds no views
             continue
@@ -274,16 +278,13 @@ def _replaced_moments(s: dict, part, index: int) -> list[tuple[str, torch.Tensor
                 and t.data_ptr() == view.data_ptr() and t.dtype == view.dtype:
             continue  # the store's own view
         if not isinstance(t, torch.Tensor):
-            put_back = ("a tensor of the fp32 values the parameter trains from (the master's own view: "
-                        "optimizer.state_dict() holds it)" if kind == "master" else "a tensor (zeros to restart it)")
             raise RuntimeError(
                 f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
-                f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back {put_back}, or take "
-                "away the parameter's whole state (del optimizer.state[p]) to restart it")
+                f"{'removed' if t is None else 'replaced by a ' + type(t).__name__}; put back a tensor (zeros to "
+                "restart it), or take away the parameter's whole state (del optimizer.state[p]) to restart it")
         if not t.is_floating_point():
             raise TypeError(f"optimizer.state[p][{kind!r}] of a parameter of shape {tuple(part.shapes[index])} was "
-                            f"given a {t.dtype} tensor: {'the master' if kind == 'master' else 'a moment'} is a "
-                            "floating-point tensor (fp32 here)")
+                            f"given a {t.dtype} tensor: a moment is a floating-point tensor (fp32 here)")
         shape = tuple(t.shape)
         # shaped like the parameter, or like the view it replaced (this rank's elements, 1-D, among ranks); with the
         # states on NVMe (no views) this rank's elements as a 1-D tensor. Another shape of as many elements (a

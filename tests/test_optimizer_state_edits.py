@@ -162,35 +162,43 @@ def test_a_replaced_moment_is_taken_in_and_a_removed_one_refused(stage):
         _step(model, opt, 5)
 
 
+@pytest.mark.parametrize("how", ["zero every tensor", "torch's keys put in"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_bf16_parameters_master_shows_in_its_state_and_an_edit_is_taken_in(stage):
-    """bf16 parameters: ``state[p]["master"]`` is a view of the fp32 master that ``state_dict()`` saves (DCP's
-    flatten_optimizer_state_dict rebuilds a state from these keys), following the steps; one replaced is taken in
-    like a moment (the state dict and the next step use it), one removed is refused."""
-    model = PlainNet().bfloat16()
-    opt = _build(model, stage, lr=1e-2)
+def test_a_bf16_parameters_state_lists_its_master_and_resets_as_torch(stage, how):
+    """bf16 parameters: ``state[p]`` lists "master" (an empty tensor: the key that DCP's flatten_optimizer_state_dict
+    needs to load the master state_dict() saves), and code that resets a state the torch way leaves the weights
+    alone: zeroing every tensor of it but the step (with a view of the master there, that rewrote the weights), or
+    putting in a state of torch's AdamW keys (that was refused as a master removed). Against the same run whose
+    moments were zeroed through their views (what torch's reset does)."""
+    def run(reset):
+        model = PlainNet().bfloat16()
+        opt = _build(model, stage, lr=1e-2)
+        for t in range(4):
+            if t == 2:
+                for p, st in list(opt.state.items()):
+                    assert sorted(st) == ["exp_avg", "exp_avg_sq", "master", "step"] and st["master"].numel() == 0
+                    reset(opt, p, st)
+            x, y = batch(t, 0)
+            opt.zero_grad()
+            loss_fn(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+        with opt.full_parameters() if stage == 3 else torch.no_grad():
+            return [p.detach().clone() for p in model.parameters()]
 
-    def _step(model, opt, t):
-        x, y = batch(t, 0)
-        opt.zero_grad()
-        loss_fn(model(x.bfloat16()).float(), y).backward()
-        opt.step()
-    for t in range(2):
-        _step(model, opt, t)
-    w = model.layers[0].weight
-    params = [p for g in opt.param_groups for p in g["params"]]
-    i = next(k for k, p in enumerate(params) if p is w)
-    view = opt.state[w]["master"]
-    assert view.dtype == torch.float32 and torch.equal(view.reshape(-1), opt.state_dict()["state"][i]["master"].reshape(-1))
-    _step(model, opt, 2)  # the view follows the step
-    assert torch.equal(view.reshape(-1), opt.state_dict()["state"][i]["master"].reshape(-1))
-    put = torch.full(tuple(view.shape), 0.25)
-    opt.state[w]["master"] = put
-    assert torch.equal(opt.state_dict()["state"][i]["master"].reshape(-1), put.reshape(-1))
-    assert opt.state[w]["master"] is not put and torch.equal(opt.state[w]["master"], put)  # the view is back
-    del opt.state[w]["master"]
-    with pytest.raises(RuntimeError, match="'master'.*removed"):
-        _step(model, opt, 3)
+    def by_views(opt, p, st):
+        st["exp_avg"].zero_()
+        st["exp_avg_sq"].zero_()
+
+    def every_tensor(opt, p, st):
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                v.zero_()
+
+    def torch_keys(opt, p, st):
+        opt.state[p] = {"step": st["step"].clone(), "exp_avg": torch.zeros_like(st["exp_avg"]),
+                        "exp_avg_sq": torch.zeros_like(st["exp_avg_sq"])}
+    got = run(every_tensor if how == "zero every tensor" else torch_keys)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(by_views)))
 
 
 @pytest.mark.parametrize("stage", STAGES)
