@@ -547,10 +547,19 @@ def test_a_rank_skipping_the_last_unit_gathers_in_step_with_the_others(max_live_
     assert max(errors) < 1e-6, errors
 
 
+def _ddp_step(ref, ref_opt, world_size):
+    """The reference's step: DDP's average of the gradients, then torch's AdamW."""
+    import torch.distributed as dist
+    if world_size > 1:
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+    ref_opt.step()
+
+
 def _steps_inside_except_blocks(rank, world_size, min_unit_numel):
     """Every step runs inside an ``except`` block (a retry after a caught error), one step's loss also through a
     block called directly outside the model's forward; against DDP + torch AdamW."""
-    import torch.distributed as dist
     import torch.nn.functional as F
     from fused_zero import ShardedOptimizer
     model, ref = _FourBlocks(), _FourBlocks()
@@ -571,11 +580,7 @@ def _steps_inside_except_blocks(rank, world_size, min_unit_numel):
                 loss.backward()
                 if m is model:
                     o.step()
-        if world_size > 1:
-            for p in ref.parameters():  # DDP's average
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
-        ref_opt.step()
+        _ddp_step(ref, ref_opt, world_size)
     with opt.full_parameters():
         return max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
@@ -591,7 +596,6 @@ def test_a_step_inside_an_except_block_trains_as_ddp(world_size, min_unit_numel)
 
 
 def _gradient_penalty(rank, world_size, stage):
-    import torch.distributed as dist
     import torch.nn.functional as F
     from fused_zero import ShardedOptimizer
     model, ref = _FourBlocks(), _FourBlocks()
@@ -608,11 +612,7 @@ def _gradient_penalty(rank, world_size, stage):
             (gx,) = torch.autograd.grad(loss, xi, create_graph=True)  # WGAN-GP / R1: the input gradient's norm
             (loss + 0.1 * gx.pow(2).sum()).backward()
         opt.step()
-        if world_size > 1:
-            for p in ref.parameters():  # DDP's average
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
-        ref_opt.step()
+        _ddp_step(ref, ref_opt, world_size)
     with opt.full_parameters() if stage == 3 else torch.no_grad():
         return max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
