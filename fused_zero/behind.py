@@ -14,8 +14,8 @@ Everything else that reads or writes the shards between steps waits for the whol
 in the gradient shards the update reads), ``zero_grad(set_to_none=False)``, ``state_dict()``,
 ``optimizer.state``, checkpoints, ``full_parameters()``, ``model.load_state_dict``, ``close()``.
 Stage 3's parameters are placeholders between steps, so no read of a parameter escapes these
-waits; at stages 1-2 the parameters are the user's own tensors, readable anywhere, and the update
-stays inside ``step()``.
+waits; at stages 1-2 (below) the parameters waiting for their bucket are placeholders too, until
+their module's next forward or one of these waits.
 
 Failures (a full disk, an I/O error): with more than one rank, the ranks agree after each unit
 whether every rank's update of it succeeded (one host number over a gloo group of the worker's

@@ -46,7 +46,7 @@ from torch import nn
 from .behind import UpdateBehind
 from .eager_hooks import _eager_only
 from .gathers_behind import GathersBehind
-from .hooks import HookSet, forward_raised
+from .hooks import HookSet, ModelHook, ReleasedCopyCheck, forward_raised
 from .host_read import to_host
 from .comm.collectives import Comm
 from .comm.param_sync import ParamSync
@@ -96,7 +96,9 @@ class BucketsBehind:
         self._seen: set = set()
         self._learning = []
         self._never_ran: set = set()  # learned at the first step (``_learned``)
-        self._after_hook = _hook(_AfterForward(me))
+        # every hook on the model is a ModelHook: a copy or pickle of the model (deepcopy, AveragedModel,
+        # torch.save(model)) gets an inert hook, or where parameters may be placeholders a check that refuses
+        self._after_hook = ModelHook(_hook(_AfterForward(me)))
         self._hook_modules(module)
         # collected without close() (its optimizer dropped): the state-dict hooks it left on the model go with it
         weakref.finalize(self, HookSet._remove_all, self._handles, self._learning)
@@ -111,11 +113,14 @@ class BucketsBehind:
             own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
             if own:
                 hooked.update(own)
-                self._pre_hooks.append((weakref.ref(m), _hook(_PreForward(me, own))))
-                self._handles += [m.register_state_dict_pre_hook(_Settle(me)),
-                                  m.register_load_state_dict_pre_hook(_Settle(me))]
+                # a copy made while the update is pending holds placeholders: its forward and state_dict() refuse
+                check = ReleasedCopyCheck(tuple((n, p.numel()) for n, p in m.named_parameters(recurse=False)
+                                                if p in self._keys_of), ReleasedCopyCheck.BEHIND)
+                self._pre_hooks.append((weakref.ref(m), ModelHook(_hook(_PreForward(me, own)), copied=check)))
+                self._handles += [m.register_state_dict_pre_hook(ModelHook(_Settle(me), copied=check)),
+                                  m.register_load_state_dict_pre_hook(ModelHook(_Settle(me)))]
                 if self._learning is not None:
-                    self._learning.append(m.register_forward_pre_hook(_eager_only(_Ran(self._seen, own))))
+                    self._learning.append(m.register_forward_pre_hook(ModelHook(_eager_only(_Ran(self._seen, own)))))
         # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
         # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
         # whose owners' forwards never ran; their buckets go first and step() waits for them
@@ -235,7 +240,7 @@ class BucketsBehind:
             # while parameters are placeholders the model holds these buckets (the other hooks hold them weakly): an
             # optimizer dropped after step() (`del opt`, a training function returning the model) leaves a model
             # whose next forward or state_dict() still waits and makes them whole, then lets go of them
-            self._forward_handles.append(module.register_forward_pre_hook(_Holding(self)))
+            self._forward_handles.append(module.register_forward_pre_hook(ModelHook(_Holding(self))))
 
     def _unhook_forward(self) -> None:
         for h in self._forward_handles:

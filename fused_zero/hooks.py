@@ -273,23 +273,29 @@ class ReleasedCopyCheck:
     state-dict hook: ``best = copy.deepcopy(model); torch.save(best.state_dict(), ...)`` would save 0-element
     tensors (a forward pre-hook takes ``(module, args)``, a state-dict post-hook four arguments)."""
 
-    __slots__ = ("numels",)
+    __slots__ = ("numels", "made")
 
-    def __init__(self, numels: tuple) -> None:
+    #: what the copy was made of (stage 3's released units; stages 1-2's update running behind step())
+    STAGE3 = "a ZeRO stage-3 model made while its parameters were released"
+    BEHIND = ("a model trained with update_behind=True, made while the all-gather of the updated parameters ran "
+              "behind step() (until each module's next forward)")
+
+    def __init__(self, numels: tuple, made: str = STAGE3) -> None:
         self.numels = numels
+        self.made = made
 
     def __call__(self, module, *args) -> None:
         numels = dict(self.numels)
         for name, p in module.named_parameters():
             if p.numel() == 0 and numels.get(name, 0) > 0:
                 raise RuntimeError(
-                    f"this module is a copy (copy.deepcopy, swa_utils.AveragedModel, torch.save(model)) of a ZeRO "
-                    f"stage-3 model made while its parameters were released: parameter {name!r} is an empty "
-                    "placeholder. Make the copy inside `with optimizer.full_parameters():` (every rank enters it)")
+                    f"this module is a copy (copy.deepcopy, swa_utils.AveragedModel, torch.save(model)) of "
+                    f"{self.made}: parameter {name!r} is an empty placeholder. Make the copy inside "
+                    "`with optimizer.full_parameters():` (every rank enters it)")
         return None
 
     def __reduce__(self):
-        return ReleasedCopyCheck, (self.numels,)
+        return ReleasedCopyCheck, (self.numels, self.made)
 
 
 def call_only(fn: Callable, *hook_args) -> None:

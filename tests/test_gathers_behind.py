@@ -391,3 +391,64 @@ def test_a_model_changed_after_the_build_waits_where_its_parameters_are_now(stag
     hooks now follow the model at the step after the change: bitwise the run without update_behind."""
     for same_losses, same_params, hooks in run_ranks(_changed_model, 2, stage, surgery, offload, timeout=180):
         assert same_losses and same_params and hooks == 0
+
+
+def _copies(rank, world_size, stage, offload):
+    """``copy.deepcopy(model)``, ``AveragedModel(model)`` and ``torch.save(model)`` before the first step, right after
+    a step (the gathers behind it pending) and inside ``full_parameters()``."""
+    import copy
+    import io
+
+    from _behind import batch as b_batch, model as b_model, train_step
+    from fused_zero.behind import UpdateBehind
+
+    UpdateBehind.on_cpu = True
+    kw = dict(offload_optimizer="cpu") if offload else {}
+    model, ref = b_model(), b_model()
+    opt = ShardedOptimizer(model, lr=1e-2, stage=stage, bucket_numel=500, update_behind=True, **kw)
+    ref_opt = ShardedOptimizer(ref.parameters(), lr=1e-2, stage=stage, bucket_numel=500, **kw)
+    x = b_batch(9, rank)
+
+    def saved(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def copies():
+        return [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module, saved(model)]
+
+    def same(c):  # a plain model equal to the reference: its forward and state_dict()
+        return torch.equal(c(x), ref(x)) and all(torch.equal(a, b) for a, b in zip(c.state_dict().values(),
+                                                                                   ref.state_dict().values()))
+    out = {"before": all(same(c) for c in copies())}
+    train_step(model, opt, 0, rank)
+    train_step(ref, ref_opt, 0, rank)
+    pending = copies()  # made while the parameters are placeholders: each refuses, naming full_parameters()
+    refusals = []
+    for c in pending:
+        for use in (lambda: c(x), c.state_dict):
+            try:
+                use()
+                refusals.append(None)
+            except RuntimeError as e:
+                refusals.append(str(e))
+    out["refusals"] = refusals
+    with opt.full_parameters():
+        out["inside"] = all(same(c) for c in copies())
+    out["model"] = same(model)
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["gathers", "offload_cpu"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_copies_and_pickles_of_the_model_are_plain_models_or_refuse_naming_the_fix(stage, offload):
+    """Before: the hooks update_behind puts on the model (closures, one holding the optimizer's buckets and so its
+    process group) made torch.save(model) fail for the optimizer's whole life and deepcopy / AveragedModel fail
+    right after a step, with pickling errors. A copy is now a plain model; one made while the gathers ran behind
+    step() holds placeholders and refuses to run or save, naming full_parameters()."""
+    for out in run_ranks(_copies, 2, stage, offload, timeout=180):
+        assert out["before"] and out["inside"] and out["model"], out
+        assert all(r is not None and "update_behind=True" in r and "full_parameters()" in r
+                   for r in out["refusals"]), out["refusals"]
