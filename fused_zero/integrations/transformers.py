@@ -34,6 +34,7 @@ one process (DataParallel), and ``zero.max_grad_norm`` (use ``max_grad_norm``).
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -81,10 +82,35 @@ class ZeroTrainer(Trainer):
         if self.args.n_gpu > 1:
             raise ValueError(f"this process sees {self.args.n_gpu} GPUs and Trainer would use DataParallel: launch "
                              "one process per GPU with torchrun (or set CUDA_VISIBLE_DEVICES)")
+        full_eval = [name for name in ("bf16_full_eval", "fp16_full_eval") if getattr(self.args, name, False)]
+        if full_eval and zero.needs_module:
+            raise ValueError(f"TrainingArguments({full_eval[0]}=True) casts the model to that dtype before each "
+                             "evaluation; at ZeroConfig(stage=3) its parameters are shards the optimizer keeps and "
+                             "gathers in the dtype it was built over, so the cast would reach empty placeholders "
+                             f"and the evaluation would run in the old dtype: drop {full_eval[0]} (as Trainer does "
+                             "under DeepSpeed ZeRO-3 and FSDP) or use stage 1 or 2")
         optim = str(getattr(self.args.optim, "value", self.args.optim))
         if self.optimizer is None and optim not in _ADAMW:
             raise ValueError(f"ZeroTrainer trains with AdamW; TrainingArguments(optim={optim!r}) asks for another "
                              "optimizer: leave optim at its default (adamw_torch_fused) or pass adamw_torch")
+
+    def floating_point_ops(self, inputs) -> int:
+        """Trainer's count behind ``total_flos`` (6 x tokens x the model's non-embedding parameters). At stage 3 the
+        parameters are empty placeholders between steps (``num_parameters()`` counts none): counted from the shapes
+        the optimizer laid out, as transformers counts DeepSpeed ZeRO-3's ``ds_numel``."""
+        opt = unwrap_optimizer(self.optimizer) if self.optimizer is not None else None
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if not (self.zero.needs_module and isinstance(opt, ShardedOptimizer) and main in inputs
+                and hasattr(self.model, "num_parameters")):
+            return super().floating_point_ops(inputs)
+        cached = getattr(self, "_fused_zero_numel", None)
+        if cached is None or cached[0] is not opt:
+            full = {id(p): math.prod(shape) for part in (*opt.shard_index(), *opt.frozen_index())
+                    for p, shape in zip(part.params, part.shapes)}
+            embeddings = {f"{n}.weight" for n, m in self.model.named_modules() if isinstance(m, torch.nn.Embedding)}
+            count = sum(full.get(id(p), p.numel()) for n, p in self.model.named_parameters() if n not in embeddings)
+            cached = self._fused_zero_numel = (opt, count)
+        return 6 * inputs[main].numel() * cached[1]
 
     # -- what Trainer builds ---------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

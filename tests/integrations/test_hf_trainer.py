@@ -83,7 +83,7 @@ def _train(rank, world_size, stage, out, save_steps=None, resume=None, save_mode
         opt.step()
         opt.zero_grad()
         assert accumulated == opt.comm_bytes()["reduce_scatter"] > 0, (accumulated, opt.comm_bytes())
-    return records, probes, wrapped, probe
+    return records, probes, wrapped, probe, trainer.state.total_flos
 
 
 @pytest.fixture(scope="module")
@@ -106,23 +106,24 @@ def zero_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_trainer_matches_trainer_ddp(reference, zero_runs, stage):
-    records, probes, wrapped, _ = zero_runs(stage)[1]
-    ref_records, ref_probes, ref_wrapped, _ = reference
+    records, probes, wrapped, _, flos = zero_runs(stage)[1]
+    ref_records, ref_probes, ref_wrapped, _, ref_flos = reference
     assert ref_wrapped == "DistributedDataParallel" and wrapped == "GPT2LMHeadModel"
     assert [r[0] for r in records] == list(range(1, STEPS + 1))
     assert rel_close([r[1] for r in records], [r[1] for r in ref_records], TOL) < TOL
     assert rel_close([r[2] for r in records], [r[2] for r in ref_records], TOL) < TOL
     assert min(r[2] for r in ref_records) > 0.5  # max_grad_norm clipped every step
     assert rel_close(probes, ref_probes, TOL) < TOL
+    assert flos == ref_flos > 0  # stage 3 counted the placeholders' 0 parameters (total_flos 0)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_resumes_at_world_size_1(zero_runs, tmp_path, stage):
-    out, (full_records, full_probes, _, _) = zero_runs(stage)
+    out, (full_records, full_probes, _, _, _) = zero_runs(stage)
     ckpt = os.path.join(out, f"checkpoint-{SAVE_AT}")
     assert os.path.isdir(os.path.join(ckpt, "fused_zero"))
     assert os.path.isfile(os.path.join(ckpt, "model.safetensors"))
-    records, probes, _, _ = run_ranks(_train, 1, stage, str(tmp_path / "resumed"), None, ckpt, timeout=300)[0]
+    records, probes, _, _, _ = run_ranks(_train, 1, stage, str(tmp_path / "resumed"), None, ckpt, timeout=300)[0]
     assert [r[0] for r in records] == list(range(SAVE_AT + 1, STEPS + 1))
     assert rel_close([r[1] for r in records], [r[1] for r in full_records[SAVE_AT:]], TOL) < TOL
     assert rel_close(probes, full_probes[SAVE_AT:], TOL) < TOL
@@ -132,7 +133,7 @@ def test_save_model_at_stage_3_writes_the_full_model(tmp_path):
     from transformers import GPT2LMHeadModel
 
     final = str(tmp_path / "final")
-    _, _, _, trained = run_ranks(_train, 2, 3, str(tmp_path / "run"), None, None, final, timeout=300)[0]
+    _, _, _, trained, _ = run_ranks(_train, 2, 3, str(tmp_path / "run"), None, None, final, timeout=300)[0]
     loaded = GPT2LMHeadModel.from_pretrained(final)
     assert _probe(loaded) == pytest.approx(trained, rel=1e-6)
 
@@ -158,12 +159,16 @@ def _misuse(rank, world_size, case):
             ZeroTrainer(**args, zero=ZeroConfig(max_grad_norm=1.0))
         elif case == "zero":
             ZeroTrainer(**args, zero={"stage": 2})
+        elif case == "full_eval":
+            args["args"] = _args("/tmp/unused", world_size, bf16_full_eval=True)
+            ZeroTrainer(**args, zero=ZeroConfig(stage=3))
     except (ValueError, TypeError) as e:
         return type(e).__name__, str(e)
     return None
 
 
-MISUSE = {"optimizers": "learning_rate", "optim": "AdamW", "clip": "max_grad_norm", "zero": "ZeroConfig"}
+MISUSE = {"optimizers": "learning_rate", "optim": "AdamW", "clip": "max_grad_norm", "zero": "ZeroConfig",
+          "full_eval": "drop bf16_full_eval"}
 
 
 def test_misuse_is_refused_on_every_rank():
