@@ -110,12 +110,12 @@ class BucketsBehind:
         self._pre_hooks = []
         hooked = set()
         for m in module.modules():
-            own = [p for p in m.parameters(recurse=False) if p in self._keys_of]
+            named = [(n, p) for n, p in m.named_parameters(recurse=False) if p in self._keys_of]
+            own = [p for _, p in named]
             if own:
                 hooked.update(own)
                 # a copy made while the update is pending holds placeholders: its forward and state_dict() refuse
-                check = ReleasedCopyCheck(tuple((n, p.numel()) for n, p in m.named_parameters(recurse=False)
-                                                if p in self._keys_of), ReleasedCopyCheck.BEHIND)
+                check = ReleasedCopyCheck(tuple((n, p.numel()) for n, p in named), ReleasedCopyCheck.BEHIND)
                 self._pre_hooks.append((weakref.ref(m), ModelHook(_hook(_PreForward(me, own)), copied=check)))
                 self._handles += [m.register_state_dict_pre_hook(ModelHook(_Settle(me), copied=check)),
                                   m.register_load_state_dict_pre_hook(ModelHook(_Settle(me)))]

@@ -267,8 +267,9 @@ class ModelHook(functools.partial):
 
 
 class ReleasedCopyCheck:
-    """Stage 3, in a copy of the model: a unit's module whose parameters were copied while released (empty
-    placeholders in place of ``numels``, ((name below the module, numel), ...)) refuses to run, naming the fix,
+    """In a copy of the model (stage 3's, or stages 1-2's with ``update_behind=True``: ``made`` says which), a
+    module whose parameters were copied while released (empty placeholders in place of ``numels``, ((name below
+    the module, numel), ...)) refuses to run, naming the fix,
     instead of failing in torch's shape checks or computing with nothing. At the copy's root it is also the
     state-dict hook: ``best = copy.deepcopy(model); torch.save(best.state_dict(), ...)`` would save 0-element
     tensors (a forward pre-hook takes ``(module, args)``, a state-dict post-hook four arguments)."""

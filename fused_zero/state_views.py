@@ -28,6 +28,8 @@ from .tiers.tier import Tier
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 #: every kind ``optimizer.state[p]`` may hold beside "step": the moments, and "master" (a key only: ``attach``)
 VIEW_KINDS = (*MOMENT_KINDS, "master")
+#: what ``optimizer.state[p]`` holds of the optimizer's own; any other key there is user code's (saved as torch's)
+OWN_KEYS = frozenset(("step", *VIEW_KINDS))
 
 
 class StateShard(torch.Tensor):
@@ -211,7 +213,7 @@ def attach(state: dict, part, index: int) -> None:
     s = own_state(state, part, part.params[index])
     views = views_of(part, index)
     dict.update(s, views)
-    if views and part.dtype != torch.float32 and "master" in part.store.kinds:
+    if views and part.keeps_master:
         dict.__setitem__(s, "master", torch.empty(0))
 
 

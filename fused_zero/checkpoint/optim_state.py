@@ -14,13 +14,13 @@ import bisect
 import torch
 
 from ..host_read import host_copy
+from ..state_views import OWN_KEYS
 from .errors import CheckpointError
 from .reshard import numel_of
 from .torch_format import check_torch_state, piece_of, saved_state, shapes_of, slice_into_shards, torch_param_groups
 
 GATHER_NUMEL = 1 << 20  # shard elements per all-gather: world_size x 4 MiB of fp32 in flight
 #: optimizer.state keys the shards hold (gathered, or sliced back in); any other key is user state
-OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"))
 
 
 def _saves_master(p) -> bool:

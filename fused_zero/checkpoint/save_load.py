@@ -22,7 +22,7 @@ from .metadata import build_metadata, check_group_values, check_match, read_meta
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
 from .shards import Reader, model_state, model_tensors, shard_tensors, unblob
 from .view import ModelView
-from ..state_views import VIEW_KINDS
+from ..state_views import OWN_KEYS
 
 
 class ShardOwner(abc.ABC):
@@ -274,10 +274,6 @@ def _load_weights(directory, model, scheduler, tag) -> Any:
     return unblob(path, meta, meta.get("extra"))
 
 
-#: what optimizer.state[p] holds of the optimizer's own (moments and master are views of the shards, saved from them)
-_OWN_KEYS = frozenset(("step", *VIEW_KINDS))
-
-
 def state_extras(view: ModelView) -> dict | None:
     """What ``optimizer.state`` holds beyond the steps and moments, which ``state_dict()`` keeps as torch's does:
     entries under keys that are no parameter (``opt.state["epoch"] = 7``) and keys of user code's own in a
@@ -288,7 +284,7 @@ def state_extras(view: ModelView) -> dict | None:
             if not isinstance(key, torch.Tensor):  # (a tensor key no param group holds: torch's state_dict() fails)
                 others.append([key, value])
         elif isinstance(value, dict):
-            mine = {k: v for k, v in value.items() if k not in _OWN_KEYS}
+            mine = {k: v for k, v in value.items() if k not in OWN_KEYS}
             if mine:
                 own[view.name(key)] = mine
     return {"state": others, "params": own} if others or own else None

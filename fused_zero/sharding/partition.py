@@ -360,7 +360,7 @@ class Partition:
         that differ anywhere in this rank's piece (weights of another step restored) reload it whole."""
         wanted = set(indices)
         pending = self.pending_master
-        keep = self.dtype != torch.float32 and "master" in self.store.kinds
+        keep = self.keeps_master
         for piece in self.pieces:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
@@ -389,7 +389,7 @@ class Partition:
         master's rounding take the new value; the others keep their fp32 master (reloaded
         whole, every master would lose what bf16 cannot hold: half a bf16 step a writeback).
         """
-        keep = changed_only and self.dtype != torch.float32 and "master" in self.store.kinds
+        keep = changed_only and self.keeps_master
         for b in self.layout.buckets:
             new = self.bucket(self.flat, b)[self.own(b)]
             if keep and new.numel():
@@ -469,6 +469,12 @@ class Partition:
         if self.pshard is not None:
             self._param_shard_whole()
             self.pshard.source(0, 0)
+
+    @property
+    def keeps_master(self) -> bool:
+        """Whether the store keeps an fp32 master apart from the parameters (bf16/fp16 ones), which says more than
+        they do: ``state_dict()`` saves it and a reload keeps what still rounds to them."""
+        return self.dtype != torch.float32 and "master" in self.store.kinds
 
     def stage_substitute(self) -> None:
         """Stage 3, among ranks, after ``stage_params`` failed: the gather serves the fp32 master rounded to the
