@@ -308,6 +308,52 @@ def test_stage3_partial_load_keeps_the_rest():
     assert all(torch.equal(after[k], before[k]) for k in before if k != "head.weight")
 
 
+def _failing_load(model, how, values):
+    """A model.load_state_dict that raises, as ``how`` says; returns torch's message."""
+    sd = dict(values)
+    if how == "shape":
+        sd["fc1.weight"] = torch.zeros(sd["fc1.weight"].shape[0], sd["fc1.weight"].shape[1] - 1)
+    elif how == "not_a_tensor":
+        sd["fc1.weight"] = [1.0, 2.0]
+    elif how == "submodule_shape":
+        sd, model = {"weight": torch.zeros(3, 3), "bias": sd["fc1.bias"]}, model.fc1
+    elif how == "pre_hook_raises":  # the modules before fc2 load, fc2 and after do not
+        def refuse(*args):
+            raise ValueError("a user's load pre-hook refused")
+        model.fc2._register_load_state_dict_pre_hook(refuse)
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        model.load_state_dict(sd)
+    return str(e.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("units", [{}, {"min_unit_numel": 0}], ids=["default_units", "own_units"])
+@pytest.mark.parametrize("how", ["shape", "not_a_tensor", "submodule_shape", "pre_hook_raises"])
+def test_stage3_a_failing_load_leaves_what_it_did_not_load_as_torch(how, units):
+    """A load that raises at stage 3 wrote the memory it lent the released parameters into the shards, loaded or
+    not: the parameters it did not write held uninitialised memory (up to 1e34) and training went on with it
+    (FSDP2 port). Now the parameters are torch's: what the load wrote is loaded, the rest unchanged."""
+    model, ref = TinyNet(), TinyNet()
+    opt = _build(model, 3, **units)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    _train(model, opt, 1)
+    _train(ref, ref_opt, 1)
+    before, ref_before = _full_state(model, opt), _full_state(ref)
+    new = TinyNet(seed=5).state_dict()
+    assert _failing_load(model, how, new) == _failing_load(ref, how, new)
+    after, ref_after = _full_state(model, opt), _full_state(ref)
+    loaded = {k for k in ref_after if not torch.equal(ref_after[k], ref_before[k])}
+    # torch loads every key it can and raises at the end; a raising pre-hook stops the load at its module
+    assert {"shape": "fc2.weight" in loaded and "fc1.weight" not in loaded,
+            "not_a_tensor": "fc2.weight" in loaded and "fc1.weight" not in loaded,
+            "submodule_shape": loaded == {"fc1.bias"},
+            "pre_hook_raises": "fc1.weight" in loaded and "fc2.weight" not in loaded}[how]
+    for k in after:
+        assert torch.equal(after[k], new[k] if k in loaded else before[k]), k
+    _train(model, opt, 1, start=1)
+    _train(ref, ref_opt, 1, start=1)
+    assert _param_error(model, opt, ref) < TOL
+
+
 # --- 3. AdamW's signature --------------------------------------------------------------------------
 
 def test_adamw_flags_accepted_or_refused_with_the_reason():

@@ -111,9 +111,9 @@ class ModelStateHooks:
             if not u.gathered:
                 self._wait(u)
                 for part in u.parts:
-                    for p, shape in zip(part.params, part.shapes):
+                    for i, (p, shape) in enumerate(zip(part.params, part.shapes)):
                         if p.numel() == 0 and shape.numel() > 0 and (scope is None or id(p) in scope):
-                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+                            part.lend_for_load(i)  # what the load does not write is never taken in
 
     def _after_sub_load(self, module, incompatible_keys) -> None:
         if self._load_scope is not None and module is self._load_module:  # (its children's run first)

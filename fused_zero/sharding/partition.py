@@ -103,6 +103,7 @@ class Partition:
         self._substituted = False  # the gather serves stage_substitute's values (a read failed among ranks)
         self._unfit: list[int] = []  # parameters adopt_outside_changes refused (p.data of another shape or dtype)
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
+        self._lent: dict[int, tuple[int, int]] = {}  # stage 3: memory lent to a load (lend_for_load)
         self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
         self._views: list[torch.Tensor] | None = None  # the parameters' views of flat (views())
@@ -262,6 +263,18 @@ class Partition:
                 return
             self.adopt_outside_changes(names)
 
+    def lend_for_load(self, index: int) -> None:
+        """Stage 3, released: parameter ``index`` gets full-size memory for ``model.load_state_dict`` to copy into.
+        Memory no load wrote (its key failed to load: another shape, not a tensor; the load raised before reaching
+        it) is never taken in: ``adopt_assigned`` puts the placeholder back, so the parameter keeps its values, as
+        torch's load that raises leaves a parameter it did not reach."""
+        p = self.params[index]
+        p.data = torch.empty(self.shapes[index], dtype=p.dtype, device=p.device)
+        self._lent[index] = (p.data_ptr(), p._version)
+
+    def _unwritten_loan(self, lent: dict, index: int, p: torch.Tensor) -> bool:
+        return lent.get(index) == (p.data_ptr(), p._version)
+
     @torch.no_grad()
     def adopt_assigned(self, names: dict, placeholder: Callable[[torch.Tensor], torch.Tensor],
                        skip: frozenset = frozenset()) -> bool:
@@ -273,8 +286,8 @@ class Partition:
         anything was taken in.
         """
         changed, values = [], {}
-        versions = self._released_versions
-        if versions is not None and self._untouched(versions):
+        versions, lent, self._lent = self._released_versions, self._lent, {}
+        if not lent and versions is not None and self._untouched(versions):
             return False
         for i, p in enumerate(self.params):
             if p.numel() == 0:  # the placeholder, or a zero-element parameter
@@ -290,7 +303,7 @@ class Partition:
                         "`with optimizer.full_parameters(writeback=True):` (every rank enters it), or assign a "
                         "full tensor (p.data = t)")
                 continue
-            if i not in skip:
+            if i not in skip and not self._unwritten_loan(lent, i, p):
                 self._check_compatible(p, self.shapes[i], names)
                 changed.append(i)
                 values[i] = p.detach().reshape(-1)
@@ -304,6 +317,7 @@ class Partition:
         """Stage 3, released: every parameter on ``placeholder`` again, what user code assigned dropped (refused)."""
         for p in self.params:
             p.data = placeholder
+        self._lent = {}
         self._released_versions = [p._version for p in self.params]
 
     def _untouched(self, versions: list[int]) -> bool:
