@@ -1592,3 +1592,55 @@ def test_stage3_a_forward_failing_after_a_kept_refusal_says_why():
         assert "mat2 must be a matrix" in message  # torch's own, on the placeholder
         assert "fused_zero: this forward went on after it found what the next step refuses" in notes
         assert "parameter 0.weight is no longer the one the optimizer was built over" in notes
+
+
+class _Blocks(nn.Module):
+    """A ModuleList of residual MLP blocks and a head: torchtitan's shape, for per-block compiling."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                        for _ in range(3))
+            self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _blocks_compiled_before_build(rank, world_size, stage, unit_kw):
+    from fused_zero import ShardedOptimizer
+    model, ref = _Blocks(), _Blocks()
+    for i, b in enumerate(list(model.blocks)):  # torchtitan's apply_compile, before the optimizer (as before fully_shard)
+        model.blocks[i] = torch.compile(b, backend="eager", fullgraph=True)
+    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=300,
+                           **unit_kw)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        for m, o in ((model, opt), (ddp, ref_opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    with torch.no_grad():  # a compiled block called by itself between steps (stage 3: it gathers what it holds)
+        direct = model.blocks[1](x), ref.blocks[1](x)
+    with opt.full_parameters() if stage == 3 else contextlib.nullcontext():
+        err = max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    return err, rel(*direct)
+
+
+@pytest.mark.parametrize("stage,unit_kw", [(1, {}), (2, {}), (3, {}), (3, {"min_unit_numel": 0}),
+                                           (3, {"units": [nn.Linear]})],
+                         ids=["stage1", "stage2", "stage3", "stage3_unit_per_block", "stage3_units_linear"])
+def test_blocks_compiled_fullgraph_before_the_build_train_as_ddp(stage, unit_kw):
+    """torchtitan compiles each block with fullgraph=True, then shards (FSDP2's hooks sit on the compiled wrapper,
+    outside the graph). At stage 3 the hooks of the modules inside a compiled block were traced into its graph,
+    a graph break that fullgraph=True turns into torch's error ("Skip calling torch.compiler.disable()d function");
+    they now sit on the block's wrapper, and a unit chosen inside one (units=[nn.Linear]) is the block."""
+    for err, direct in run_ranks(_blocks_compiled_before_build, 2, stage, unit_kw, timeout=300):
+        assert err < 1e-6 and direct < 1e-6, (err, direct)

@@ -423,3 +423,20 @@ def test_stage3_with_linear_units_trains_attention_as_torch():
         out = model(x)
     with opt.full_parameters(), torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def test_a_block_compiled_in_place_is_its_wrappers_unit_and_a_model_compiled_whole_keeps_its_units():
+    """torchtitan's per-block ``torch.compile(block)`` registered in place: a unit chosen inside the block (the
+    block itself by class, or its Linears) is the compiled wrapper, whose call runs eagerly (hooks inside it would be
+    traced into its graph). A model compiled whole keeps the units inside it (one unit would gather everything)."""
+    model = GPT(CFG)
+    inner = list(model.blocks)
+    for i, b in enumerate(inner):
+        model.blocks[i] = torch.compile(b, backend="eager")
+    wrappers = list(model.blocks)
+    assert resolve_units(model, None) == wrappers
+    assert resolve_units(model, [Block]) == wrappers
+    assert resolve_units(model, [nn.Linear])[:3] == wrappers  # (the head's Linear after them)
+    assert plan_units(model, None, 0).modules[1:] == tuple((w,) for w in wrappers)
+    whole = torch.compile(GPT(CFG), backend="eager")
+    assert resolve_units(whole, None) == list(whole._orig_mod.blocks)

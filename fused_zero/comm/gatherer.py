@@ -59,6 +59,7 @@ from .param_sync import ParamSync
 from .secondary import SecondaryCopies
 from .model_state import ModelStateHooks
 from ..sharding.partition import Partition, Placeholders, read_params_first
+from ..sharding.units import compiled_regions
 
 
 class ParamGatherer(GatherCycle, ModelStateHooks):
@@ -132,14 +133,22 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
         direct = _eager_only(self._direct_call)
         self._direct_hooks = []  # (the module's pre-hook dict, the hook's key, the hook)
         self._module_names = {id(m): n for n, m in root.named_modules()}  # for messages
+        # A module inside a block compiled in place (``torch.compile(block)`` in the model) is hooked at the block's
+        # wrapper, whose call runs eagerly: a hook inside would be traced into the block's graph (a graph break, an
+        # error under fullgraph=True). Calling such an inner module directly between steps is not served.
+        regions, hooked = compiled_regions(root), {}
         for m in root.modules():
-            owners = tuple({id(unit_of_param[id(p)]): unit_of_param[id(p)] for p in m._parameters.values()
-                            if p is not None and id(p) in unit_of_param}.values())
-            if id(m) not in in_units and owners:
-                hook = ModelHook(direct, owners, copied=copy_check(m))
-                handle = m.register_forward_pre_hook(hook)
-                self._handles.append(handle)
-                self._direct_hooks.append((m._forward_pre_hooks, handle.id, hook))
+            owners = {id(unit_of_param[id(p)]): unit_of_param[id(p)] for p in m._parameters.values()
+                      if p is not None and id(p) in unit_of_param}
+            target = regions.get(id(m), m)
+            if owners and id(target) not in in_units:
+                hooked.setdefault(id(target), (target, {}))[1].update(owners)
+        for m, owners in hooked.values():
+            owners = tuple(sorted(owners.values(), key=lambda u: u.index))
+            hook = ModelHook(direct, owners, copied=copy_check(m))
+            handle = m.register_forward_pre_hook(hook)
+            self._handles.append(handle)
+            self._direct_hooks.append((m._forward_pre_hooks, handle.id, hook))
         self._direct_armed = True
         # The first training forward keeps those hooks in to check that every module holding a unit's parameters
         # runs inside that unit's forward (``_check_inside``); ``running``: how many of a unit's modules are inside

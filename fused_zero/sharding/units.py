@@ -151,11 +151,34 @@ def check_units_form(units) -> None:
                         + (f"; got {bad[0]!r}" if bad else ", not a mix of both"))
 
 
+def _is_compiled(m: nn.Module) -> bool:
+    """``torch.compile(module)``'s wrapper (an ``OptimizedModule``), told by name: importing Dynamo to ask costs."""
+    return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
+
+
+def compiled_regions(model: nn.Module) -> dict[int, nn.Module]:
+    """Each module inside a ``torch.compile`` wrapper placed below the root (torchtitan's per-block
+    ``torch.compile(block, fullgraph=True)``, registered in place of the block) -> the outermost such wrapper.
+
+    Dynamo traces the hooks of the modules inside into the block's graph, where stage 3's hooks (they gather
+    and re-point parameters) can only be a graph break, an error under ``fullgraph=True``; the wrapper's own call
+    runs eagerly, so hooks on it stay out of the graph, as FSDP2's on a block compiled before ``fully_shard``.
+    A model compiled whole (the root a wrapper) keeps its units inside: one unit would gather it all."""
+    regions: dict[int, nn.Module] = {}
+    for m in model.modules():  # outer before inner: setdefault keeps the outermost wrapper
+        if m is not model and _is_compiled(m):
+            for inner in m.modules():
+                if inner is not m:
+                    regions.setdefault(id(inner), m)
+    return regions
+
+
 def resolve_units(model: nn.Module, units) -> list[nn.Module]:
     """The unit modules below the root for ``units`` (None, classes or modules), model order. Modules inside one
     that reads their weights directly (``_READS_CHILDREN``) are no units: by default and for classes they are left
     to the unit around them (``units=[nn.Linear]`` makes every other Linear a unit); passed by themselves they are
-    refused, naming the module to pass instead."""
+    refused, naming the module to pass instead. A module inside a block compiled in place
+    (``compiled_regions``) stands for that block's wrapper: the wrapper is the unit."""
     inside = _inside_readers(model)
     if units is None:
         chosen = [m for m in default_units(model) if id(m) not in inside]
@@ -184,6 +207,8 @@ def resolve_units(model: nn.Module, units) -> list[nn.Module]:
                 raise ValueError(f"units contains a {type(m).__name__}, whose forward never runs, so its "
                                  "parameters would never be gathered; pass its elements instead "
                                  "(e.g. units=list(model.blocks))")
+    regions = compiled_regions(model)
+    chosen = [regions.get(id(m), m) for m in chosen]
     order = {id(m): i for i, m in enumerate(model.modules())}
     unique = {id(m): m for m in chosen}
     return sorted(unique.values(), key=lambda m: order[id(m)])
