@@ -153,7 +153,21 @@ class ZeroAccelerator(Accelerator):
                                f"{self.device} would detach them: move the model to accelerator.device before "
                                "building the optimizer, or pass it to prepare() together with a torch optimizer")
         # evaluation_mode=True: device placement, mixed precision and compilation, but no DDP
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        self._pair_late(prepared)
+        return prepared
+
+    def _pair_late(self, model: nn.Module) -> None:
+        """An optimizer prepared in a call before its model's (``opt = acc.prepare(opt); model = acc.prepare(model)``,
+        stages 1-2) is paired with the model now: ``save_state``/``load_state`` need it (stage 3 refuses that order
+        at the optimizer's prepare, where the model is needed to shard)."""
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        held = None
+        for i, (m, opt) in enumerate(self._zero_pairs):
+            if m is None and not opt.closed:
+                held = set(inner.parameters()) if held is None else held
+                if all(p in held for g in opt.param_groups for p in g["params"]):
+                    self._zero_pairs[i] = (inner, opt)
 
     def _owner(self, p) -> ShardedOptimizer | None:
         return next((opt for _, opt in self._zero_pairs if opt.owns(p)), None)
@@ -306,6 +320,16 @@ class ZeroAccelerator(Accelerator):
                 self._models, self._optimizers = models, opts
 
         return swap()
+
+    def end_training(self):
+        """Accelerate's, after closing this accelerator's ShardedOptimizers: ``end_training()`` destroys the process
+        group, after which a stage-3 model's shards could never be gathered again (its parameters stayed
+        0-element placeholders); closed first, the model holds its full weights, as a DDP model does, for the
+        ``unwrap_model(model).save_pretrained(...)`` that scripts run after it (HF Trainer's ``end()`` calls this
+        too). Collective at stage 3: every rank calls it, as it does Accelerate's."""
+        for opt in self._sharded():
+            opt.close()
+        return super().end_training()
 
     def _checkpoint_pairs(self):
         pairs = []

@@ -421,3 +421,75 @@ def test_one_clip_over_two_prepared_models_is_ddps(stage):
         assert all(abs(g - w) <= 1e-6 * w for g, w in zip(norms, ref_norms)), (norms, ref_norms)
         for sd, ref in zip(sds, ref_sds):
             assert all(torch.allclose(sd[k], ref[k], rtol=1e-5, atol=1e-7) for k in ref)
+
+
+def _optimizer_prepared_first(rank, world_size, stage, folder):
+    """``opt = acc.prepare(opt)`` before ``model = acc.prepare(model)``: two steps, ``save_state``, and a fresh
+    accelerator's ``load_state`` (prepared in the usual order) restores the weights; the same run under Accelerate's
+    DDP for the losses."""
+    acc = accelerator(rank, world_size, stage, 1)
+    model = tiny_gpt2()
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+    model = acc.prepare(model)
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(acc.gather(loss.detach().reshape(1)).mean().item())
+    if stage is None:
+        return losses, 0.0
+    acc.save_state(os.path.join(folder, f"opt_first{stage}"))
+    want = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    fresh_acc = accelerator(rank, world_size, stage, 1)
+    fresh = tiny_gpt2(seed=2)
+    fresh, fresh_opt = fresh_acc.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
+    fresh_acc.load_state(os.path.join(folder, f"opt_first{stage}"))
+    got = fresh_acc.get_state_dict(fresh)
+    return losses, max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_prepared_before_its_model_saves_and_loads_state(tmp_path, stage):
+    """Preparing the optimizer in a call before its model's trained as DDP but left it unpaired: save_state refused
+    at the first checkpoint, naming a fix the user had followed (Accelerate port). The model's prepare pairs it."""
+    ref = run_ranks(_optimizer_prepared_first, 2, None, str(tmp_path), timeout=300)[0][0]
+    for losses, err in run_ranks(_optimizer_prepared_first, 2, stage, str(tmp_path), timeout=300):
+        assert rel_close(losses, ref, TOL), (losses, ref)
+        assert err == 0.0
+
+
+def _after_end_training(rank, world_size, stage, folder):
+    """One step, the full weights, ``end_training()`` (which destroys the process group), then the model's own
+    state dict and a forward: what a script saves after it."""
+    import torch.distributed as dist
+
+    acc = accelerator(rank, world_size, stage, 1)
+    model = tiny_gpt2()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    opt.zero_grad()
+    want = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    acc.end_training()
+    got = acc.unwrap_model(model).state_dict()
+    with torch.no_grad():
+        after = model(input_ids=x).logits
+    exact = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, f"store{stage}"), rank=rank,
+                            world_size=world_size)  # (the harness ends with a barrier)
+    return exact, torch.equal(after, logits)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_after_end_training_the_model_holds_its_full_weights_as_under_ddp(tmp_path, stage):
+    """Accelerate's end_training() destroys the process group; at stage 3 the model kept its 0-element placeholders
+    for good (its state dict refused, get_state_dict failed on the destroyed group), where a DDP model still saves
+    (Accelerate port). ZeroAccelerator.end_training closes its optimizers first."""
+    for exact, same in run_ranks(_after_end_training, 2, stage, str(tmp_path), timeout=300):
+        assert exact and same
