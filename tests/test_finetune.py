@@ -178,6 +178,51 @@ def test_checkpoint_with_frozen_base_loads_where_more_is_trainable(tmp_path, sta
     assert float(opt2.state[fresh.block["base"].weight]["step"]) == 1  # its state started at its first step
 
 
+def _build_groups(model, stage, groups):
+    """``groups`` "trainable": only the trainable parameters (peft's and HF Trainer's habit; stage 3 takes the model
+    by ``module=``), "model": every parameter (``ShardedOptimizer(model)`` at stage 3)."""
+    if groups == "model":
+        return _build(model, stage)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ShardedOptimizer(trainable, stage=stage, **HYPER, **({"module": model} if stage == 3 else {}))
+
+
+@pytest.mark.parametrize("saved,loaded,thaw", [((1, "trainable"), (1, "trainable"), True),
+                                               ((3, "trainable"), (3, "model"), True),
+                                               ((3, "model"), (1, "trainable"), False),
+                                               ((1, "trainable"), (3, "model"), False)],
+                         ids=["s1_thawed", "s3_thawed", "s3_model_to_s1_trainable", "s1_trainable_to_s3_model"])
+def test_a_checkpoint_of_a_frozen_base_loads_whatever_groups_held_the_frozen_weights(tmp_path, saved, loaded, thaw):
+    """A parameter saved without state (frozen) was refused as "in another param group" when the optimizer saved
+    left it out of its groups (trainable-only, peft's habit) and the loading one holds it (stage 3's
+    ShardedOptimizer(model), or the base thawed), or the reverse (DeepSpeed port). It carries nothing of its group:
+    it loads into any; thawed, its state starts at its first step."""
+    model = LoraNet()
+    opt = _build_groups(model, *saved)
+    for step in range(2):
+        _step(model, opt, step, 0, k=1)
+    checkpoint.save(tmp_path, model, opt)
+    with opt.full_parameters():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert moments and all(m.abs().sum() > 0 for m in moments.values())
+    fresh = LoraNet(seed=1)
+    if thaw:
+        fresh.block["base"].requires_grad_(True)
+    opt2 = _build_groups(fresh, *loaded)
+    checkpoint.load(tmp_path, fresh, opt2)
+    with opt2.full_parameters():
+        for n, p in fresh.named_parameters():
+            assert torch.equal(p, weights[n]), n
+    named = {p: n for n, p in fresh.named_parameters()}
+    for p, st in opt2.state.items():
+        if named[p] in moments:
+            assert torch.equal(st["exp_avg"], moments[named[p]]), named[p]
+    _step(fresh, opt2, 2, 0, k=1)
+    if thaw:
+        assert float(opt2.state[fresh.block["base"].weight]["step"]) == 1  # its state started at its first step
+
+
 def _writeback(rank, ws, stage, units):
     """Inside full_parameters(writeback=True): an in-place write to a frozen weight (peft's merge adds B @ A to
     the base weight), and full tensors assigned with p.data = t (peft's safe merge) to a frozen and a trainable

@@ -276,9 +276,13 @@ def check_match(view: ModelView, meta: dict, path: str) -> None:
     alias, moved = aliases(meta), []
     for p in view.params.values():
         n = view.name(p)
-        was = meta["params"][alias[n]]["group"]
-        if was != view.group_of.get(n):
-            moved.append(f"{n} (checkpoint group {was}, optimizer group {view.group_of.get(n)})")
+        rec, now = meta["params"][alias[n]], view.group_of.get(n)
+        # A parameter saved without optimizer state (frozen then) carries nothing of its group: it may sit in any
+        # group now, or none (peft's and Trainer's trainable-only groups leave frozen weights out, stage 3's
+        # ShardedOptimizer(model) puts them in group 0), and starts its state afresh if it trains now.
+        # One trained when saved keeps its group (to none: the "frozen now" refusal below)
+        if rec["group"] != now and rec["chunks"] and now is not None:
+            moved.append(f"{n} (checkpoint group {rec['group']}, optimizer group {now})")
     if moved:
         raise ValueError(f"{path}: parameters sit in other param groups than when saved: {', '.join(moved)}; "
                          "build the optimizer with the same groups (None: not trained by the optimizer)")
