@@ -9,6 +9,7 @@ import dis
 import gc
 import os
 import sys
+import types
 
 import torch
 
@@ -267,7 +268,10 @@ _LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE",
 _STORES = ("STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF")
 
 
-def _names_torch_clip(code, g: dict) -> bool:
+def _names_torch_clip(code, g: dict, helpers: int = 1) -> bool:
+    """Whether ``code`` names torch's clip (``clip_grad_norm_``, or ``clip_grads_with_norm_`` after a norm of its
+    own), or, ``helpers`` levels deep, calls a function of its own whose code does (torchtitan's
+    ``dist_utils.clip_grad_norm_``: ``get_total_norm`` + ``clip_grads_with_norm_``)."""
     modules = set()  # names an import inside the function bound to torch.nn.utils or its clip_grad module
     importing = None  # what the import being read brings: the last module or name it named
     before = None
@@ -276,26 +280,52 @@ def _names_torch_clip(code, g: dict) -> bool:
         if op == "IMPORT_NAME":
             importing = str(arg).rsplit(".", 1)[-1] if str(arg).startswith("torch") else None
         elif op == "IMPORT_FROM" and importing is not None:
-            if arg == "clip_grad_norm_":
+            if arg in _CLIP_NAMES:
                 return True
             importing = arg
         elif op in _STORES and importing is not None:
             if importing in ("utils", "clip_grad"):
                 modules.add(arg)
             importing = None
-        elif op in ("LOAD_GLOBAL", "LOAD_NAME") and g.get(arg) is _TORCH_CLIP:
-            return True
-        elif arg == "clip_grad_norm_" and op in ("LOAD_ATTR", "LOAD_METHOD") and before is not None:
-            if before.opname in ("LOAD_ATTR", "LOAD_METHOD") and before.argval in ("utils", "clip_grad"):
+        elif op in ("LOAD_GLOBAL", "LOAD_NAME"):
+            if any(g.get(arg) is f for f in _TORCH_CLIPS):
                 return True
-            if before.opname in _LOADS and (before.argval in modules
-                                            or any(g.get(before.argval) is m for m in _CLIP_MODULES)):
+            if helpers and _helper_clips(g.get(arg), helpers):
                 return True
+        elif op in ("LOAD_ATTR", "LOAD_METHOD") and before is not None:
+            if arg in _CLIP_NAMES:
+                if before.opname in ("LOAD_ATTR", "LOAD_METHOD") and before.argval in ("utils", "clip_grad"):
+                    return True
+                if before.opname in _LOADS and (before.argval in modules
+                                                or any(g.get(before.argval) is m for m in _CLIP_MODULES)):
+                    return True
+            # a helper read off a module of the loop's globals (``dist_utils.clip_grad_norm_``)
+            if helpers and before.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(
+                    g.get(before.argval), types.ModuleType):
+                if _helper_clips(getattr(g[before.argval], str(arg), None), helpers):
+                    return True
         before = ins
     return False
 
 
-_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+def _helper_clips(fn, helpers: int) -> bool:
+    """Whether ``fn`` is a Python function outside torch and fused_zero whose code names torch's clip."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    code = fn.__code__
+    if any(part in code.co_filename for part in _LIBRARY[:2]):
+        return False
+    key = (code, helpers)
+    found = _CLIP_CALLERS.get(key)
+    if found is None:
+        _CLIP_CALLERS[key] = False  # (recursion)
+        found = _CLIP_CALLERS[key] = _names_torch_clip(code, fn.__globals__, helpers - 1)
+    return found
+
+
+_TORCH_CLIPS = tuple(f for f in (getattr(torch.nn.utils, "clip_grad_norm_", None),
+                                 getattr(torch.nn.utils, "clip_grads_with_norm_", None)) if f is not None)
+_CLIP_NAMES = ("clip_grad_norm_", "clip_grads_with_norm_")
 _CLIP_MODULES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
 
@@ -304,17 +334,20 @@ def torch_clip_in_loop() -> tuple[str, int] | None:
     torch.nn.utils.clip_grad_norm_.
 
     At stages 2-3 ``.grad`` is None after backward (the averaged gradients live in the shards), so
-    torch's clip finds nothing, returns 0 and clips nothing. The first frame outside torch,
-    fused_zero and installed packages is the training loop (a scheduler's or GradScaler's
-    wrapper sits between); its code is read once, not per step.
+    torch's clip finds nothing, returns 0 and clips nothing. The first frames outside torch,
+    fused_zero and installed packages (up to ``_USER_FRAMES``: a scheduler's or GradScaler's wrapper
+    sits between, or the loop's own optimizer container) are the training loop; their code, and that of
+    the functions of their own they call (a clip helper), is read once, not per step.
     """
-    frame = sys._getframe(2)
+    frame, users = sys._getframe(2), 0
     for up in range(12):
-        if frame is None:
+        if frame is None or users == _USER_FRAMES:
             return None
         if not any(part in frame.f_code.co_filename for part in _LIBRARY):
+            users += 1
             if not _calls_torch_clip(frame):
-                return None
+                frame = frame.f_back
+                continue
             return ("torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips nothing at ZeRO stages 2-3 "
                     "where given this optimizer's parameters: after backward their .grad is None (the averaged "
                     "gradients live in the optimizer's shards), so it returns 0 and the step runs unclipped. Clip "
@@ -323,3 +356,8 @@ def torch_clip_in_loop() -> tuple[str, int] | None:
                     "parameters, ignore this)", 2 + up)
         frame = frame.f_back
     return None
+
+
+#: User frames above step() read for torch's clip: the loop may step through a container of its own
+#: (torchtitan's ``OptimizersContainer.step``) called from the function that clips
+_USER_FRAMES = 3

@@ -5,6 +5,7 @@ gradients, named param groups and state-dict hooks, per-parameter optimizer stat
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 import pytest
@@ -363,6 +364,47 @@ def _local_module_torch_clip_loop(model, opt, steps):
         opt.step()
 
 
+dist_utils = sys.modules[__name__]  # a module of the loop's that holds its clip helper (torchtitan's dist_utils)
+
+
+def _titan_clip(parameters, max_norm):
+    """torchtitan's dist_utils.clip_grad_norm_: torch's norm and its clip with that norm, by their module."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+class _OptimizersContainer:
+    """torchtitan's: the loop steps its optimizers through it."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def step(self):
+        self.opt.step()
+
+
+def _helper_clip_loop(model, opt, steps):
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        _titan_clip(model.parameters(), 1.0)
+        opt.step()
+
+
+def _module_helper_clip_in_container_loop(model, opt, steps):
+    container = _OptimizersContainer(opt)
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        dist_utils._titan_clip(model.parameters(), 1.0)
+        container.step()
+
+
 def _warnings_of(loop, stage, steps):
     """Every warning (repeats too) that ``loop`` raises training a TinyNet ``steps`` steps at ``stage``. The
     loops stay whole functions: the habit check reads the code that calls step() for torch's clip."""
@@ -387,6 +429,16 @@ def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
 def test_torch_clip_under_another_name_warns(stage, loop):
     clip = [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
     assert len(clip) == 1 and clip[0].filename == __file__
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("loop", [_helper_clip_loop, _module_helper_clip_in_container_loop])
+def test_torch_clip_inside_a_helper_of_the_loop_warns(stage, loop):
+    """torchtitan clips through a helper of its own (dist_utils.clip_grad_norm_: get_total_norm, then
+    clip_grads_with_norm_) and steps through an optimizer container: nothing was clipped, the logged norm was 0,
+    and nothing warned (torchtitan port)."""
+    clip = [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
+    assert len(clip) == 1
 
 
 @pytest.mark.parametrize("stage", [2, 3])
