@@ -286,9 +286,11 @@ class Partition:
         anything was taken in.
         """
         changed, values = [], {}
-        versions, lent, self._lent = self._released_versions, self._lent, {}
+        versions, lent = self._released_versions, self._lent
         if not lent and versions is not None and self._untouched(versions):
             return False
+        if lent:
+            self._lent = {}
         for i, p in enumerate(self.params):
             if p.numel() == 0:  # the placeholder, or a zero-element parameter
                 self.check_kind(p, self.shapes[i], names)
