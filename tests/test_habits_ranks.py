@@ -1602,7 +1602,7 @@ class _Blocks(nn.Module):
         with torch.random.fork_rng():
             torch.manual_seed(3)
             self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-                                        for _ in range(3))
+                                        for _ in range(2))
             self.head = nn.Linear(16, 4)
 
     def forward(self, x):
@@ -1634,9 +1634,8 @@ def _blocks_compiled_before_build(rank, world_size, stage, unit_kw):
     return err, rel(*direct)
 
 
-@pytest.mark.parametrize("stage,unit_kw", [(1, {}), (2, {}), (3, {}), (3, {"min_unit_numel": 0}),
-                                           (3, {"units": [nn.Linear]})],
-                         ids=["stage1", "stage2", "stage3", "stage3_unit_per_block", "stage3_units_linear"])
+@pytest.mark.parametrize("stage,unit_kw", [(2, {}), (3, {}), (3, {"min_unit_numel": 0})],
+                         ids=["stage2", "stage3", "stage3_unit_per_block"])  # (units=[nn.Linear]: test_units.py)
 def test_blocks_compiled_fullgraph_before_the_build_train_as_ddp(stage, unit_kw):
     """torchtitan compiles each block with fullgraph=True, then shards (FSDP2's hooks sit on the compiled wrapper,
     outside the graph). At stage 3 the hooks of the modules inside a compiled block were traced into its graph,
