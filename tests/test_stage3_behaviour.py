@@ -970,6 +970,23 @@ def test_a_submodules_state_dict_and_loads_into_the_models_dict_serve_as_torch()
         assert out["diff"] < 1e-6
 
 
+def test_state_dict_keep_vars_inside_full_parameters_gives_the_parameters_themselves():
+    """torch's ``state_dict(keep_vars=True)`` returns the Parameters (code that edits or compares them by identity);
+    stage 3 returned detached copies (FSDP2 port). The model's and a submodule's, with and without a prefix; the
+    plain call still gives copies, which outlive the gathered memory."""
+    from fused_zero import ShardedOptimizer
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = ShardedOptimizer(model, stage=3, lr=1e-3, min_unit_numel=0)
+    with opt.full_parameters():
+        sd = model.state_dict(keep_vars=True)
+        assert all(sd[n] is p for n, p in model.named_parameters())
+        sub = model[2].state_dict(prefix="head.", keep_vars=True)
+        assert sub["head.weight"] is model[2].weight and sub["head.bias"] is model[2].bias
+        plain = model.state_dict()
+        assert all(plain[n] is not p and torch.equal(plain[n], p) for n, p in model.named_parameters())
+    assert all(v.numel() > 0 for v in plain.values())
+
+
 # --- a unit whose output is a view of its own parameters ---------------------------------------------------------
 
 @dataclasses.dataclass

@@ -159,6 +159,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                                                                           copied=copy_check(root))))
         self._handles.append(root.register_state_dict_pre_hook(ModelHook(self._root_state_dict_begins)))
         self._in_root_state_dict = False  # the root's state_dict() is running (its submodules' hooks leave it be)
+        self._keep_vars = False  # the running state_dict() was asked for the parameters themselves
         self._handles.append(root.register_load_state_dict_pre_hook(ModelHook(self._before_load)))
         self._handles.append(root.register_load_state_dict_post_hook(ModelHook(self._after_load)))
         # a submodule's own state_dict() / load_state_dict() (``model.head.state_dict()``): its parameters alone
@@ -166,6 +167,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
             if m is not root and any(id(p) in numel_of for p in m.parameters()):
                 self._handles.append(m.register_state_dict_post_hook(ModelHook(self._check_sub_state_dict,
                                                                                copied=copy_check(m))))
+                self._handles.append(m.register_state_dict_pre_hook(ModelHook(self._sub_state_dict_begins)))
                 self._handles.append(m.register_load_state_dict_pre_hook(ModelHook(self._before_sub_load)))
                 self._handles.append(m.register_load_state_dict_post_hook(ModelHook(self._after_sub_load)))
         self._load_prefix = ""

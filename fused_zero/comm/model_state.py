@@ -32,7 +32,11 @@ class ModelStateHooks:
         self._state_dict_of(module, state_dict, prefix, None)
 
     def _root_state_dict_begins(self, module, prefix, keep_vars) -> None:
-        self._in_root_state_dict = True
+        self._in_root_state_dict, self._keep_vars = True, keep_vars
+
+    def _sub_state_dict_begins(self, module, prefix, keep_vars) -> None:
+        if not self._in_root_state_dict:
+            self._keep_vars = keep_vars
 
     def _check_sub_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """A submodule's (``model.head.state_dict()``, with or without a prefix: its own parameters); inside the
@@ -60,7 +64,7 @@ class ModelStateHooks:
         # integrations that consume the dict inside full_parameters() skip it (``state_dict_views``). Inside
         # ``full_parameters(writeback=True)`` a copy written in place (``dcp.load`` into the dict, ``sd[k].copy_``)
         # is taken into its parameter at the block's end, as a write through torch's view would be.
-        if self._views_ok:
+        if self._views_ok or self._keep_vars:  # state_dict(keep_vars=True): the Parameters themselves, as torch's
             return
         copies: dict = {}
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
