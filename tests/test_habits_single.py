@@ -354,6 +354,67 @@ def test_stage3_a_failing_load_leaves_what_it_did_not_load_as_torch(how, units):
     assert _param_error(model, opt, ref) < TOL
 
 
+class _Grown(nn.Embedding):
+    """An embedding grown past its checkpoint's vocabulary: its load copies the saved rows into its first ones."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = state_dict.pop(prefix + "weight")
+        with torch.no_grad():
+            self.weight[:saved.shape[0]].copy_(saved)
+
+
+class _LoadsThroughData(nn.Linear):
+    """A layer whose load writes through ``p.data`` (an older idiom of custom layers)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        self.weight.data.copy_(state_dict.pop(prefix + "weight"))
+        self.bias.data.copy_(state_dict.pop(prefix + "bias"))
+
+
+class _GrownEmbedding(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.emb = _Grown(64, 8, dtype=dtype)
+        self.lin = _LoadsThroughData(8, 8, dtype=dtype)
+        self.head = nn.Linear(8, 4, dtype=dtype)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.lin(self.emb(ids))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stage3_a_load_that_writes_part_of_a_parameter_or_through_p_data_loads_as_torch(dtype):
+    """The memory a stage-3 load lends a released parameter: a module's load that wrote 48 of 64 rows left the
+    other 16 uninitialised (up to 1e37, or NaN), and one that wrote through ``p.data`` (which leaves the
+    parameter's version counter alone) was dropped (review). Only what the load wrote is taken in."""
+    model, ref = (torch.manual_seed(0) and _GrownEmbedding(dtype)), (torch.manual_seed(0) and _GrownEmbedding(dtype))
+    opt = ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(ids).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    saved = {"emb.weight": torch.full((48, 8), 0.5, dtype=dtype), "lin.weight": torch.full((8, 8), -0.25, dtype=dtype),
+             "lin.bias": torch.zeros(8, dtype=dtype)}
+    before, ref_before = _full_state(model, opt), _full_state(ref)
+    for m in (model, ref):
+        m.load_state_dict(saved, strict=False)
+    got, ref_after = _full_state(model, opt), _full_state(ref)
+    for k in got:  # what torch's load wrote, and elsewhere what the parameter held (bf16: torch's AdamW and the fp32
+        loaded = ref_after[k] != ref_before[k]  # master round differently, so each side's own)
+        assert torch.equal(got[k], torch.where(loaded, ref_after[k], before[k])), k
+    assert torch.equal(got["emb.weight"][48:], before["emb.weight"][48:])
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(ids).float().square().mean().backward()
+        o.step()
+    with opt.full_parameters():
+        assert max(rel(p.float(), q.float()) for p, q in zip(model.parameters(), ref.parameters())) < (
+            1e-6 if dtype == torch.float32 else 1e-2)
+
+
 # --- 3. AdamW's signature --------------------------------------------------------------------------
 
 def test_adamw_flags_accepted_or_refused_with_the_reason():

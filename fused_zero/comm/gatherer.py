@@ -170,9 +170,7 @@ class ParamGatherer(GatherCycle, ModelStateHooks):
                 self._handles.append(m.register_state_dict_pre_hook(ModelHook(self._sub_state_dict_begins)))
                 self._handles.append(m.register_load_state_dict_pre_hook(ModelHook(self._before_sub_load)))
                 self._handles.append(m.register_load_state_dict_post_hook(ModelHook(self._after_sub_load)))
-        self._load_prefix = ""
         self._load_scope = self._load_module = None
-        self._load_names: dict = {}
         self._sd_copies: list = []  # state-dict copies made inside full_parameters() (model_state.take_in_copies)
         self._unit_of = {id(m): u for u in self.units for m in u.modules}
         self._unit_of_param = {id(p): u for u in self.units for p in u.trainable}  # by id: no Tensor.__hash__ call

@@ -97,7 +97,7 @@ class ModelStateHooks:
 
     def _before_load(self, module, state_dict, prefix, *args) -> None:
         """model.load_state_dict between steps: give released parameters full-size memory to load into."""
-        self._load_prefix, self._load_scope = prefix, None
+        self._load_scope = None
         self._prepare_load(None)
 
     def _before_sub_load(self, module, state_dict, prefix, *args) -> None:
@@ -105,7 +105,6 @@ class ModelStateHooks:
         root's, a prefix, the root's hooks serve)."""
         if not prefix:
             self._load_scope, self._load_module = {id(p) for p in module.parameters()}, module
-            self._load_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
             self._prepare_load(self._load_scope)
 
     def _prepare_load(self, scope) -> None:
@@ -122,16 +121,14 @@ class ModelStateHooks:
     def _after_sub_load(self, module, incompatible_keys) -> None:
         if self._load_scope is not None and module is self._load_module:  # (its children's run first)
             scope, self._load_scope, self._load_module = self._load_scope, None, None
-            names = self._load_names
-            self._finish_load(set(incompatible_keys.missing_keys), scope, lambda p: names.get(id(p), ""))
+            self._finish_load(scope)
 
     def _after_load(self, module, incompatible_keys) -> None:
         """Write each rank's shard of what was loaded into the masters; parameters go back to their shards."""
         self._load_scope = None
-        self._finish_load(set(incompatible_keys.missing_keys), None,
-                          lambda p: self._load_prefix + self.names.get(p, ""))
+        self._finish_load(None)
 
-    def _finish_load(self, missing: set, scope, name_of) -> None:
+    def _finish_load(self, scope) -> None:
         unalias([part for u in self.units if u.gathered for part in u.parts])
         for u in self.units:
             for part in u.parts:
@@ -140,6 +137,7 @@ class ModelStateHooks:
                 if u.gathered:  # inside full_parameters(): the loaded values are kept
                     part.adopt_outside_changes(self.names)
                     continue
-                skip = frozenset(i for i, p in enumerate(part.params)
-                                 if name_of(p) in missing or (scope is not None and id(p) not in scope))
+                # (a key torch counts missing may still have been loaded by a module's own _load_from_state_dict:
+                # lent memory tells what a load wrote)
+                skip = frozenset(i for i, p in enumerate(part.params) if scope is not None and id(p) not in scope)
                 part.adopt_assigned(self.names, self._placeholder, skip)

@@ -103,7 +103,7 @@ class Partition:
         self._substituted = False  # the gather serves stage_substitute's values (a read failed among ranks)
         self._unfit: list[int] = []  # parameters adopt_outside_changes refused (p.data of another shape or dtype)
         self._released_versions: list[int] | None = None  # stage 3: version counters at release
-        self._lent: dict[int, tuple[int, int]] = {}  # stage 3: memory lent to a load (lend_for_load)
+        self._lent: dict[int, tuple[int, int]] = {}  # stage 3: memory lent to a load (lend_for_load): address, version
         self.lossy_gather = False  # stage 3: its last gather sent quantized values (param_comm, ParamSync.lossy)
         self._pieces_of: dict | None = None  # param index -> its pieces (state_views)
         self._views: list[torch.Tensor] | None = None  # the parameters' views of flat (views())
@@ -263,17 +263,33 @@ class Partition:
                 return
             self.adopt_outside_changes(names)
 
+    @torch.no_grad()
     def lend_for_load(self, index: int) -> None:
-        """Stage 3, released: parameter ``index`` gets full-size memory for ``model.load_state_dict`` to copy into.
-        Memory no load wrote (its key failed to load: another shape, not a tensor; the load raised before reaching
-        it) is never taken in: ``adopt_assigned`` puts the placeholder back, so the parameter keeps its values, as
-        torch's load that raises leaves a parameter it did not reach."""
+        """Stage 3, released: parameter ``index`` gets full-size memory for ``model.load_state_dict`` to copy into,
+        filled with a NaN of a payload no computation makes (``_UNWRITTEN``). ``adopt_assigned`` takes in only the
+        elements a load wrote, however it wrote them (``param.copy_``, ``p.data.copy_``, a slice of it: a checkpoint
+        of a smaller vocabulary); where it wrote nothing (its key failed to load: another shape, not a tensor; the
+        load raised before reaching it) the parameter keeps its values, as torch's."""
         p = self.params[index]
-        p.data = torch.empty(self.shapes[index], dtype=p.dtype, device=p.device)
-        self._lent[index] = (p.data_ptr(), p._version)
+        loan = torch.empty(self.shapes[index], dtype=p.dtype, device=p.device)
+        bits = _UNWRITTEN.get(p.dtype)
+        if bits is not None:
+            loan.view(bits[0]).fill_(bits[1])
+        p.data = loan
+        self._lent[index] = (loan.data_ptr(), p._version)
 
-    def _unwritten_loan(self, lent: dict, index: int, p: torch.Tensor) -> bool:
-        return lent.get(index) == (p.data_ptr(), p._version)
+    def _written(self, lent: dict, index: int, p: torch.Tensor) -> torch.Tensor | None | bool:
+        """For a parameter ``adopt_assigned`` finds full: True where it is all to take in (assigned, or lent memory
+        of a dtype without an unwritten mark), a mask of the elements a load wrote into lent memory, False where
+        it wrote none."""
+        loan = lent.get(index)
+        if loan is None or loan[0] != p.data_ptr():
+            return True
+        bits = _UNWRITTEN.get(p.dtype)
+        if bits is None:  # (integer weights: written through the parameter, by torch's own load, or not at all)
+            return p._version != loan[1]
+        mask = p.detach().view(bits[0]).reshape(-1) != bits[1]
+        return mask if bool(mask.any()) else False
 
     @torch.no_grad()
     def adopt_assigned(self, names: dict, placeholder: Callable[[torch.Tensor], torch.Tensor],
@@ -285,7 +301,7 @@ class Partition:
         to the placeholder. Parameters in ``skip`` are only put back. Returns whether
         anything was taken in.
         """
-        changed, values = [], {}
+        changed, values, masks = [], {}, {}
         versions, lent = self._released_versions, self._lent
         if not lent and versions is not None and self._untouched(versions):
             return False
@@ -305,14 +321,17 @@ class Partition:
                         "`with optimizer.full_parameters(writeback=True):` (every rank enters it), or assign a "
                         "full tensor (p.data = t)")
                 continue
-            if i not in skip and not self._unwritten_loan(lent, i, p):
+            written = False if i in skip else self._written(lent, i, p) if lent else True
+            if written is not False:
                 self._check_compatible(p, self.shapes[i], names)
                 changed.append(i)
                 values[i] = p.detach().reshape(-1)
+                if written is not True:
+                    masks[i] = written
             p.data = placeholder(p)
         self._released_versions = [p._version for p in self.params]
         if changed:
-            self._reload_master(changed, values.__getitem__)
+            self._reload_master(changed, values.__getitem__, masks)
         return bool(changed)
 
     def put_back(self, placeholder: torch.Tensor) -> None:
@@ -368,12 +387,15 @@ class Partition:
             f"optimizer was built ({call}): the optimizer's flat buffers and fp32 masters keep the old "
             f"one. Convert or move the model before building ShardedOptimizer, or build a new one after")
 
-    def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor]) -> None:
+    def _reload_master(self, indices: list[int], values: Callable[[int], torch.Tensor],
+                       written: dict | None = None) -> None:
         """The master (and narrow param shard) of the parameters ``indices`` <- their given values; where a
         master ``load_state_dict`` kept aside rounds to them (the model's weights loaded after the optimizer's
         state), that master; else, for narrow parameters whose master rounds to every one of the values already
         (the same weights loaded again, as torch.distributed.checkpoint's loads do), the master they have. Values
-        that differ anywhere in this rank's piece (weights of another step restored) reload it whole."""
+        that differ anywhere in this rank's piece (weights of another step restored) reload it whole. ``written``:
+        per parameter, a mask of the elements to take (a load that wrote part of lent memory); the others keep
+        their master."""
         wanted = set(indices)
         pending = self.pending_master
         keep = self.keeps_master
@@ -390,9 +412,27 @@ class Partition:
                 if saved is not None:
                     saved = saved.to(self.device)
                     v32 = torch.where(saved.to(v.dtype) == v.to(self.device), saved, v32)
+                mask = None if written is None else written.get(piece.param_index)
+                if mask is not None and piece.numel:
+                    mask = mask[piece.param_offset: piece.param_offset + piece.numel].to(self.device)
+                    old = self._values_now(piece)
+                    v32 = torch.where(mask, v32.to(self.device), old)
+                    v = torch.where(mask, v.to(self.device), old.to(v.dtype))
                 self.store.write("master", piece.shard_offset, v32)
                 if self.pshard is not None and not self.pshard.is_params:  # own slices hold v already
                     self.pshard.write(piece.shard_offset, v)
+
+    def _values_now(self, piece) -> torch.Tensor:
+        """This rank's values of ``piece`` as fp32 on the device: its master, or a frozen partition's weights
+        (kept in the param shard only)."""
+        a, b = piece.shard_offset, piece.shard_offset + piece.numel
+        if "master" in self.store.kinds:
+            return self.store.read("master", a, b).to(self.device)
+        self.pshard.fetch()
+        try:
+            return self.pshard.source(a, b).to(device=self.device, dtype=torch.float32, copy=True)
+        finally:
+            self.pshard.drop()
 
     # -- shards ------------------------------------------------------------
     @torch.no_grad()
@@ -589,3 +629,9 @@ def _warn_lossy_write() -> None:
                       "rows, a clamp_ in forward) while its unit was gathered with param_comm=\"int8\": the gathered "
                       "values are approximations of the masters, so the write is not taken in (the master keeps its "
                       "value). Use param_comm=None to keep such writes", UserWarning, stacklevel=2)
+
+
+#: What ``lend_for_load`` fills lent memory with, per dtype: (the integer view, its value), a quiet NaN with a
+#: payload that no arithmetic makes (NaNs computed carry the default payload) and a load of real weights never holds
+_UNWRITTEN = {torch.float32: (torch.int32, 0x7FC0_5AFE), torch.float64: (torch.int64, 0x7FF8_0000_5AFE_5AFE),
+              torch.bfloat16: (torch.int16, 0x7FDB), torch.float16: (torch.int16, 0x7E5B)}
