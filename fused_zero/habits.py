@@ -301,16 +301,18 @@ def _names_torch_clip(code, g: dict, helpers: int = 1) -> bool:
                     return True
             # a helper read off a module of the loop's globals (``dist_utils.clip_grad_norm_``)
             if helpers and before.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(
-                    g.get(before.argval), types.ModuleType):
-                if _helper_clips(getattr(g[before.argval], str(arg), None), helpers):
+                    g.get(before.argval), types.ModuleType):  # (its __dict__: a lazy module's __getattr__ imports)
+                if _helper_clips(vars(g[before.argval]).get(str(arg)), helpers):
                     return True
         before = ins
     return False
 
 
 def _helper_clips(fn, helpers: int) -> bool:
-    """Whether ``fn`` is a Python function outside torch and fused_zero whose code names torch's clip."""
-    if not isinstance(fn, types.FunctionType):
+    """Whether ``fn`` is a clip helper (a Python function outside torch and fused_zero, named for clipping:
+    ``clip_grad_norm_``, ``clip_gradients``) whose code names torch's clip. Other functions the loop calls are not
+    read: a phase of the script that trains another model with torch's clip is no clip of this optimizer's."""
+    if not isinstance(fn, types.FunctionType) or "clip" not in fn.__name__.lower():
         return False
     code = fn.__code__
     if any(part in code.co_filename for part in _LIBRARY[:2]):

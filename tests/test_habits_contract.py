@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 import warnings
 
 import pytest
@@ -429,6 +430,49 @@ def test_torch_clip_at_stages_2_3_warns_once_naming_the_optimizer_clip(stage):
 def test_torch_clip_under_another_name_warns(stage, loop):
     clip = [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
     assert len(clip) == 1 and clip[0].filename == __file__
+
+
+class _LazyModule(types.ModuleType):
+    """A module importing its optional backends on first use (transformers' lazy modules do)."""
+
+    def __getattr__(self, name):
+        raise ImportError(f"{self.__name__}.{name} needs the optional package 'tensorflow'")
+
+
+lazy = _LazyModule("lazy")
+
+
+def _lazy_module_loop(model, opt, steps, use_tf=False):
+    for t in range(steps):
+        if use_tf:
+            lazy.TFModel()
+        opt.zero_grad()
+        x, y = batch(t, 0)
+        loss_fn(model(x, **flags(t, 0)), y).backward()
+        opt.step()
+
+
+def _plain_torch_phase():
+    """A phase of the script before fine-tuning: another model under torch's AdamW and torch's clip."""
+    other = nn.Linear(4, 4)
+    other_opt = torch.optim.AdamW(other.parameters())
+    other(torch.ones(2, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+    other_opt.step()
+
+
+def _script_with_a_torch_phase_then_a_loop_without_clip(model, opt, steps):
+    _plain_torch_phase()
+    _lazy_module_loop(model, opt, steps)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("loop", [_lazy_module_loop, _script_with_a_torch_phase_then_a_loop_without_clip])
+def test_the_clip_check_neither_imports_nor_warns_about_code_that_is_no_clip_of_this_optimizer(stage, loop):
+    """Reading the loop for torch's clip looked a name up on a lazy module (which imported, or raised ImportError
+    out of step()), and read every function an outer frame calls (a plain-torch phase of the script clipping
+    another model made the fine-tuning loop warn) (review)."""
+    assert not [w for w in _warnings_of(loop, stage, 2) if "clips nothing" in str(w.message)]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
