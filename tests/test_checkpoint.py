@@ -647,3 +647,41 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_uncompiled(tmp_pa
     with full(opt), full(again_opt):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
     assert all(not k.startswith("_orig_mod") for k in ckpt.consolidate(str(tmp_path))[0])
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_of_a_model_with_blocks_compiled_in_place_loads_without_them_and_back(tmp_path, stage):
+    """torchtitan's torch.compile(block) registered in the model names the block's parameters
+    'blocks.0._orig_mod.*': the checkpoint kept those names, so it loaded into neither the model uncompiled nor,
+    saved uncompiled, into the compiled one ('saved from another model'; compile port). Names are the model's own,
+    as torch.distributed.checkpoint's: both ways load, the weights alone too."""
+    from torch import nn
+
+    from fused_zero import ShardedOptimizer, checkpoint as ckpt
+
+    def blocks(compiled, optimizer=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 6), nn.Tanh()),
+                              nn.Linear(6, 2))
+        for i in range(2 if compiled else 0):  # (never called here: nothing is compiled)
+            model[i] = torch.compile(model[i])
+        if not optimizer:
+            return model, None
+        return model, ShardedOptimizer(model if stage == 3 else model.parameters(), stage=stage, lr=1e-2)
+
+    full = (lambda o: o.full_parameters()) if stage == 3 else (lambda o: torch.no_grad())
+    for saved_compiled in (True, False):
+        model, opt = blocks(saved_compiled)
+        model(torch.ones(3, 6)).sum().backward()
+        opt.step()
+        folder = str(tmp_path / str(saved_compiled))
+        ckpt.save(folder, model, opt)
+        again, again_opt = blocks(not saved_compiled)
+        ckpt.load(folder, again, again_opt)
+        with full(opt), full(again_opt):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+        weights_only, _ = blocks(not saved_compiled, optimizer=False)
+        ckpt.load(folder, weights_only, None)
+        with full(opt):
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), weights_only.parameters()))
+        assert all("_orig_mod" not in k for k in ckpt.consolidate(folder)[0])

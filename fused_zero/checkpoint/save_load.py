@@ -21,7 +21,7 @@ from .files import METADATA, MODEL_FILE, OLD_PREFIX, TMP_PREFIX, check_tag, crc3
 from .metadata import build_metadata, check_group_values, check_match, read_metadata
 from .reshard import DEFAULT_CHUNK_NUMEL, aliases, reshard
 from .shards import Reader, model_state, model_tensors, shard_tensors, unblob
-from .view import ModelView
+from .view import ModelView, plain_name
 from ..state_views import OWN_KEYS
 
 
@@ -269,6 +269,10 @@ def _load_weights(directory, model, scheduler, tag) -> Any:
         raise RuntimeError(f"{empty[0]} is an empty placeholder: the model is sharded at stage 3 by a "
                            "ShardedOptimizer. Load its weights inside `with optimizer.full_parameters(writeback=True):` "
                            "(every rank), or with the optimizer: checkpoint.load(directory, model, optimizer)")
+    own = {plain_name(k): k for named in (model.named_parameters(remove_duplicate=False),
+                                          model.named_buffers(remove_duplicate=False))
+           for k, _ in named}  # (torch.compile(block) in the model: its keys hold "_orig_mod.")
+    sd = {own.get(k, k): v for k, v in sd.items()}
     with torch.no_grad():
         model.load_state_dict(sd)  # (torch's strict load: missing, unexpected and mis-shaped keys named)
     return unblob(path, meta, meta.get("extra"))

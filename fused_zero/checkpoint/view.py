@@ -23,8 +23,9 @@ class ModelView:
     def __init__(self, model: nn.Module, opt) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be the torch.nn.Module being trained, got {type(model).__name__}")
-        # torch.compile(model): its parameters are the original module's, named under "_orig_mod."; the
-        # checkpoint keeps the model's own names, so it loads into the model compiled or not (and into torch)
+        # torch.compile(model), or torch.compile(block) registered in the model (torchtitan): its parameters are the
+        # original module's, named under "_orig_mod."; the checkpoint keeps the model's own names, so it loads into
+        # the model compiled or not (and into torch), as torch.distributed.checkpoint's names do
         model = _uncompiled(model)
         self.names: dict[int, list[str]] = {}  # id(param) -> its state-dict keys; the first is its name
         self.params: dict[int, nn.Parameter] = {}
@@ -34,6 +35,7 @@ class ModelView:
             if type(mod).get_extra_state is not nn.Module.get_extra_state:
                 raise TypeError(f"module {prefix or type(mod).__name__!r} defines get_extra_state(), which "
                                 "fused_zero.checkpoint does not save: pass that state as extra=")
+            prefix = plain_name(prefix)
             pre = prefix + "." if prefix else ""
             for n, p in mod._parameters.items():
                 if p is not None:
@@ -104,6 +106,11 @@ class ModelView:
     def unmanaged(self) -> dict[str, nn.Parameter]:
         """Model parameters the optimizer does not hold, by name."""
         return {self.name(p): p for pid, p in self.params.items() if pid not in self.where}
+
+
+def plain_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` of the ``torch.compile`` wrappers on its path."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
