@@ -987,6 +987,54 @@ def test_state_dict_keep_vars_inside_full_parameters_gives_the_parameters_themse
     assert all(v.numel() > 0 for v in plain.values())
 
 
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.lin(self.emb(ids))))
+
+
+def test_state_dicts_under_other_names_hold_copies_and_a_tied_weight_loads_through_either_name():
+    """Entries were copied by their parameters' names: a prefix without a dot, a submodule hook renaming its keys
+    (torch's checkpoint_wrapper strips '_checkpoint_wrapped_module.') or a root hook registered before the build
+    left views of the gathered memory, and reading them after full_parameters() crashed (SIGSEGV). A tied weight
+    loaded through its second name only (strict=False) kept its old values (its first name was missing). Both as
+    torch (state-dict port)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fused_zero import ShardedOptimizer
+
+    def build(sharded):
+        torch.manual_seed(0)
+        model = _Tied()
+        model.lin = checkpoint_wrapper(model.lin)
+        model._register_state_dict_hook(lambda m, sd, prefix, meta: {"model." + k: v for k, v in sd.items()})
+        return model, ShardedOptimizer(model, stage=3, lr=1e-2, min_unit_numel=0) if sharded else None
+
+    model, opt = build(True)
+    ref, _ = build(False)
+    ids = torch.arange(6).reshape(2, 3)
+    with opt.full_parameters():
+        renamed = model.state_dict()
+        undotted = model.emb.state_dict(prefix="emb_")
+    want = ref.state_dict()
+    assert sorted(renamed) == sorted(want) and any("_checkpoint_wrapped_module" in n for n, _ in ref.named_parameters())
+    for k in want:  # (read after the block: the memory the gathered parameters viewed is gone)
+        assert torch.equal(renamed[k], want[k]), k
+    assert torch.equal(undotted["emb_weight"], ref.emb.weight.detach())
+    new = torch.full((10, 4), 0.5)
+    for m in (model, ref):
+        missing = m.load_state_dict({"head.weight": new}, strict=False).missing_keys
+        assert "emb.weight" in missing
+    with opt.full_parameters():
+        assert torch.equal(model.emb.weight, new) and torch.equal(model(ids), ref(ids))
+
+
 # --- a unit whose output is a view of its own parameters ---------------------------------------------------------
 
 @dataclasses.dataclass

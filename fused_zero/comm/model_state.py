@@ -66,15 +66,24 @@ class ModelStateHooks:
         # is taken into its parameter at the block's end, as a write through torch's view would be.
         if self._views_ok or self._keep_vars:  # state_dict(keep_vars=True): the Parameters themselves, as torch's
             return
+        # The entries are found by the memory they view, not by name: a prefix without a dot, a hook that renames
+        # keys (checkpoint_wrapper's strips "_checkpoint_wrapped_module."), one registered before the build, all
+        # leave names that no parameter has, and a view left behind crashed when read after the block.
+        params = {_where(p): p for p in module.parameters() if id(p) in self._param_ids and p.numel()}
+        if not params:
+            return
+        storages = {key[0] for key in params}
         copies: dict = {}
-        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            t = state_dict.get(name)
-            if t is not None and id(p) in self._param_ids and t.numel():
-                if id(p) not in copies:
-                    copies[id(p)] = t.detach().clone().requires_grad_(t.requires_grad)
-                    if self._holding:
-                        self._sd_copies.append((copies[id(p)], p, copies[id(p)]._version))
-                state_dict[name] = copies[id(p)]
+        for name, t in list(state_dict.items()):
+            if not isinstance(t, torch.Tensor) or not t.numel() or t.untyped_storage().data_ptr() not in storages:
+                continue
+            key = _where(t)
+            if key not in copies:
+                copies[key] = t.detach().clone().requires_grad_(t.requires_grad)
+                p = params.get(key)
+                if self._holding and p is not None:
+                    self._sd_copies.append((copies[key], p, copies[key]._version))
+            state_dict[name] = copies[key]
 
     def take_in_copies(self) -> None:
         """Inside ``full_parameters(writeback=True)``, at its end: the state-dict copies written in place since
@@ -141,3 +150,8 @@ class ModelStateHooks:
                 # lent memory tells what a load wrote)
                 skip = frozenset(i for i, p in enumerate(part.params) if scope is not None and id(p) not in scope)
                 part.adopt_assigned(self.names, self._placeholder, skip)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """The memory ``t`` views: a parameter and its state-dict entry (``p.detach()``) share it; tied names share one."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
