@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .behind import UpdateBehind
+from .sharding.units import compiled_regions
 from .eager_hooks import _eager_only
 from .gathers_behind import GathersBehind
 from .hooks import HookSet, ModelHook, ReleasedCopyCheck, forward_raised
@@ -109,6 +110,10 @@ class BucketsBehind:
         self._order = {p: i for i, p in enumerate(module.parameters())}  # registration order: the forward's, mostly
         self._pre_hooks = []
         hooked = set()
+        # a module inside a block compiled in place (torch.compile(block) in the model, torchtitan's) waits at the
+        # block's wrapper, whose call runs eagerly: a hook inside would be traced into the block's graph (a graph
+        # break, an error under fullgraph=True)
+        regions, waits = compiled_regions(module), {}
         for m in module.modules():
             named = [(n, p) for n, p in m.named_parameters(recurse=False) if p in self._keys_of]
             own = [p for _, p in named]
@@ -116,11 +121,17 @@ class BucketsBehind:
                 hooked.update(own)
                 # a copy made while the update is pending holds placeholders: its forward and state_dict() refuse
                 check = ReleasedCopyCheck(tuple((n, p.numel()) for n, p in named), ReleasedCopyCheck.BEHIND)
-                self._pre_hooks.append((weakref.ref(m), ModelHook(_hook(_PreForward(me, own)), copied=check)))
                 self._handles += [m.register_state_dict_pre_hook(ModelHook(_Settle(me), copied=check)),
                                   m.register_load_state_dict_pre_hook(ModelHook(_Settle(me)))]
-                if self._learning is not None:
-                    self._learning.append(m.register_forward_pre_hook(ModelHook(_eager_only(_Ran(self._seen, own)))))
+                target = regions.get(id(m), m)
+                waits.setdefault(id(target), (target, {}))[1].update((id(p), p) for p in own)
+        for target, held in waits.values():
+            own, mine = list(held.values()), set(held)
+            named = [(n, p) for n, p in target.named_parameters() if id(p) in mine]
+            check = ReleasedCopyCheck(tuple((n, p.numel()) for n, p in named), ReleasedCopyCheck.BEHIND)
+            self._pre_hooks.append((weakref.ref(target), ModelHook(_hook(_PreForward(me, own)), copied=check)))
+            if self._learning is not None:
+                self._learning.append(target.register_forward_pre_hook(ModelHook(_eager_only(_Ran(self._seen, own)))))
         # trained parameters kept whole, never placeholders: those no module of the model owns (a learnable loss
         # temperature, another model's), where no forward pre-hook would wait, and (from the first step) those
         # whose owners' forwards never ran; their buckets go first and step() waits for them

@@ -1616,8 +1616,8 @@ def _blocks_compiled_before_build(rank, world_size, stage, unit_kw):
     model, ref = _Blocks(), _Blocks()
     for i, b in enumerate(list(model.blocks)):  # torchtitan's apply_compile, before the optimizer (as before fully_shard)
         model.blocks[i] = torch.compile(b, backend="eager", fullgraph=True)
-    opt = ShardedOptimizer(model if stage == 3 else model.parameters(), **HYPER, stage=stage, bucket_numel=300,
-                           **unit_kw)
+    opt = ShardedOptimizer(model if stage == 3 or unit_kw.get("update_behind") else model.parameters(), **HYPER,
+                           stage=stage, bucket_numel=300, **unit_kw)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, foreach=False)
     g = torch.Generator().manual_seed(rank)
@@ -1629,17 +1629,19 @@ def _blocks_compiled_before_build(rank, world_size, stage, unit_kw):
             o.step()
     with torch.no_grad():  # a compiled block called by itself between steps (stage 3: it gathers what it holds)
         direct = model.blocks[1](x), ref.blocks[1](x)
-    with opt.full_parameters() if stage == 3 else contextlib.nullcontext():
+    with opt.full_parameters() if stage == 3 or unit_kw.get("update_behind") else contextlib.nullcontext():
         err = max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     return err, rel(*direct)
 
 
-@pytest.mark.parametrize("stage,unit_kw", [(2, {}), (3, {}), (3, {"min_unit_numel": 0})],
-                         ids=["stage2", "stage3", "stage3_unit_per_block"])  # (units=[nn.Linear]: test_units.py)
+@pytest.mark.parametrize("stage,unit_kw", [(2, {}), (2, {"update_behind": True}), (3, {}), (3, {"min_unit_numel": 0})],
+                         ids=["stage2", "stage2_update_behind", "stage3", "stage3_unit_per_block"])
+# (units=[nn.Linear]: test_units.py)
 def test_blocks_compiled_fullgraph_before_the_build_train_as_ddp(stage, unit_kw):
     """torchtitan compiles each block with fullgraph=True, then shards (FSDP2's hooks sit on the compiled wrapper,
     outside the graph). At stage 3 the hooks of the modules inside a compiled block were traced into its graph,
     a graph break that fullgraph=True turns into torch's error ("Skip calling torch.compiler.disable()d function");
-    they now sit on the block's wrapper, and a unit chosen inside one (units=[nn.Linear]) is the block."""
+    they now sit on the block's wrapper, and a unit chosen inside one (units=[nn.Linear]) is the block. So do the
+    forward waits of update_behind=True at stages 1-2 (compile port)."""
     for err, direct in run_ranks(_blocks_compiled_before_build, 2, stage, unit_kw, timeout=300):
         assert err < 1e-6 and direct < 1e-6, (err, direct)
