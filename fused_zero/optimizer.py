@@ -521,7 +521,8 @@ class ShardedOptimizer(StateAccess, BackwardEvents, ClipMethods, torch.optim.Opt
             self._recover_if_dropped()
         if self._closed:
             raise RuntimeError("this ShardedOptimizer was closed: a newer ShardedOptimizer took over its parameters "
-                               "(or close() was called: ZeroAccelerator.end_training() and Lightning's teardown call it); step the new optimizer, or rebuild this one")
+                               "(or close() was called: ZeroAccelerator.end_training() and Lightning's teardown "
+                               "call it); step the new optimizer, or rebuild this one")
 
     def __getstate__(self):
         raise TypeError("a ShardedOptimizer cannot be copied or pickled (it owns hooks, flat buffers and process "
