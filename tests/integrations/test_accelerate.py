@@ -245,14 +245,20 @@ def _save_model_and_free_memory(rank, world_size, stage, folder):
             opt.step()
             opt.zero_grad()
     acc.save_state(os.path.join(folder, f"state{stage}"))
-    want = {k: v.clone() for k, v in acc.get_state_dict(second).items()}
+    return sorted(saved), exact, sorted(os.listdir(os.path.join(folder, f"state{stage}"))), \
+        _resumed_error(acc, second, rank, world_size, stage, os.path.join(folder, f"state{stage}"))
+
+
+def _resumed_error(acc, model, rank, world_size, stage, state_dir):
+    """The largest difference between ``model``'s full weights and those a fresh accelerator's ``load_state`` of
+    ``state_dir`` gives a new model (0.0: the checkpoint restored them exactly)."""
+    want = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
     fresh_acc = accelerator(rank, world_size, stage, 1)
     fresh = tiny_gpt2(seed=2)
-    fresh, fresh_opt = fresh_acc.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
-    fresh_acc.load_state(os.path.join(folder, f"state{stage}"))
+    fresh, _ = fresh_acc.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
+    fresh_acc.load_state(state_dir)
     got = fresh_acc.get_state_dict(fresh)
-    return sorted(saved), exact, sorted(os.listdir(os.path.join(folder, f"state{stage}"))), \
-        max((got[k] - want[k]).abs().max().item() for k in want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
 def test_save_model_and_a_sweep_after_free_memory_as_accelerate(tmp_path):
@@ -442,13 +448,7 @@ def _optimizer_prepared_first(rank, world_size, stage, folder):
     if stage is None:
         return losses, 0.0
     acc.save_state(os.path.join(folder, f"opt_first{stage}"))
-    want = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
-    fresh_acc = accelerator(rank, world_size, stage, 1)
-    fresh = tiny_gpt2(seed=2)
-    fresh, fresh_opt = fresh_acc.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
-    fresh_acc.load_state(os.path.join(folder, f"opt_first{stage}"))
-    got = fresh_acc.get_state_dict(fresh)
-    return losses, max((got[k] - want[k]).abs().max().item() for k in want)
+    return losses, _resumed_error(acc, model, rank, world_size, stage, os.path.join(folder, f"opt_first{stage}"))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
