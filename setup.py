@@ -18,9 +18,9 @@ setup(
     package_dir={"fused_zero": "fused_zero", "fused_zero.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy", "safetensors"],
     extras_require={
-        # torch's optimizer test inputs (expecttest), the plan picture, the frameworks the
-        # integration tests train with, and two test processes (pytest-xdist: the README's command)
-        "test": [TRITON, "pytest", "pytest-benchmark", "pytest-xdist", "expecttest", "matplotlib",
+        # torch's optimizer test inputs (expecttest), the plan picture, and the frameworks the
+        # integration tests train with
+        "test": [TRITON, "pytest", "pytest-benchmark", "expecttest", "matplotlib",
                  "transformers>=5", "accelerate>=1.10", "lightning>=2.5", "peft>=0.21"],
         "plot": ["matplotlib"],
         "hf": ["transformers>=5", "accelerate>=1.10"],   # ZeroTrainer, ZeroAccelerator
