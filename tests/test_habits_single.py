@@ -500,7 +500,7 @@ def test_torchrun_environment_without_process_group_raises(monkeypatch):
 
 # --- torch.compile ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])  # (stage 1's hooks are stage 2's EagerRelay; a compile a stage: slow)
 def test_compiled_model_trains_like_eager(stage):
     torch._dynamo.reset()
     model, ref = TinyNet(), TinyNet()

@@ -425,8 +425,8 @@ def _warmup_run(model, opt, how):
     return opt.calls, hooks
 
 
-@pytest.mark.parametrize("how", ["inference_mode", "compiled"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage,how", [(1, "inference_mode"), (2, "inference_mode"), (3, "inference_mode"),
+                                       (2, "compiled"), (3, "compiled")])  # (stage 1's hooks are stage 2's EagerRelay)
 def test_a_step_override_and_the_step_hooks_run_once_per_step(stage, how):
     """step() under torch.inference_mode() or inside a compiled training step: a subclass's step() override and the
     step hooks run once per step. Before, step() re-entered the hooked, overridden step(): each ran twice, and a
