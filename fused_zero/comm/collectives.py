@@ -262,7 +262,9 @@ class Comm(TensorChecks, TrafficCount, Agreement):
         """``collective(*aliases, group=, async_op=True, **kwargs)`` on pinned aliases of ``tensors``; its Work."""
         _reap()
         _check_group_alive(self)
-        aliases = tuple(_alias(t) for t in tensors)
+        # (from a list, not a generator: tuple(genexpr) grows the tuple in place, and a gc.get_objects() on another
+        # thread (habits.ddp_reduced at a first gradient) holding it then makes CPython raise SystemError)
+        aliases = tuple([_alias(t) for t in tensors])
         _PINS.append(_Pin(aliases, torch.ScriptList(list(aliases))))  # before the Work can exist
         work = collective(*aliases, group=self.group, async_op=True, **kwargs)
         return _Watched(work) if self.backend == "gloo" else work
