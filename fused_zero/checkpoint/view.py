@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..sharding.units import is_compiled
+
 BASE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # every shard holds these
 # the option that gives a shard each further kind
 OPTION_OF_KIND = {"max_exp_avg_sq": "amsgrad=True"}
@@ -115,6 +117,6 @@ def plain_name(name: str) -> str:
 
 def _uncompiled(model: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else ``model``."""
-    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+    while is_compiled(model):
         model = model._orig_mod
     return model

@@ -278,7 +278,7 @@ class Partition:
         p.data = loan
         self._lent[index] = (loan.data_ptr(), p._version)
 
-    def _written(self, lent: dict, index: int, p: torch.Tensor) -> torch.Tensor | None | bool:
+    def _written(self, lent: dict, index: int, p: torch.Tensor) -> torch.Tensor | bool:
         """For a parameter ``adopt_assigned`` finds full: True where it is all to take in (assigned, or lent memory
         of a dtype without an unwritten mark), a mask of the elements a load wrote into lent memory, False where
         it wrote none."""
@@ -403,9 +403,9 @@ class Partition:
             if piece.param_index in wanted:
                 v = values(piece.param_index)[piece.param_offset: piece.param_offset + piece.numel]
                 v32 = v.to(device=self.device, dtype=torch.float32)
+                old = None
                 if keep and piece.numel:
-                    old = self.store.read("master", piece.shard_offset, piece.shard_offset + piece.numel)
-                    old = old.to(self.device)
+                    old = self._values_now(piece)  # (the master: keep says the store holds one)
                     if torch.equal(old.to(v.dtype), v.to(self.device)):
                         v32 = old
                 saved = None if pending is None else pending.pop((piece.param_index, piece.param_offset), None)
@@ -415,7 +415,7 @@ class Partition:
                 mask = None if written is None else written.get(piece.param_index)
                 if mask is not None and piece.numel:
                     mask = mask[piece.param_offset: piece.param_offset + piece.numel].to(self.device)
-                    old = self._values_now(piece)
+                    old = self._values_now(piece) if old is None else old
                     v32 = torch.where(mask, v32.to(self.device), old)
                     v = torch.where(mask, v.to(self.device), old.to(v.dtype))
                 self.store.write("master", piece.shard_offset, v32)

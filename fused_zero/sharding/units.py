@@ -151,7 +151,7 @@ def check_units_form(units) -> None:
                         + (f"; got {bad[0]!r}" if bad else ", not a mix of both"))
 
 
-def _is_compiled(m: nn.Module) -> bool:
+def is_compiled(m: nn.Module) -> bool:
     """``torch.compile(module)``'s wrapper (an ``OptimizedModule``), told by name: importing Dynamo to ask costs."""
     return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
 
@@ -166,7 +166,7 @@ def compiled_regions(model: nn.Module) -> dict[int, nn.Module]:
     A model compiled whole (the root a wrapper) keeps its units inside: one unit would gather it all."""
     regions: dict[int, nn.Module] = {}
     for m in model.modules():  # outer before inner: setdefault keeps the outermost wrapper
-        if m is not model and _is_compiled(m):
+        if m is not model and is_compiled(m):
             for inner in m.modules():
                 if inner is not m:
                     regions.setdefault(id(inner), m)
